@@ -1,0 +1,302 @@
+"""The `mla` command: list, explain, check (bench and tune live in their own modules).
+
+User mistakes (a bad policy, an unknown backend, a bad flag) print one line
+starting with `mla: error:` and exit 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from .dispatch import Dispatcher
+from .plugins import AVAILABLE, get_registry
+from .policy import PolicyError, effective_order, load_policy
+from .problem import DecodeProblem, DeviceSpec
+from .validation import MLAInputError
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+def _console() -> Console:
+    return Console(width=max(100, int(os.environ.get("COLUMNS", "0") or 0)), soft_wrap=True)
+
+
+def _dispatcher(policy_path: Optional[str]) -> Dispatcher:
+    return Dispatcher(policy=load_policy(policy_path))
+
+
+# -- mla backends list -------------------------------------------------
+
+
+def cmd_backends_list(args: argparse.Namespace) -> int:
+    registry = get_registry()
+    policy = load_policy(args.policy)
+    policy.check_names(registry.names())
+    order = effective_order(policy, registry.names())
+    rows = []
+    names = list(dict.fromkeys(list(order) + registry.names()))
+    for name in names:
+        backend = registry.get(name)
+        position = order.index(name) + 1 if name in order else None
+        if backend is None:
+            rows.append(dict(name=name, distribution="-", version="-", status="not installed",
+                             reasons=[], notes=[], description="", position=position))
+            continue
+        status = backend.status
+        info = backend.info() if backend.loaded else None
+        rows.append(dict(
+            name=name, distribution=backend.distribution, version=backend.version, status=backend.status,
+            reasons=list(backend.reasons()) if status != AVAILABLE else [],
+            notes=list(info.notes) if info else [], description=info.description if info else "",
+            position=position,
+        ))
+    if args.json:
+        print(json.dumps({"policy": policy.source, "order": order, "fallback": policy.mla.fallback,
+                          "backends": rows}, indent=2))
+        return 0
+    table = Table(title=f"MLA backends (policy: {policy.source}, fallback: {policy.mla.fallback})")
+    for col in ("#", "backend", "distribution", "version", "status", "reasons / notes"):
+        table.add_column(col, overflow="fold")
+    style = {"available": "green", "unavailable": "yellow", "broken": "red", "disabled": "dim"}
+    for r in rows:
+        text = "; ".join(r["reasons"] + r["notes"]) or r["description"]
+        table.add_row(str(r["position"] or "-"), r["name"], r["distribution"], r["version"],
+                      f"[{style.get(r['status'], 'dim')}]{r['status']}[/]", text)
+    _console().print(table)
+    return 0
+
+
+# -- mla backends explain ----------------------------------------------
+
+
+def _problem_from_args(args: argparse.Namespace) -> DecodeProblem:
+    if args.device == "cuda":
+        cap = args.capability
+        if cap is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise CLIError("--device cuda needs a GPU here, or --capability MAJOR.MINOR to explain for one")
+            device = DeviceSpec.of("cuda")
+        else:
+            try:
+                major, minor = (int(x) for x in cap.split("."))
+            except ValueError:
+                raise CLIError(f"--capability: expected MAJOR.MINOR such as 9.0, got {cap!r}") from None
+            device = DeviceSpec(type="cuda", capability=(major, minor))
+    else:
+        device = DeviceSpec(type="cpu")
+    try:
+        return DecodeProblem(
+            num_heads=args.num_heads, seq_len_q=args.seq_len_q, batch_size=args.batch,
+            max_kv_len=args.kv_len, min_kv_len=args.kv_len if args.min_kv_len is None else args.min_kv_len,
+            page_size=args.page_size, q_dtype=args.q_dtype, kv_dtype=args.kv_dtype,
+            causal=not args.non_causal, return_lse=not args.no_lse, device=device,
+        )
+    except ValueError as err:
+        raise CLIError(_first_line(err)) from None
+
+
+def cmd_backends_explain(args: argparse.Namespace) -> int:
+    dispatcher = _dispatcher(args.policy)
+    problem = _problem_from_args(args)
+    decision = dispatcher.explain(problem)
+    if args.json:
+        print(json.dumps({
+            "problem": problem.model_dump(mode="json"), "chosen": decision.backend,
+            "fallback_used": decision.fallback_used,
+            "verdicts": [{"backend": v.backend, "outcome": v.outcome, "reasons": list(v.reasons)}
+                         for v in decision.verdicts],
+        }, indent=2))
+        return 0 if decision.backend else 1
+    console = _console()
+    console.print(f"problem: {problem.describe()}")
+    console.print(f"policy:  {dispatcher.policy.source}; order {dispatcher.order}")
+    table = Table()
+    for col in ("backend", "verdict", "reasons"):
+        table.add_column(col, overflow="fold")
+    for v in decision.verdicts:
+        color = "green" if v.accepts else "yellow"
+        table.add_row(v.backend, f"[{color}]{v.outcome}[/]", "\n".join(v.reasons))
+    console.print(table)
+    if decision.backend is None:
+        console.print("[red]no backend takes this problem[/] (policy fallback is 'error' or the "
+                      "reference cannot take it)")
+        return 1
+    via = " (policy fallback)" if decision.fallback_used else ""
+    console.print(f"chosen: [bold]{decision.backend}[/]{via}")
+    return 0
+
+
+# -- mla policy check ----------------------------------------------------
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    registry = get_registry()
+    policy = load_policy(args.path)
+    policy.check_names(registry.names())
+    problems: List[str] = []
+    for name, bpol in policy.backend.items():
+        backend = registry.get(name)
+        if backend is not None and backend.loaded and bpol.options:
+            problems += [f"{policy.source}: backend.{name}.options: {e}" for e in backend.option_errors(bpol.options)]
+    if problems:
+        raise CLIError("\n".join(problems))
+    order = effective_order(policy, registry.names())
+    console = _console()
+    console.print(f"[green]ok[/]: {policy.source}")
+    console.print(f"effective order: {order}" + (
+        f"  (MLA_BACKENDS={os.environ['MLA_BACKENDS']!r})" if os.environ.get("MLA_BACKENDS") else ""))
+    for warning in _fingerprint_warnings(policy):
+        console.print(f"[yellow]warning[/]: {warning}")
+    console.print(json.dumps(policy.model_dump(mode="json", exclude_defaults=True), indent=2))
+    return 0
+
+
+def _fingerprint_warnings(policy) -> List[str]:
+    if policy.tuned is None:
+        return []
+    from .fingerprint import fingerprint_mismatches
+
+    return fingerprint_mismatches(policy.tuned)
+
+
+# -- mla check -----------------------------------------------------------
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .check import check_grid, run_checks
+
+    registry = get_registry()
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    if args.backend:
+        for name in args.backend:
+            b = registry.get(name)
+            if b is None:
+                raise CLIError(f"--backend: '{name}' is not installed (installed: {', '.join(registry.names())})")
+            if b.status != AVAILABLE:
+                raise CLIError(f"--backend: '{name}' is {b.status}: {'; '.join(b.reasons())}")
+        names = list(args.backend)
+    else:
+        names = [b.name for b in registry.backends() if b.status == AVAILABLE]
+    spec = DeviceSpec.of(device)
+    results = run_checks(names, check_grid(args.quick, spec), device=device, registry=registry)
+    table = Table(title=f"mla check on {spec} ({'quick' if args.quick else 'full'} grid)")
+    for col in ("backend", "problem", "result", "out rel err", "lse max err", "notes"):
+        table.add_column(col, overflow="fold")
+    failed = 0
+    for r in results:
+        if r.skipped:
+            result = "[dim]skip[/]"
+        elif r.passed:
+            result = "[green]pass[/]"
+        else:
+            result = "[red]FAIL[/]"
+            failed += 1
+        table.add_row(r.backend, r.problem.describe(), result,
+                      "" if r.skipped else f"{r.out_rel_err:.1e}", "" if r.skipped else f"{r.lse_max_err:.1e}",
+                      "; ".join(r.messages))
+    console = _console()
+    console.print(table)
+    ran = sum(1 for r in results if not r.skipped)
+    console.print(f"{ran - failed} passed, {failed} failed, {len(results) - ran} skipped")
+    return 1 if failed or ran == 0 else 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# -- wiring ----------------------------------------------------------------
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mla", description="Choose, explain and check MLA decode backends.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    backends = sub.add_parser("backends", help="list installed backends, explain a choice")
+    bsub = backends.add_subparsers(dest="backends_command", required=True)
+    p = bsub.add_parser("list", help="every backend with its status and reasons")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--policy", help="policy file (default: $MLA_POLICY, ./mla.toml, built-in)")
+    p.set_defaults(func=cmd_backends_list)
+
+    p = bsub.add_parser("explain", help="every backend's verdict for one problem, and the choice")
+    p.add_argument("--num-heads", type=int, required=True)
+    p.add_argument("--seq-len-q", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--kv-len", type=int, default=4096, help="largest kv length in the batch")
+    p.add_argument("--min-kv-len", type=int, default=None, help="smallest kv length (default: --kv-len)")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8_e4m3"])
+    p.add_argument("--device", default="cuda" if _cuda_quiet() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--capability", help="compute capability to explain for, e.g. 9.0 (default: this GPU)")
+    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--no-lse", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--policy")
+    p.set_defaults(func=cmd_backends_explain)
+
+    pol = sub.add_parser("policy", help="validate a policy file")
+    psub = pol.add_subparsers(dest="policy_command", required=True)
+    p = psub.add_parser("check", help="validate and print the effective policy")
+    p.add_argument("path", nargs="?", default=None)
+    p.set_defaults(func=cmd_policy_check)
+
+    p = sub.add_parser("check", help="correctness of each available backend against the fp64 reference")
+    p.add_argument("--backend", action="append", help="check only this backend (repeatable)")
+    p.add_argument("--quick", action="store_true", help="a smaller grid")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.set_defaults(func=cmd_check)
+
+    for register in _extra_commands():
+        register(sub)
+    return parser
+
+
+def _cuda_quiet() -> bool:
+    # explain's default device; importing torch is already paid by the core
+    try:
+        return _cuda()
+    except Exception:
+        return False
+
+
+def _extra_commands():
+    return []
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CLIError, PolicyError, MLAInputError) as err:
+        for line in str(err).splitlines() or [""]:
+            print(f"mla: error: {line}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""The policy file `mla.toml`: priority order, fallback, per-shape allow/deny rules.
+
+Correctness limits live in the plugins (can_implement); performance
+preferences live here. The file is validated strictly: unknown keys, unknown
+backend names and wrong types are errors that name the key path, because a
+silently ignored setting is the failure this library exists to end.
+
+Lookup: explicit path, then $MLA_POLICY, then ./mla.toml, then the built-in
+default shipped with mlacore. $MLA_BACKENDS then overrides the order, either
+as an exact list (`a,b`) or as deltas (`+a,-b`) applied to the policy's order.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from .problem import DType, DecodeProblem, QDType
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+ENV_POLICY = "MLA_POLICY"
+ENV_BACKENDS = "MLA_BACKENDS"
+BUILTIN_SOURCE = "<built-in default>"
+
+# Backends this project ships or documents; a policy may name them whether
+# or not they are installed here (a shared policy file travels to machines
+# with different plugins). Any other name must be installed.
+FIRST_PARTY_BACKENDS = ("cute_dsl_mla", "flashinfer_mla", "cutlass_mla", "reference")
+
+
+class PolicyError(ValueError):
+    """A policy file or override is invalid; the message names the key path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShapeRule(_Strict):
+    """A set of shapes: every listed field must match (an absent field matches all)."""
+
+    num_heads: Optional[Tuple[int, ...]] = None
+    seq_len_q: Optional[Tuple[int, ...]] = None
+    kv_dtype: Optional[Tuple[DType, ...]] = None
+    q_dtype: Optional[Tuple[QDType, ...]] = None
+    page_size: Optional[Tuple[int, ...]] = None
+    min_batch: Optional[int] = Field(default=None, ge=1)
+    max_batch: Optional[int] = Field(default=None, ge=1)
+    min_kv_len: Optional[int] = Field(default=None, ge=0)
+    max_kv_len: Optional[int] = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _ranges_ordered(self) -> "ShapeRule":
+        for lo, hi in (("min_batch", "max_batch"), ("min_kv_len", "max_kv_len")):
+            a, b = getattr(self, lo), getattr(self, hi)
+            if a is not None and b is not None and a > b:
+                raise ValueError(f"{lo}={a} is larger than {hi}={b}")
+        return self
+
+    def mismatches(self, problem: DecodeProblem) -> List[str]:
+        """Why `problem` falls outside this rule (empty: it matches)."""
+        out: List[str] = []
+        for name in ("num_heads", "seq_len_q", "kv_dtype", "q_dtype", "page_size"):
+            allowed = getattr(self, name)
+            value = getattr(problem, name)
+            if allowed is not None and value not in allowed:
+                out.append(f"{name}={value} not in {list(allowed)}")
+        if self.min_batch is not None and problem.batch_size < self.min_batch:
+            out.append(f"batch={problem.batch_size} < min_batch={self.min_batch}")
+        if self.max_batch is not None and problem.batch_size > self.max_batch:
+            out.append(f"batch={problem.batch_size} > max_batch={self.max_batch}")
+        if self.min_kv_len is not None and problem.max_kv_len < self.min_kv_len:
+            out.append(f"max_kv_len={problem.max_kv_len} < min_kv_len={self.min_kv_len}")
+        if self.max_kv_len is not None and problem.max_kv_len > self.max_kv_len:
+            out.append(f"max_kv_len={problem.max_kv_len} > max_kv_len={self.max_kv_len}")
+        return out
+
+    def batch_cuts(self) -> List[int]:
+        return [v for v in (self.min_batch, None if self.max_batch is None else self.max_batch + 1) if v]
+
+    def kv_len_cuts(self) -> List[int]:
+        cuts = []
+        if self.min_kv_len is not None:
+            cuts.append(self.min_kv_len)
+        if self.max_kv_len is not None:
+            cuts.append(self.max_kv_len + 1)
+        return cuts
+
+    def describe(self) -> str:
+        parts = []
+        for name, value in self.model_dump(exclude_none=True).items():
+            parts.append(f"{name}={list(value) if isinstance(value, tuple) else value}")
+        return "{" + ", ".join(parts) + "}"
+
+
+class BackendPolicy(_Strict):
+    enabled: bool = True
+    allow: Tuple[ShapeRule, ...] = ()
+    deny: Tuple[ShapeRule, ...] = ()
+    options: Dict[str, Any] = Field(default_factory=dict)
+
+    def rejections(self, problem: DecodeProblem) -> List[str]:
+        """Why the policy keeps this backend off `problem` (empty: allowed)."""
+        reasons: List[str] = []
+        if self.allow:
+            per_rule = [r.mismatches(problem) for r in self.allow]
+            if all(per_rule):
+                if len(self.allow) == 1:
+                    reasons.append("policy allow rule does not match: " + "; ".join(per_rule[0]))
+                else:
+                    reasons.append(
+                        f"no policy allow rule matches ({len(self.allow)} rules): "
+                        + " | ".join("; ".join(m) for m in per_rule)
+                    )
+        for i, rule in enumerate(self.deny):
+            if not rule.mismatches(problem):
+                reasons.append(f"policy deny[{i}] matches {rule.describe()}")
+        return reasons
+
+
+class MLASection(_Strict):
+    order: Tuple[str, ...]
+    fallback: Literal["reference", "error"] = "reference"
+
+    @field_validator("order")
+    @classmethod
+    def _no_repeats(cls, order: Tuple[str, ...]) -> Tuple[str, ...]:
+        seen = set()
+        for name in order:
+            if name in seen:
+                raise ValueError(f"backend '{name}' appears twice")
+            seen.add(name)
+        return order
+
+
+class TunedSection(_Strict):
+    """Fingerprint of the machine `mla tune` measured on (see mlacore.tune)."""
+
+    gpu: str
+    capability: str
+    driver: str = ""
+    torch: str = ""
+    backends: Dict[str, str] = Field(default_factory=dict)
+    date: str = ""
+    grid: str = ""
+
+
+class Policy(_Strict):
+    mla: MLASection
+    backend: Dict[str, BackendPolicy] = Field(default_factory=dict)
+    tuned: Optional[TunedSection] = None
+    _source: str = PrivateAttr(default=BUILTIN_SOURCE)
+
+    @property
+    def source(self) -> str:
+        """Where the policy came from, for error messages and `mla policy check`."""
+        return self._source
+
+    def backend_policy(self, name: str) -> BackendPolicy:
+        return self.backend.get(name) or _EMPTY_BACKEND_POLICY
+
+    def named_backends(self) -> List[str]:
+        return list(dict.fromkeys(list(self.mla.order) + list(self.backend)))
+
+    def check_names(self, known: Iterable[str]) -> None:
+        """Raise PolicyError for a backend name that is neither installed nor first-party."""
+        allowed = set(known) | set(FIRST_PARTY_BACKENDS)
+        for i, name in enumerate(self.mla.order):
+            if name not in allowed:
+                raise PolicyError(
+                    f"{self.source}: mla.order[{i}]: unknown backend '{name}' "
+                    f"(known: {', '.join(sorted(allowed))})"
+                )
+        for name in self.backend:
+            if name not in allowed:
+                raise PolicyError(
+                    f"{self.source}: backend.{name}: unknown backend '{name}' "
+                    f"(known: {', '.join(sorted(allowed))})"
+                )
+
+    def shape_cuts(self) -> Tuple[List[int], List[int]]:
+        batch: List[int] = []
+        kv: List[int] = []
+        for bp in self.backend.values():
+            for rule in bp.allow + bp.deny:
+                batch += rule.batch_cuts()
+                kv += rule.kv_len_cuts()
+        return batch, kv
+
+
+_EMPTY_BACKEND_POLICY = BackendPolicy()
+
+
+def _format_loc(loc: Sequence[Any]) -> str:
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += ("." if text else "") + str(part)
+    return text or "<top level>"
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"{source}: {_format_loc(loc)}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_policy(data: Mapping[str, Any], source: str = "<dict>") -> Policy:
+    try:
+        policy = Policy.model_validate(dict(data))
+    except ValidationError as err:
+        raise PolicyError(_format_validation_error(source, err)) from None
+    policy._source = source
+    return policy
+
+
+def parse_policy_text(text: str, source: str = "<string>") -> Policy:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise PolicyError(f"{source}: not valid TOML: {err}") from None
+    return parse_policy(data, source)
+
+
+def builtin_policy_text() -> str:
+    return resources.files("mlacore").joinpath("default_policy.toml").read_text()
+
+
+def find_policy_path(explicit: Union[str, os.PathLike, None] = None,
+                     env: Optional[Mapping[str, str]] = None,
+                     cwd: Union[str, os.PathLike, None] = None) -> Optional[Path]:
+    """The file the lookup order lands on (None: the built-in default)."""
+    env = os.environ if env is None else env
+    if explicit is not None:
+        return Path(explicit)
+    if env.get(ENV_POLICY):
+        return Path(env[ENV_POLICY])
+    local = Path(cwd or os.getcwd()) / "mla.toml"
+    return local if local.is_file() else None
+
+
+def load_policy(explicit: Union[str, os.PathLike, None] = None,
+                env: Optional[Mapping[str, str]] = None,
+                cwd: Union[str, os.PathLike, None] = None) -> Policy:
+    path = find_policy_path(explicit, env, cwd)
+    if path is None:
+        return parse_policy_text(builtin_policy_text(), BUILTIN_SOURCE)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise PolicyError(f"{path}: cannot read policy file: {err.strerror or err}") from None
+    return parse_policy_text(text, str(path))
+
+
+def effective_order(policy: Policy, known: Iterable[str],
+                    env: Optional[Mapping[str, str]] = None) -> List[str]:
+    """The priority order after `enabled` flags and $MLA_BACKENDS."""
+    env = os.environ if env is None else env
+    base = [n for n in policy.mla.order if policy.backend_policy(n).enabled]
+    raw = env.get(ENV_BACKENDS, "").strip()
+    if not raw:
+        return base
+    items = [s.strip() for s in raw.split(",") if s.strip()]
+    allowed = set(known) | set(FIRST_PARTY_BACKENDS)
+    deltas = [s[0] in "+-" for s in items]
+    if any(deltas) and not all(deltas):
+        raise PolicyError(
+            f"{ENV_BACKENDS}={raw!r}: mixes an exact list with +/- deltas; "
+            "use either 'a,b' or '+a,-b'"
+        )
+    names = [s[1:] if s[0] in "+-" else s for s in items]
+    for name in names:
+        if name not in allowed:
+            raise PolicyError(
+                f"{ENV_BACKENDS}={raw!r}: unknown backend '{name}' (known: {', '.join(sorted(allowed))})"
+            )
+    if not any(deltas):
+        if len(set(names)) != len(names):
+            raise PolicyError(f"{ENV_BACKENDS}={raw!r}: a backend is named twice")
+        return names
+    order = list(base)
+    for item, name in zip(items, names):
+        if item[0] == "-":
+            order = [n for n in order if n != name]
+        elif name not in order:
+            # re-enabling a backend keeps its place in the policy's order
+            full = list(policy.mla.order)
+            if name in full:
+                later = [n for n in full[full.index(name) + 1:] if n in order]
+                pos = order.index(later[0]) if later else len(order)
+                order.insert(pos, name)
+            else:
+                order.append(name)
+    return order
