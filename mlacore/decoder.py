@@ -52,6 +52,8 @@ class DecodePlan:
     backend_plan: Any
     run_fn: Callable[..., None]
     max_page_id: int
+    q_shape: Tuple[int, int, int, int]
+    out_shape: Tuple[int, int, int, int]
 
     @property
     def batch_size(self) -> int:
@@ -179,61 +181,73 @@ class MLADecoder:
         except Exception as exc:
             raise BackendError(f"backend '{name}' failed to plan {problem.describe()}: "
                                f"{type(exc).__name__}: {exc}") from exc
-        return DecodePlan(problem, decision, name, backend_plan, backend.hooks["mla_run"], max_page_id)
+        B, H = problem.batch_size, self.num_heads
+        return DecodePlan(problem, decision, name, backend_plan, backend.hooks["mla_run"], max_page_id,
+                          q_shape=(B, seq_len_q, H, self.head_dim_qk),
+                          out_shape=(B, seq_len_q, H, self.kv_lora_rank))
 
     # -- per layer -----------------------------------------------------
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
             out: Optional[torch.Tensor] = None,
             lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """One layer's decode. Checks metadata only; never synchronizes with the device."""
-        p = plan.problem
-        expect_tensor("q", q)
-        expect_tensor("kv_cache", kv_cache)
-        if not isinstance(plan, DecodePlan):
+        """One layer's decode. Checks metadata only; never synchronizes with the device.
+
+        The checks are one combined test per tensor on the common path; only a
+        failing tensor pays for the detailed message.
+        """
+        if type(plan) is not DecodePlan:
             raise MLAInputError(f"plan: expected a DecodePlan from MLADecoder.plan, got {type(plan).__name__}")
-        q_shape = (p.batch_size, p.seq_len_q, self.num_heads, self.head_dim_qk)
-        if q.shape != q_shape:
-            expect_rank("q", q, 4, "[batch, seq_len_q, num_heads, 576]")
-            if q.shape[1] != p.seq_len_q:
-                raise MLAInputError(f"q: seq_len_q={q.shape[1]} does not match the plan's "
-                                    f"seq_len_q={p.seq_len_q}")
-            expect_shape("q", q, q_shape, "[batch, seq_len_q, num_heads, 576]")
-        if q.dtype != self.q_dtype:
-            expect_dtype("q", q, (self.q_dtype,))
-        if q.device != self.device:
-            expect_device("q", q, self.device)
-        if not q.is_contiguous():
-            expect_contiguous("q", q)
-        if kv_cache.dim() != 3 or kv_cache.shape[1] != self.page_size or kv_cache.shape[2] != self.head_dim_qk:
-            raise MLAInputError(f"kv_cache: expected shape (num_pages, {self.page_size}, {self.head_dim_qk}) "
-                                f"[num_pages, page_size, 576], got {tuple(kv_cache.shape)}")
-        if kv_cache.dtype != self.kv_dtype:
-            expect_dtype("kv_cache", kv_cache, (self.kv_dtype,))
-        if kv_cache.device != self.device:
-            expect_device("kv_cache", kv_cache, self.device)
-        if not kv_cache.is_contiguous():
-            expect_contiguous("kv_cache", kv_cache)
+        dev = self.device
+        if not (isinstance(q, torch.Tensor) and q.shape == plan.q_shape and q.dtype is self.q_dtype
+                and q.device == dev and q.is_contiguous()):
+            self._explain_q(q, plan)
+        if not (isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3
+                and kv_cache.shape[1] == self.page_size and kv_cache.shape[2] == self.head_dim_qk
+                and kv_cache.dtype is self.kv_dtype and kv_cache.device == dev and kv_cache.is_contiguous()):
+            self._explain_cache(kv_cache)
         if plan.max_page_id >= kv_cache.shape[0]:
             raise MLAInputError(f"page_table: page id {plan.max_page_id} is out of range for kv_cache "
                                 f"with {kv_cache.shape[0]} pages")
-        out_shape = (p.batch_size, p.seq_len_q, self.num_heads, self.kv_lora_rank)
         if out is None:
-            out = torch.empty(out_shape, dtype=self.q_dtype, device=self.device)
-        else:
-            _check_output("out", out, out_shape, self.q_dtype, self.device)
+            out = torch.empty(plan.out_shape, dtype=self.q_dtype, device=dev)
+        elif not (isinstance(out, torch.Tensor) and out.shape == plan.out_shape and out.dtype is self.q_dtype
+                  and out.device == dev and out.is_contiguous()):
+            _check_output("out", out, plan.out_shape, self.q_dtype, dev)
         if lse is None:
             if self.return_lse:
-                lse = torch.empty(out_shape[:3], dtype=torch.float32, device=self.device)
-        else:
-            _check_output("lse", lse, out_shape[:3], torch.float32, self.device)
+                lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=dev)
+        elif not (isinstance(lse, torch.Tensor) and lse.shape == plan.out_shape[:3]
+                  and lse.dtype is torch.float32 and lse.device == dev and lse.is_contiguous()):
+            _check_output("lse", lse, plan.out_shape[:3], torch.float32, dev)
         try:
-            plan.run_fn(plan=plan.backend_plan, q=q, kv_cache=kv_cache, out=out, lse=lse)
+            plan.run_fn(plan.backend_plan, q, kv_cache, out, lse)
         except MLAInputError:
             raise
         except Exception as exc:
-            raise BackendError(f"backend '{plan.backend}' failed to run {p.describe()}: "
+            raise BackendError(f"backend '{plan.backend}' failed to run {plan.problem.describe()}: "
                                f"{type(exc).__name__}: {exc}") from exc
         return out, lse
+
+    def _explain_q(self, q: object, plan: DecodePlan) -> None:
+        layout = "[batch, seq_len_q, num_heads, 576]"
+        q = expect_tensor("q", q)
+        expect_rank("q", q, 4, layout)
+        if q.shape[1] != plan.problem.seq_len_q:
+            raise MLAInputError(f"q: seq_len_q={q.shape[1]} does not match the plan's "
+                                f"seq_len_q={plan.problem.seq_len_q}")
+        expect_shape("q", q, plan.q_shape, layout)
+        expect_dtype("q", q, (self.q_dtype,))
+        expect_device("q", q, self.device)
+        expect_contiguous("q", q)
+
+    def _explain_cache(self, kv_cache: object) -> None:
+        kv_cache = expect_tensor("kv_cache", kv_cache)
+        if kv_cache.dim() != 3 or kv_cache.shape[1] != self.page_size or kv_cache.shape[2] != self.head_dim_qk:
+            raise MLAInputError(f"kv_cache: expected shape (num_pages, {self.page_size}, {self.head_dim_qk}) "
+                                f"[num_pages, page_size, 576], got {tuple(kv_cache.shape)}")
+        expect_dtype("kv_cache", kv_cache, (self.kv_dtype,))
+        expect_device("kv_cache", kv_cache, self.device)
+        expect_contiguous("kv_cache", kv_cache)
 
 
 def _host(t: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:

@@ -151,6 +151,24 @@ class Backend:
             return [f"mla_option_errors raised {_error_line(exc)}"]
 
 
+def _callable_like_spec(impl: Any, spec_args: Tuple[str, ...]) -> Callable[..., Any]:
+    """The hook function, callable with the spec's arguments by position or keyword.
+
+    pluggy lets an implementation take a subset of the spec's arguments; the
+    hot path calls positionally, so a subset gets a small forwarding adapter.
+    """
+    fn = impl.function
+    if tuple(impl.argnames) == tuple(spec_args):
+        return fn
+    wanted = tuple(impl.argnames)
+
+    def adapter(*args: Any, **kwargs: Any) -> Any:
+        kwargs.update(zip(spec_args, args))
+        return fn(**{k: kwargs[k] for k in wanted})
+
+    return adapter
+
+
 class BackendRegistry:
     """All backends of this process, discovered from entry points once."""
 
@@ -234,7 +252,7 @@ class BackendRegistry:
             caller = getattr(self.pm.hook, hook_name)
             for impl in caller.get_hookimpls():
                 if impl.plugin is plugin:
-                    backend.hooks[hook_name] = impl.function
+                    backend.hooks[hook_name] = _callable_like_spec(impl, caller.spec.argnames)
         missing = [h for h in REQUIRED_HOOKS if h not in backend.hooks]
         if missing:
             backend._mark_broken(f"plugin '{backend.name}' does not implement {', '.join(missing)}")

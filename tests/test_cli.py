@@ -1,0 +1,92 @@
+"""The `mla` command: explain, policy check, check; user mistakes give one line and exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlacore.cli import main
+from conftest import subprocess_env
+
+
+def run_cli(*args, **env):
+    return subprocess.run([sys.executable, "-m", "mlacore.cli", *args], capture_output=True, text=True,
+                          env=subprocess_env(**env), timeout=300)
+
+
+def test_explain_json_lists_every_verdict(capsys):
+    code = main(["backends", "explain", "--num-heads", "16", "--seq-len-q", "2", "--batch", "64",
+                 "--kv-dtype", "fp8_e4m3", "--device", "cuda", "--capability", "9.0", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["chosen"] == "reference"
+    assert data["problem"]["device"] == {"type": "cuda", "capability": [9, 0]}
+    names = [v["backend"] for v in data["verdicts"]]
+    assert names[:4] == ["cute_dsl_mla", "flashinfer_mla", "cutlass_mla", "reference"]
+
+
+def test_explain_with_error_fallback_exits_1(tmp_path, capsys):
+    pol = tmp_path / "p.toml"
+    pol.write_text('[mla]\norder = ["flashinfer_mla"]\nfallback = "error"')
+    code = main(["backends", "explain", "--num-heads", "16", "--device", "cpu", "--policy", str(pol)])
+    assert code == 1
+    assert "no backend takes this problem" in capsys.readouterr().out
+
+
+def test_policy_check_ok_and_errors(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('[mla]\norder = ["reference"]\n[backend.reference.options]\nchunk_tokens = 128')
+    proc = run_cli("policy", "check", str(good))
+    assert proc.returncode == 0 and "ok" in proc.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[mla]\norder = ["reference"]\n[backend.reference.options]\nchunk_token = 128')
+    proc = run_cli("policy", "check", str(bad))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"mla: error: {bad}: backend.reference.options: unknown option 'chunk_token' (known: chunk_tokens)"
+    typo = tmp_path / "typo.toml"
+    typo.write_text('[mla]\norder = ["refrence"]')
+    proc = run_cli("policy", "check", str(typo))
+    assert proc.returncode == 2 and "mla.order[0]: unknown backend 'refrence'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_env_override_is_one_line():
+    proc = run_cli("backends", "list", MLA_BACKENDS="reference,-x")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "mixes an exact list" in proc.stderr
+
+
+def test_explain_bad_problem_is_one_line():
+    proc = run_cli("backends", "explain", "--num-heads", "0", "--device", "cpu")
+    assert proc.returncode == 2
+    assert "num_heads" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_check_quick_passes_on_cpu():
+    proc = run_cli("check", "--quick", "--device", "cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "12 passed, 0 failed" in proc.stdout
+
+
+def test_check_unknown_backend():
+    proc = run_cli("check", "--backend", "nope", "--device", "cpu")
+    assert proc.returncode == 2 and "--backend: 'nope' is not installed" in proc.stderr
+
+
+def test_check_passes_a_right_plugin_and_skips_what_it_cannot_take(plugin_site):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlacore.cli", "check", "--quick", "--device", "cpu", "--backend",
+         "chunked_reference"],
+        capture_output=True, text=True, timeout=300, env=subprocess_env(plugin_site))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "skip" in proc.stdout and "page_size=1 not in {16, 64}" in proc.stdout
+
+
+def test_check_fails_a_wrong_backend(plugin_site):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlacore.cli", "check", "--quick", "--device", "cpu", "--backend",
+         "drops_last_token"],
+        capture_output=True, text=True, timeout=300, env=subprocess_env(plugin_site))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL" in proc.stdout and "0 passed, 12 failed" in proc.stdout
