@@ -61,7 +61,14 @@ class DecodePlan:
 
 
 class MLADecoder:
-    """Decode attention over a paged MLA latent cache, on the backend the policy picks."""
+    """Decode attention over a paged MLA latent cache, on the backend the policy picks.
+
+    Static facts (heads per rank, page size, dtypes, device, scales) are fixed
+    here; per-step facts (lengths, table, seq_len_q) come to `plan`. With
+    `cuda_graph=True` backends keep per-batch-size device buffers so that a
+    graph captured around `run` stays valid after later plans of the same
+    batch size (see docs/engine-guide.md).
+    """
 
     def __init__(
         self,
@@ -75,6 +82,7 @@ class MLADecoder:
         kv_scale: float = 1.0,
         causal: bool = True,
         return_lse: bool = True,
+        cuda_graph: bool = False,
         kv_lora_rank: int = KV_LORA_RANK,
         qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
         policy: Union[Policy, str, None] = None,
@@ -105,6 +113,7 @@ class MLADecoder:
         self.kv_scale = float(kv_scale)
         self.causal = causal
         self.return_lse = return_lse
+        self.cuda_graph = cuda_graph
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.head_dim_qk = kv_lora_rank + qk_rope_head_dim
@@ -172,7 +181,8 @@ class MLADecoder:
         name = decision.backend
         backend = self.dispatcher.backend(name)
         step = StepInputs(kv_lens=lens_dev, page_table=table_dev, kv_lens_host=lens_host,
-                          page_table_host=table_host, sm_scale=self.sm_scale, kv_scale=self.kv_scale)
+                          page_table_host=table_host, sm_scale=self.sm_scale, kv_scale=self.kv_scale,
+                          owner=self, cuda_graph=self.cuda_graph)
         try:
             backend_plan = backend.hooks["mla_plan"](
                 problem=problem, options=self.dispatcher.options(name), step=step)
@@ -216,6 +226,8 @@ class MLADecoder:
         if lse is None:
             if self.return_lse:
                 lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=dev)
+        elif not self.return_lse:
+            raise MLAInputError("lse: this decoder was built with return_lse=False; pass lse=None")
         elif not (isinstance(lse, torch.Tensor) and lse.shape == plan.out_shape[:3]
                   and lse.dtype is torch.float32 and lse.device == dev and lse.is_contiguous()):
             _check_output("lse", lse, plan.out_shape[:3], torch.float32, dev)

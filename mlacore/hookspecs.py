@@ -65,6 +65,12 @@ class StepInputs:
     page_table_host: Any  # torch.Tensor [B, max_pages] int32, on the CPU
     sm_scale: float
     kv_scale: float
+    # The decoder that plans: backends key per-decoder state (wrappers,
+    # buffers) on it, weakly. With cuda_graph the engine will capture run()
+    # and replay it after later plans of the same batch size, so buffers a
+    # captured kernel reads must keep their addresses.
+    owner: Any = None
+    cuda_graph: bool = False
 
 
 class MLABackendSpec:

@@ -1,4 +1,4 @@
-"""Shared fixtures: test plugin packages installed for real, a CUDA marker."""
+"""Shared fixtures: the test plugin packages, installed for real."""
 
 from __future__ import annotations
 
@@ -8,19 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 HERE = Path(__file__).parent
 PLUGIN_PACKAGES = HERE / "plugin_packages"
-
-
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -98,7 +98,7 @@ def test_cli_lists_plugins_from_installed_distributions(plugin_site):
     assert rows["bad_import"]["status"] == "broken"
     assert rows["raises_in_availability"]["status"] == "broken"
     assert rows["reference"]["position"] == 4
-    assert rows["flashinfer_mla"]["status"] == "not installed"
+    assert rows["cutlass_mla"]["status"] == "not installed"
 
 
 def test_cli_table_survives_broken_plugins(plugin_site):

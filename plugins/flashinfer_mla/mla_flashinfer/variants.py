@@ -1,0 +1,134 @@
+"""Which FlashInfer kernel family serves a problem, and every reason one cannot.
+
+Pure host logic (no flashinfer import), mirrored from FlashInfer 0.7.2's own
+plan-time checks so that the dispatcher learns "no" before planning rather
+than from an exception in the middle of a step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+VARIANTS = ("fa2", "fa3", "trtllm-gen")
+OPTION_VARIANTS = ("auto",) + VARIANTS
+UNVERIFIED = {"trtllm-gen": "not verified on hardware (no SM100 GPU was available)"}
+
+# FlashInfer's FA scheduler: at most this many (request, query tile) work items.
+FA_MAX_WORK_ITEMS = 16384
+
+
+def auto_variant(capability: Optional[Tuple[int, int]]) -> Optional[str]:
+    if capability is None:
+        return None
+    if capability in ((10, 0), (10, 3)):
+        return "trtllm-gen"
+    if capability == (9, 0):
+        return "fa3"
+    if capability[0] >= 8:
+        return "fa2"
+    return None
+
+
+def variant_for(problem: Any, options: Dict[str, Any]) -> Optional[str]:
+    requested = options.get("variant", "auto")
+    if requested != "auto":
+        return requested
+    return auto_variant(problem.device.capability)
+
+
+def fa2_shared_bytes(ckv: int, kpe: int, fp8_kv: bool, smem_per_sm: int) -> Optional[int]:
+    """Shared memory one FA2 MLA block needs (FlashInfer's SharedStorageQKVO); None: too little per SM."""
+    align16 = lambda n: (n + 15) // 16 * 16  # noqa: E731
+    if smem_per_sm >= 221696:
+        stages, tile_kv = 2, 64
+    elif smem_per_sm >= 147968:
+        stages, tile_kv = 2, 32
+    elif smem_per_sm >= 92672:
+        stages, tile_kv = 1, 16
+    else:
+        return None
+    if fp8_kv:
+        tile_kv = 32
+    q_bytes = 64 * (ckv + kpe) * 2
+    kv_bytes = stages * tile_kv * (ckv + max(kpe, 64)) * (1 if fp8_kv else 2)
+    repack = (align16(stages * tile_kv * ckv * 2) + align16(stages * tile_kv * max(kpe, 1) * 2)) if fp8_kv else 32
+    return max(q_bytes + kv_bytes + repack + 2 * 64 * 4, 64 * ckv * 2)
+
+
+def reasons(problem: Any, options: Dict[str, Any],
+            smem: Optional[Tuple[int, int]] = None) -> List[str]:
+    """Every reason FlashInfer cannot take `problem` (empty: it can).
+
+    `smem` is (shared memory per SM, per block opt-in) of the device, when known.
+    """
+    out: List[str] = []
+    dev = problem.device
+    if dev.type != "cuda":
+        return [f"device={dev}: FlashInfer runs on CUDA GPUs only"]
+    cap = dev.capability
+    variant = variant_for(problem, options)
+    if variant is None:
+        return [f"{dev}: no FlashInfer MLA kernel for this architecture (needs sm_80 or newer)"]
+    if problem.q_dtype not in ("bf16", "fp16"):
+        out.append(f"q_dtype={problem.q_dtype} not in {{bf16, fp16}}")
+    ckv, kpe = problem.kv_lora_rank, problem.qk_rope_head_dim
+    fp8 = problem.kv_dtype == "fp8_e4m3"
+
+    if variant in ("fa2", "fa3"):
+        if variant == "fa3" and cap != (9, 0):
+            out.append(f"variant fa3 needs sm_90, device is {dev}")
+        if variant == "fa2" and cap[0] < 8:
+            out.append(f"variant fa2 needs sm_80 or newer, device is {dev}")
+        if fp8:
+            if cap[0] != 9:
+                out.append(f"kv_dtype=fp8_e4m3 needs sm_90 for {variant}, device is {dev}")
+            if problem.q_dtype != "bf16":
+                out.append(f"kv_dtype=fp8_e4m3 needs q_dtype=bf16, got {problem.q_dtype}")
+            if (ckv, kpe) != (512, 64):
+                out.append(f"kv_dtype=fp8_e4m3 needs kv_lora_rank=512, rope dim 64; got {ckv}, {kpe}")
+        elif problem.kv_dtype != problem.q_dtype:
+            out.append(f"kv_dtype={problem.kv_dtype} must equal q_dtype={problem.q_dtype} (or be fp8_e4m3)")
+        if ckv % 128 or kpe % 64:
+            out.append(f"kv_lora_rank={ckv} must be a multiple of 128 and rope dim {kpe} of 64")
+        if variant == "fa3" and ckv not in (128, 256, 512):
+            out.append(f"fa3 needs kv_lora_rank in {{128, 256, 512}}, got {ckv}")
+        if variant == "fa2" and smem is not None:
+            need = fa2_shared_bytes(ckv, kpe, fp8, smem[0])
+            if need is None:
+                out.append(f"fa2 needs at least 92672 shared-memory bytes per SM, device has {smem[0]}")
+            elif need > smem[1]:
+                out.append(f"fa2 needs {need} shared-memory bytes per block, device allows {smem[1]}")
+        if problem.causal and problem.seq_len_q > 1 and 64 % problem.num_heads and 128 % problem.num_heads:
+            out.append(f"num_heads={problem.num_heads} with causal seq_len_q>1: FlashInfer's causal query "
+                       "tiles (64 or 128 rows) must hold whole tokens (num_heads dividing 64 or 128)")
+        tile = 128 if problem.seq_len_q * problem.num_heads > 64 else 64
+        items = problem.batch_size * -(-problem.seq_len_q * problem.num_heads // tile)
+        if items > FA_MAX_WORK_ITEMS:
+            out.append(f"batch={problem.batch_size} x query tiles = {items} work items > FlashInfer's "
+                       f"{FA_MAX_WORK_ITEMS}")
+    elif variant == "trtllm-gen":
+        if cap not in ((10, 0), (10, 3)):
+            out.append(f"variant trtllm-gen needs sm_100 or sm_103, device is {dev}")
+        if problem.page_size not in (32, 64):
+            out.append(f"page_size={problem.page_size} not in {{32, 64}} (trtllm-gen)")
+        if problem.num_heads > 128 or 64 < problem.num_heads < 128:
+            out.append(f"num_heads={problem.num_heads}: trtllm-gen takes 1..64 or 128")
+        if (ckv, kpe) != (512, 64):
+            out.append(f"trtllm-gen needs kv_lora_rank=512 and rope dim 64, got {ckv}, {kpe}")
+        if fp8:
+            out.append("kv_dtype=fp8_e4m3: trtllm-gen's fp8 MLA needs an fp8 query; mlacore passes bf16/fp16")
+        elif problem.kv_dtype != problem.q_dtype:
+            out.append(f"kv_dtype={problem.kv_dtype} must equal q_dtype={problem.q_dtype}")
+    return out
+
+
+def option_errors(options: Dict[str, Any]) -> List[str]:
+    known = {"variant", "workspace_mb"}
+    errors = [f"unknown option '{k}' (known: {', '.join(sorted(known))})" for k in options if k not in known]
+    variant = options.get("variant", "auto")
+    if variant not in OPTION_VARIANTS:
+        errors.append(f"variant={variant!r}: expected one of {', '.join(OPTION_VARIANTS)}")
+    ws = options.get("workspace_mb", 128)
+    if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
+        errors.append(f"workspace_mb={ws!r}: expected a positive integer")
+    return errors

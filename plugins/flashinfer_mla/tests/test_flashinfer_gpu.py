@@ -1,0 +1,111 @@
+"""flashinfer_mla on a GPU against the fp64 reference (skipped without CUDA)."""
+
+import pytest
+import torch
+
+from mlacore import MLADecoder
+from mlacore.check import check_backend, compare, only_backend_dispatcher, reference_outputs
+from mlacore.inputs import make_inputs
+from mlacore.problem import DecodeProblem, DeviceSpec
+
+pytestmark = pytest.mark.gpu
+
+
+def dev():
+    return DeviceSpec.of("cuda")
+
+
+def variants_here():
+    cap = torch.cuda.get_device_capability()
+    return ["fa3", "fa2"] if cap == (9, 0) else ["fa2"]
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("s_q", [1, 2, 4])
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+def test_fa_matches_reference(heads, s_q, page, kv_dtype):
+    max_len = 8192 if page > 1 else 1500
+    problem = DecodeProblem(num_heads=heads, seq_len_q=s_q, batch_size=5, min_kv_len=s_q, max_kv_len=max_len,
+                            page_size=page, kv_dtype=kv_dtype, device=dev())
+    for i, variant in enumerate(variants_here()):
+        res = check_backend("flashinfer_mla", problem, device="cuda", seed=heads * 100 + s_q * 10 + page + i,
+                            options={"variant": variant})
+        assert res.passed, (variant, res.messages)
+
+
+@pytest.mark.parametrize("variant", ["fa3", "fa2"])
+def test_zero_length_requests(variant):
+    if variant not in variants_here():
+        pytest.skip(f"{variant} does not run on this GPU")
+    problem = DecodeProblem(num_heads=16, seq_len_q=1, batch_size=4, min_kv_len=0, max_kv_len=300, page_size=16,
+                            device=dev())
+    inputs = make_inputs(problem, device="cuda", seed=5, kv_lens=torch.tensor([0, 300, 0, 17]))
+    res = check_backend("flashinfer_mla", problem, device="cuda", options={"variant": variant}, inputs=inputs)
+    assert res.passed, res.messages
+
+
+def test_plan_reused_across_layers_and_stale_plans_refused():
+    problem = DecodeProblem(num_heads=16, batch_size=3, min_kv_len=1, max_kv_len=700, page_size=64, device=dev())
+    inp = make_inputs(problem, device="cuda", seed=9)
+    disp = only_backend_dispatcher("flashinfer_mla")
+    dec = MLADecoder(16, 64, device="cuda", sm_scale=inp.sm_scale, dispatcher=disp)
+    plan = dec.plan(inp.kv_lens, inp.page_table)
+    ref = reference_outputs(problem, inp)
+    for _ in range(3):  # one plan, several layers
+        out, lse = dec.run(inp.q, inp.kv_cache, plan)
+        assert compare(problem, out, lse, *ref).passed
+    newer = dec.plan(inp.kv_lens, inp.page_table)
+    with pytest.raises(Exception, match="replaced by a later plan"):
+        dec.run(inp.q, inp.kv_cache, plan)
+    dec.run(inp.q, inp.kv_cache, newer)
+
+
+def test_cuda_graph_capture_and_replay_after_replan():
+    problem = DecodeProblem(num_heads=16, seq_len_q=2, batch_size=4, min_kv_len=2, max_kv_len=2000, page_size=64,
+                            device=dev())
+    inp = make_inputs(problem, device="cuda", seed=11)
+    disp = only_backend_dispatcher("flashinfer_mla")
+    dec = MLADecoder(16, 64, device="cuda", sm_scale=inp.sm_scale, dispatcher=disp, cuda_graph=True)
+    out = torch.empty(4, 2, 16, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(4, 2, 16, dtype=torch.float32, device="cuda")
+    q = inp.q.clone()
+    plan = dec.plan(inp.kv_lens, inp.page_table, seq_len_q=2)
+    dec.run(q, inp.kv_cache, plan, out=out, lse=lse)  # warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.run(q, inp.kv_cache, plan, out=out, lse=lse)
+    eager_out, eager_lse = dec.run(q, inp.kv_cache, plan)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    # next step: new lengths, same batch size; re-plan, then replay the same graph
+    new_lens = torch.clamp(inp.kv_lens.cpu() - 5, min=2).to(torch.int32)
+    problem2 = problem.model_copy(update={"max_kv_len": int(new_lens.max()), "min_kv_len": int(new_lens.min())})
+    dec.plan(new_lens.cuda(), inp.page_table, seq_len_q=2)
+    q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    inp2 = type(inp)(q=q, kv_cache=inp.kv_cache, page_table=inp.page_table, kv_lens=new_lens.cuda(),
+                     kv_scale=inp.kv_scale, sm_scale=inp.sm_scale)
+    res = compare(problem2, out, lse, *reference_outputs(problem2, inp2))
+    assert res.passed, res.messages
+
+
+def test_cuda_graph_buffers_are_enforced():
+    problem = DecodeProblem(num_heads=16, batch_size=2, min_kv_len=10, max_kv_len=100, page_size=16, device=dev())
+    inp = make_inputs(problem, device="cuda", seed=12)
+    dec = MLADecoder(16, 16, device="cuda", dispatcher=only_backend_dispatcher("flashinfer_mla"), cuda_graph=True)
+    dec.plan(inp.kv_lens, inp.page_table)
+    wider = torch.arange(2 * 40, dtype=torch.int32, device="cuda").reshape(2, 40) % inp.kv_cache.shape[0]
+    with pytest.raises(Exception, match="buffers fixed for batch 2"):
+        dec.plan(torch.tensor([600, 600], dtype=torch.int32, device="cuda"), wider)
+
+
+def test_mla_check_cli_passes():
+    from mlacore.cli import main
+
+    assert main(["check", "--backend", "flashinfer_mla", "--quick", "--device", "cuda"]) == 0
