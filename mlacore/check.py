@@ -21,9 +21,11 @@ from .reference import mla_decode_reference
 
 # ||out - ref|| / ||ref|| bounds: output rounded to 16 bits plus the kernel's
 # own bf16/fp16 P@V rounding stays well below these; a wrong mask, page or
-# scale lands far above.
-REL_TOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 5e-3}
-LSE_ABS_TOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
+# scale lands far above. The scores see the same 16-bit (or fp8) inputs as
+# the reference and accumulate in fp32, so lse is held much tighter: one
+# token dropped from a 300-token request moves lse by ~3e-3.
+REL_TOL = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 5e-3}
+LSE_ABS_TOL = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-3}
 
 
 @dataclass

@@ -29,7 +29,10 @@ class CLIError(Exception):
 
 
 def _console() -> Console:
-    return Console(width=max(100, int(os.environ.get("COLUMNS", "0") or 0)), soft_wrap=True)
+    console = Console(soft_wrap=True)
+    if not console.is_terminal:  # pipes and logs: wide rows beat wrapped cells
+        console = Console(width=max(160, int(os.environ.get("COLUMNS", "0") or 0)), soft_wrap=True)
+    return console
 
 
 def _dispatcher(policy_path: Optional[str]) -> Dispatcher:
@@ -214,6 +217,133 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed or ran == 0 else 0
 
 
+# -- mla bench / mla tune --------------------------------------------------------
+
+
+def _bench_specs(args: argparse.Namespace):
+    from .bench import BackendSpec
+
+    registry = get_registry()
+    if args.backend:
+        try:
+            specs = [BackendSpec.parse(b) for b in args.backend]
+        except ValueError as err:
+            raise CLIError(str(err)) from None
+        for spec in specs:
+            b = registry.get(spec.name)
+            if b is None:
+                raise CLIError(f"--backend: '{spec.name}' is not installed (installed: {', '.join(registry.names())})")
+            if b.status != AVAILABLE:
+                raise CLIError(f"--backend: '{spec.name}' is {b.status}: {'; '.join(b.reasons())}")
+            errors = b.option_errors(dict(spec.options)) if spec.options else []
+            if errors:
+                raise CLIError(f"--backend {spec.label}: " + "; ".join(errors))
+        return specs
+    return [BackendSpec(b.name) for b in registry.backends() if b.status == AVAILABLE]
+
+
+def _run_bench_from_args(args: argparse.Namespace):
+    from .bench import run_bench
+    from .grid import load_grid
+
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    grid = load_grid(args.grid)
+    problems = grid.problems(DeviceSpec.of(device))
+    specs = _bench_specs(args)
+    graph = device == "cuda" and not args.no_graph
+    return run_bench(problems, specs, device, graph, grid.describe(), progress=not args.no_progress,
+                     budget_s=args.budget)
+
+
+def _print_bench(report) -> None:
+    table = Table(title=f"mla bench: {report.grid}\nceilings: {report.ceilings.copy_gbps:.0f} GB/s copy, "
+                        f"{report.ceilings.matmul_tflops:.0f} TFLOP/s matmul ({report.ceilings.how})")
+    for col in ("backend", "problem", "status", "us", "GB/s", "TFLOP/s", "% bw", "% flops", "speed-up", "notes"):
+        table.add_column(col, overflow="fold")
+    fmt = lambda v, f: "" if v != v else format(v, f)  # noqa: E731  (NaN -> blank)
+    for r in report.rows:
+        table.add_row(r.backend, r.problem.describe(), r.status, fmt(r.time_us, ".1f"), fmt(r.gbps, ".0f"),
+                      fmt(r.tflops, ".1f"), fmt(r.pct_bw, ".0f"), fmt(r.pct_flops, ".0f"),
+                      fmt(r.speedup_vs_best_other, ".2f"), r.notes[:120])
+    _console().print(table)
+
+
+def _write_outputs(report, args: argparse.Namespace) -> None:
+    from .bench import plot, report_json, write_csv
+
+    if args.csv:
+        write_csv(report, args.csv)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report_json(report), fh, indent=1)
+    if getattr(args, "plot", None):
+        try:
+            plot(report, args.plot)
+        except RuntimeError as err:
+            raise CLIError(str(err)) from None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    report = _run_bench_from_args(args)
+    _print_bench(report)
+    _write_outputs(report, args)
+    wrong = [r for r in report.rows if r.status in ("wrong", "error")]
+    return 1 if wrong else 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench import report_from_json
+    from .policy import builtin_policy_text
+    from .tune import TuneError, tune, write_atomically
+
+    if args.from_json:
+        try:
+            with open(args.from_json) as fh:
+                report = report_from_json(json.load(fh))
+        except (OSError, ValueError, KeyError) as err:
+            raise CLIError(f"--from {args.from_json}: cannot read measurements: {err}") from None
+    else:
+        report = _run_bench_from_args(args)
+        _write_outputs(report, args)
+    path = Path(args.write)
+    base = path.read_text() if path.is_file() else builtin_policy_text()
+    try:
+        text, cells = tune(report, path, base)
+    except TuneError as err:
+        raise CLIError(str(err)) from None
+    best = {}
+    for r in report.rows:
+        if r.status == "ok":
+            key = (r.problem.describe(), r.backend)
+            best[key] = r.time_us
+    table = Table(title=f"mla tune -> {path}")
+    for col in ("cell", "fastest", "policy picks", "within"):
+        table.add_column(col)
+    worst = 0.0
+    by_cell = {}
+    for r in report.rows:
+        by_cell.setdefault(r.problem.describe(), {})[r.backend] = r
+    for desc, rows in sorted(by_cell.items()):
+        ok = {n: r.time_us for n, r in rows.items() if r.status == "ok"}
+        if not ok:
+            table.add_row(desc, "-", "-", "no correct backend")
+            continue
+        fastest = min(ok, key=lambda n: (ok[n], n))
+        cell = next(iter(rows.values())).problem
+        from .tune import _cell
+
+        routed = cells[_cell(cell)][1]
+        gap = ok[routed] / ok[fastest] - 1.0
+        worst = max(worst, gap)
+        table.add_row(desc, f"{fastest} {ok[fastest]:.1f} us", routed, f"{100 * gap:.1f}%")
+    _console().print(table)
+    write_atomically(path, text)
+    _console().print(f"wrote {path}: {len(cells)} cells, every one routed within {100 * worst:.1f}% of the fastest")
+    return 0
+
+
 def _cuda() -> bool:
     import torch
 
@@ -268,8 +398,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.set_defaults(func=cmd_check)
 
-    for register in _extra_commands():
-        register(sub)
+    def bench_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--backend", action="append", help="NAME or NAME:key=value (repeatable; default: all available)")
+        p.add_argument("--grid", default="quick", help="preset (quick, tp8, tp1, mtp, fp8) or a TOML grid file")
+        p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+        p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replay")
+        p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per backend and cell")
+        p.add_argument("--csv", help="write every row to this CSV file")
+        p.add_argument("--json", help="write the full report (input of `mla tune --from`) to this file")
+        p.add_argument("--plot", help="draw time against kv length to this PNG (needs matplotlib)")
+        p.add_argument("--no-progress", action="store_true")
+
+    p = sub.add_parser("bench", help="time every backend side by side over a grid")
+    bench_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("tune", help="measure a grid and write allow rules that route each cell to its winner")
+    bench_args(p)
+    p.add_argument("--write", required=True, help="policy file to write or merge into (atomically)")
+    p.add_argument("--from", dest="from_json", help="use measurements from `mla bench --json` instead of measuring")
+    p.set_defaults(func=cmd_tune)
     return parser
 
 
@@ -279,10 +427,6 @@ def _cuda_quiet() -> bool:
         return _cuda()
     except Exception:
         return False
-
-
-def _extra_commands():
-    return []
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

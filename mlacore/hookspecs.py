@@ -36,6 +36,9 @@ class BackendInfo:
     notes: Tuple[str, ...] = ()
     batch_cuts: Tuple[int, ...] = ()
     kv_len_cuts: Tuple[int, ...] = ()
+    # False for backends whose run launches work per request from Python:
+    # capturing them in a CUDA graph is legal but pointless, so benches time them eagerly.
+    graph_capturable: bool = True
 
 
 @dataclass(frozen=True)

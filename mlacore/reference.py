@@ -67,7 +67,10 @@ def mla_decode_reference(
             end = min(L, start + chunk_tokens)
             p0, p1 = start // page, (end + page - 1) // page
             pages = page_table[b, p0:p1].to(device=kv_cache.device, dtype=torch.long)
-            kv = flat_cache.index_select(0, pages).reshape(-1, D)
+            if kv_cache.dtype == torch.float8_e4m3fn:  # gather the bytes; not every device gathers fp8
+                kv = flat_cache.view(torch.uint8).index_select(0, pages).view(kv_cache.dtype).reshape(-1, D)
+            else:
+                kv = flat_cache.index_select(0, pages).reshape(-1, D)
             kv = kv[start - p0 * page: end - p0 * page].to(compute_dtype)
             if kv_scale != 1.0:
                 kv = kv * kv_scale
@@ -113,6 +116,7 @@ _OPTIONS = {"chunk_tokens"}
 def mla_backend_info() -> BackendInfo:
     return BackendInfo(
         description="pure torch, fp32 compute, any shape; CPU and CUDA; the correctness oracle",
+        graph_capturable=False,
     )
 
 

@@ -4,41 +4,10 @@ import threading
 
 import pytest
 
-from mlacore import Availability, BackendInfo, BackendRegistry, Dispatcher, NoBackendError, hookimpl
+from mlacore import BackendInfo, BackendRegistry, Dispatcher, NoBackendError
 from mlacore.policy import parse_policy_text
 from mlacore.problem import DecodeProblem, DeviceSpec
-from mlacore.reference import mla_plan as ref_plan, mla_run as ref_run
-
-
-class Picky:
-    """An in-process backend that refuses problems for which `refuse(problem)` is true."""
-
-    def __init__(self, refuse=lambda p: False, available=True, info=None):
-        self.refuse = refuse
-        self.available = available
-        self.info = info or BackendInfo()
-        self.calls = 0
-
-    @hookimpl
-    def mla_backend_info(self):
-        return self.info
-
-    @hookimpl
-    def mla_availability(self):
-        return Availability.from_reasons([] if self.available else ["no GPU here"])
-
-    @hookimpl
-    def mla_can_implement(self, problem, options):
-        self.calls += 1
-        return ["refused by predicate"] if self.refuse(problem) else []
-
-    @hookimpl
-    def mla_plan(self, problem, options, step):
-        return ref_plan(problem=problem, options=options, step=step)
-
-    @hookimpl
-    def mla_run(self, plan, q, kv_cache, out, lse):
-        ref_run(plan=plan, q=q, kv_cache=kv_cache, out=out, lse=lse)
+from support_backends import Picky
 
 
 def make(backends, policy_text, env=None):

@@ -1,0 +1,199 @@
+"""mla bench arithmetic and guards; mla tune rule building, routing, merging, determinism."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mlacore.bench import (BackendSpec, BenchReport, BenchRow, Ceilings, CSV_COLUMNS, bench_cell, report_from_json,
+                           report_json, traffic, write_csv)
+from mlacore.grid import PRESETS, Grid, load_grid
+from mlacore.policy import PolicyError, load_policy, parse_policy_text
+from mlacore.problem import DecodeProblem, DeviceSpec
+from mlacore.tune import build_rules, routes, tune, winners, write_atomically
+from conftest import subprocess_env
+
+CPU = DeviceSpec(type="cpu")
+CEIL = Ceilings(copy_gbps=100.0, matmul_tflops=2.0, how="test")
+
+
+def test_traffic_against_hand_calculation():
+    p = DecodeProblem(num_heads=16, seq_len_q=2, batch_size=2, max_kv_len=100, min_kv_len=50, page_size=16,
+                      kv_dtype="fp8_e4m3")
+    n_bytes, flops = traffic(p, [100, 50])
+    rows = 2 * 2 * 16
+    assert n_bytes == 150 * 576 * 1 + rows * 576 * 2 + rows * 512 * 2
+    assert flops == 2 * 2 * 16 * (576 + 512) * 150
+
+
+def test_bench_row_arithmetic_and_wrong_answer_guard(with_plugins):
+    from mlacore import BackendRegistry
+
+    reg = BackendRegistry(env={}).load()
+    p = DecodeProblem(num_heads=16, seq_len_q=1, batch_size=2, max_kv_len=300, min_kv_len=300, page_size=16,
+                      device=CPU)
+    rows = bench_cell(p, [BackendSpec("reference"), BackendSpec("drops_last_token"),
+                          BackendSpec("chunked_reference", (("chunk_tokens", 32),))], "cpu", graph=False,
+                      ceilings=CEIL, registry=reg, budget_s=0.02)
+    by = {r.backend: r for r in rows}
+    ref = by["reference"]
+    assert ref.status == "ok" and ref.time_us > 0
+    n_bytes, flops = traffic(p, [300, 300])
+    assert ref.gbps == pytest.approx(n_bytes / ref.time_us / 1e3)
+    assert ref.tflops == pytest.approx(flops / ref.time_us / 1e6)
+    assert ref.pct_bw == pytest.approx(100 * ref.gbps / CEIL.copy_gbps)
+    wrong = by["drops_last_token"]
+    assert wrong.status == "wrong" and math.isnan(wrong.time_us)
+    assert "relative error" in wrong.notes
+    chunked = by["chunked_reference:chunk_tokens=32"]
+    assert chunked.status == "ok"
+    assert ref.speedup_vs_best_other == pytest.approx(chunked.time_us / ref.time_us)
+
+
+def test_bench_skips_what_a_backend_cannot_take(with_plugins):
+    from mlacore import BackendRegistry
+
+    reg = BackendRegistry(env={}).load()
+    p = DecodeProblem(num_heads=8, batch_size=1, max_kv_len=64, min_kv_len=64, page_size=16, device=CPU)
+    rows = bench_cell(p, [BackendSpec("chunked_reference")], "cpu", False, CEIL, registry=reg, budget_s=0.01)
+    assert rows[0].status == "skipped" and "num_heads=8 not in {16, 128}" in rows[0].notes
+
+
+def test_csv_and_json_round_trip(tmp_path):
+    p = DecodeProblem(num_heads=16, batch_size=1, max_kv_len=64, page_size=16, device=CPU)
+    report = BenchReport([BenchRow("reference", p, "ok", time_us=10.0, gbps=1.0)], CEIL, "g",
+                         {"gpu": "cpu"}, "2026-11-29")
+    write_csv(report, tmp_path / "r.csv")
+    header = (tmp_path / "r.csv").read_text().splitlines()[0].split(",")
+    assert tuple(header) == CSV_COLUMNS
+    again = report_from_json(json.loads(json.dumps(report_json(report))))
+    assert again.rows[0].problem == p and again.rows[0].time_us == 10.0
+
+
+def test_grid_files_and_presets(tmp_path):
+    assert set(PRESETS) == {"quick", "tp8", "tp1", "mtp", "fp8"}
+    f = tmp_path / "g.toml"
+    f.write_text("[grid]\nnum_heads=[16,128]\nbatch=[1,8]\nkv_len=[100]\nkv_spread=0.5\n")
+    g = load_grid(str(f))
+    cells = g.problems(CPU)
+    assert len(cells) == 4
+    assert {(c.min_kv_len, c.max_kv_len) for c in cells if c.batch_size == 8} == {(50, 100)}
+    f.write_text("[grid]\nnum_head=[16]\n")
+    with pytest.raises(PolicyError, match="grid.num_head: unknown key"):
+        load_grid(str(f))
+    with pytest.raises(PolicyError, match="neither a preset"):
+        load_grid("nope")
+
+
+def synthetic_report():
+    """A wins small batches, B wins large ones, C wins one odd cell, D is wrong where it is fast."""
+    rows = []
+    for h in (16, 128):
+        for b in (1, 8, 32, 128):
+            for n in (1024, 4096, 16384):
+                p = DecodeProblem(num_heads=h, batch_size=b, max_kv_len=n, min_kv_len=n, page_size=64, device=CPU)
+                ta = 10.0 + b * 0.5
+                tb = 20.0 + b * 0.1
+                tc = 5.0 if (h, b, n) == (128, 8, 4096) else 100.0
+                rows.append(BenchRow("A", p, "ok", time_us=ta))
+                rows.append(BenchRow("B", p, "ok", time_us=tb))
+                rows.append(BenchRow("C", p, "ok" if h == 128 else "skipped", time_us=tc if h == 128 else math.nan))
+                rows.append(BenchRow("D", p, "wrong"))
+    return BenchReport(rows, CEIL, "synthetic", {"gpu": "TestGPU", "capability": "9.0", "driver": "1.0",
+                                                 "torch": "2.x", "backends": {"A": "1", "B": "2", "C": "3"}},
+                       "2026-11-29")
+
+
+def test_tune_routes_every_cell_to_its_winner():
+    report = synthetic_report()
+    order, rules, default = build_rules(report)
+    win = winners(report)
+    picks = routes(order, rules, report)
+    assert all(picks[c] == w for c, w in win.items())
+    assert default == "B" or default == "A"
+    assert "D" not in order  # never fastest-and-correct
+    # readable: a handful of rules, not one per cell
+    assert sum(len(r) for r in rules.values()) <= 4, rules
+
+
+def test_tune_writes_merges_and_is_deterministic(tmp_path):
+    base = """# my policy
+[mla]
+order = ["flashinfer_mla", "reference"]
+fallback = "error"   # keep this
+
+[backend.flashinfer_mla.options]
+variant = "fa3"
+"""
+    report = synthetic_report()
+    text1, cells = tune(report, tmp_path / "mla.toml", base)
+    text2, _ = tune(report, tmp_path / "mla.toml", base)
+    assert text1 == text2
+    assert "# my policy" in text1 and "# keep this" in text1 and 'variant = "fa3"' in text1
+    pol = parse_policy_text(text1)
+    assert pol.mla.fallback == "error"
+    assert pol.mla.order[-2:] == ("flashinfer_mla", "reference")
+    assert pol.tuned.gpu == "TestGPU" and pol.tuned.backends == {"A": "1", "B": "2", "C": "3"}
+    assert all(w == r for w, r in cells.values())
+    # and the real dispatcher, reading the file, agrees cell by cell
+    from mlacore import BackendRegistry, Dispatcher
+    from support_backends import register_named_backends
+
+    reg = register_named_backends(BackendRegistry(env={"MLA_DISABLE_PLUGIN_AUTOLOAD": "1"}).load(),
+                                  {"A": None, "B": None, "C": lambda p: p.num_heads != 128, "D": None})
+    text_no_fi = text1.replace('"flashinfer_mla", ', "")
+    disp = Dispatcher(policy=parse_policy_text(text_no_fi), registry=reg, env={})
+    for r in report.rows:
+        if r.backend == "A":
+            assert disp.select(r.problem).backend == win_for(report, r.problem)
+
+
+def win_for(report, problem):
+    return winners(report)[(problem.num_heads, problem.seq_len_q, problem.q_dtype, problem.kv_dtype,
+                            problem.page_size, problem.batch_size, problem.max_kv_len)]
+
+
+def test_atomic_write(tmp_path):
+    path = tmp_path / "mla.toml"
+    path.write_text("old")
+    write_atomically(path, "new")
+    assert path.read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["mla.toml"]
+
+
+def test_policy_check_warns_on_fingerprint_mismatch(tmp_path):
+    clean = '[mla]\norder = ["reference"]\n[tuned]\ngpu = "TestGPU"\ncapability = "9.0"\ntorch = "2.x"\n'
+    p = tmp_path / "t.toml"
+    p.write_text(clean)
+    proc = subprocess.run([sys.executable, "-m", "mlacore.cli", "policy", "check", str(p)], capture_output=True,
+                          text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" in proc.stdout and "tuned on gpu='TestGPU'" in proc.stdout
+
+
+def test_cli_tune_end_to_end_on_cpu(plugin_site, tmp_path):
+    """Measure reference vs chunked_reference on CPU, write the policy, then explain picks the winners."""
+    grid = tmp_path / "g.toml"
+    grid.write_text("[grid]\nnum_heads=[16]\nbatch=[1]\nkv_len=[64, 4096]\npage_size=[64]\n")
+    pol = tmp_path / "mla.toml"
+    pol.write_text('[mla]\norder = ["reference"]\n[backend.reference.options]\nchunk_tokens = 4096\n')
+    out_json = tmp_path / "m.json"
+    env = subprocess_env(plugin_site)
+    proc = subprocess.run([sys.executable, "-m", "mlacore.cli", "tune", "--grid", str(grid), "--backend", "reference",
+                           "--backend", "chunked_reference", "--write", str(pol), "--json", str(out_json),
+                           "--budget", "0.05", "--no-progress", "--device", "cpu"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "routed within 0.0% of the fastest" in proc.stdout
+    text = pol.read_text()
+    assert "chunk_tokens = 4096" in text and "[tuned]" in text
+    # same measurements in, same file out
+    pol2 = tmp_path / "again.toml"
+    pol2.write_text('[mla]\norder = ["reference"]\n[backend.reference.options]\nchunk_tokens = 4096\n')
+    proc = subprocess.run([sys.executable, "-m", "mlacore.cli", "tune", "--from", str(out_json), "--write", str(pol2)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert pol2.read_text() == text
