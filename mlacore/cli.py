@@ -152,8 +152,15 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     problems: List[str] = []
     for name, bpol in policy.backend.items():
         backend = registry.get(name)
-        if backend is not None and backend.loaded and bpol.options:
+        if backend is None or not backend.loaded:
+            continue
+        if bpol.options:
             problems += [f"{policy.source}: backend.{name}.options: {e}" for e in backend.option_errors(bpol.options)]
+        for i, rule in enumerate(bpol.allow):
+            if rule.options:
+                merged = {**bpol.options, **rule.options}
+                problems += [f"{policy.source}: backend.{name}.allow[{i}].options: {e}"
+                             for e in backend.option_errors(merged)]
     if problems:
         raise CLIError("\n".join(problems))
     order = effective_order(policy, registry.names())

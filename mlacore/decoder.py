@@ -185,7 +185,7 @@ class MLADecoder:
                           owner=self, cuda_graph=self.cuda_graph)
         try:
             backend_plan = backend.hooks["mla_plan"](
-                problem=problem, options=self.dispatcher.options(name), step=step)
+                problem=problem, options=decision.options, step=step)
         except MLAInputError:
             raise
         except Exception as exc:

@@ -52,6 +52,7 @@ class Verdict:
     backend: str
     outcome: str
     reasons: Tuple[str, ...] = ()
+    options: Tuple[Tuple[str, object], ...] = ()  # the options the backend accepted the problem with
 
     @property
     def accepts(self) -> bool:
@@ -64,6 +65,13 @@ class Decision:
     backend: Optional[str]
     verdicts: Tuple[Verdict, ...]
     fallback_used: bool = False
+
+    @property
+    def options(self) -> Dict[str, object]:
+        """Options the chosen backend plans with (backend options, overridden by the matching rule)."""
+        if self.backend is None:
+            return {}
+        return dict(self.verdict(self.backend).options)
 
     def verdict(self, name: str) -> Verdict:
         for v in self.verdicts:
@@ -149,7 +157,7 @@ class Dispatcher:
             verdict = self._judge(name, problem)
             if verdict.accepts and chosen is None:
                 chosen = name
-                verdict = Verdict(name, CHOSEN)
+                verdict = Verdict(name, CHOSEN, options=verdict.options)
             verdicts.append(verdict)
         fallback_used = False
         if chosen is None and self.policy.mla.fallback == "reference":
@@ -159,7 +167,7 @@ class Dispatcher:
         for backend in self.registry.backends():
             if backend.name not in self.order:
                 if backend.name == chosen:
-                    verdicts.append(Verdict(backend.name, CHOSEN, ("policy fallback",)))
+                    verdicts.append(Verdict(backend.name, CHOSEN, ("policy fallback",), ref.options))
                 else:
                     verdicts.append(Verdict(backend.name, NOT_IN_ORDER,
                                             self._judge(backend.name, problem).reasons))
@@ -172,23 +180,25 @@ class Dispatcher:
         if backend.status != AVAILABLE:
             return Verdict(name, UNAVAILABLE, (f"{backend.status}",) + backend.reasons())
         bpol = self.policy.backend_policy(name)
-        reasons = backend.can_implement(problem, bpol.options)
-        if reasons:
-            return Verdict(name, CANNOT, reasons)
-        if apply_policy:
-            rejected = bpol.rejections(problem)
-            if rejected:
-                return Verdict(name, POLICY, tuple(rejected))
-        return Verdict(name, ACCEPTED)
+        rejected = bpol.rejections(problem) if apply_policy else []
+        option_sets = bpol.option_sets(problem) if apply_policy else [dict(bpol.options)]
+        first_reasons: Tuple[str, ...] = ()
+        for options in option_sets:
+            reasons = backend.can_implement(problem, options)
+            if not reasons:
+                break
+            first_reasons = first_reasons or reasons
+        else:
+            return Verdict(name, CANNOT, first_reasons)
+        if rejected:
+            return Verdict(name, POLICY, tuple(rejected))
+        return Verdict(name, ACCEPTED, options=tuple(sorted(options.items())))
 
     def backend(self, name: str) -> Backend:
         backend = self.registry.get(name)
         if backend is None:
             raise KeyError(f"backend '{name}' is not installed")
         return backend
-
-    def options(self, name: str) -> Dict[str, object]:
-        return dict(self.policy.backend_policy(name).options)
 
 
 _dispatchers: Dict[object, Dispatcher] = {}

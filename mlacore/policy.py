@@ -57,6 +57,9 @@ class ShapeRule(_Strict):
     max_batch: Optional[int] = Field(default=None, ge=1)
     min_kv_len: Optional[int] = Field(default=None, ge=0)
     max_kv_len: Optional[int] = Field(default=None, ge=0)
+    # backend options for the shapes this (allow) rule matches, over [backend.X.options];
+    # how `mla tune` routes e.g. FlashInfer's fa2 and fa3 to different shapes
+    options: Dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _ranges_ordered(self) -> "ShapeRule":
@@ -97,7 +100,7 @@ class ShapeRule(_Strict):
 
     def describe(self) -> str:
         parts = []
-        for name, value in self.model_dump(exclude_none=True).items():
+        for name, value in self.model_dump(exclude_none=True, exclude_defaults=True).items():
             parts.append(f"{name}={list(value) if isinstance(value, tuple) else value}")
         return "{" + ", ".join(parts) + "}"
 
@@ -107,6 +110,26 @@ class BackendPolicy(_Strict):
     allow: Tuple[ShapeRule, ...] = ()
     deny: Tuple[ShapeRule, ...] = ()
     options: Dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("deny")
+    @classmethod
+    def _deny_has_no_options(cls, deny: Tuple[ShapeRule, ...]) -> Tuple[ShapeRule, ...]:
+        for rule in deny:
+            if rule.options:
+                raise ValueError("options belong to allow rules; a deny rule takes no options")
+        return deny
+
+    def option_sets(self, problem: DecodeProblem) -> List[Dict[str, Any]]:
+        """The options to try for `problem`: one per matching allow rule, else the backend's own."""
+        if not self.allow:
+            return [dict(self.options)]
+        sets: List[Dict[str, Any]] = []
+        for rule in self.allow:
+            if not rule.mismatches(problem):
+                merged = {**self.options, **rule.options}
+                if merged not in sets:
+                    sets.append(merged)
+        return sets or [dict(self.options)]
 
     def rejections(self, problem: DecodeProblem) -> List[str]:
         """Why the policy keeps this backend off `problem` (empty: allowed)."""

@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .bench import OK, SKIPPED, BenchReport
+from .bench import OK, SKIPPED, BackendSpec, BenchReport
 from .policy import parse_policy, parse_policy_text
 from .problem import DecodeProblem
 
@@ -39,12 +39,9 @@ def _cell(p: DecodeProblem) -> tuple:
 
 
 def winners(report: BenchReport) -> Dict[tuple, str]:
-    """Fastest correct backend per cell (ties: the name first in sort order)."""
+    """Fastest correct arm (backend label, options included) per cell; ties: the first label in sort order."""
     best: Dict[tuple, Tuple[float, str]] = {}
     for r in report.rows:
-        if ":" in r.backend:
-            raise TuneError(f"tune takes plain backend names; {r.backend!r} carries options "
-                            "(set them in the policy's [backend.X.options] instead)")
         if r.status != OK:
             continue
         key = _cell(r.problem)
@@ -56,6 +53,11 @@ def winners(report: BenchReport) -> Dict[tuple, str]:
 
 def statuses(report: BenchReport) -> Dict[Tuple[tuple, str], str]:
     return {(_cell(r.problem), r.backend): r.status for r in report.rows}
+
+
+def _arm(label: str) -> Tuple[str, Dict[str, object]]:
+    spec = BackendSpec.parse(label)
+    return spec.name, dict(spec.options)
 
 
 def _rectangles(win: set, keep_off: set, b_vals: List[int], l_vals: List[int]) -> List[Tuple[int, int, int, int]]:
@@ -86,33 +88,61 @@ def _bounds(lo_i: int, hi_i: int, vals: List[int]) -> Tuple[Optional[int], Optio
     return lo, hi
 
 
+def arm_order(report: BenchReport) -> Tuple[List[str], List[str]]:
+    """(backend order, arm order): arms of one backend stay together, as the policy must write them.
+
+    Backends go from fewest cells won to most; the backend that wins most is
+    last, and its best arm last of all, so that it can take every cell that
+    no earlier rule claims.
+    """
+    win = winners(report)
+    arm_wins: Dict[str, int] = defaultdict(int)
+    for label in win.values():
+        arm_wins[label] += 1
+    backend_wins: Dict[str, int] = defaultdict(int)
+    for label, n in arm_wins.items():
+        backend_wins[_arm(label)[0]] += n
+    backends = sorted(backend_wins, key=lambda n: (backend_wins[n], n))
+    if backends:
+        top = backends.pop(-1 if len(backends) == 1 else
+                           max(range(len(backends)), key=lambda i: (backend_wins[backends[i]], -i)))
+        backends.append(top)
+    arms = []
+    for name in backends:
+        mine = sorted((a for a in arm_wins if _arm(a)[0] == name), key=lambda a: (arm_wins[a], a))
+        arms += mine
+    return backends, arms
+
+
 def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], str]:
-    """(winner order, allow rules per backend, default backend)."""
+    """(backend order, allow rules per backend, default backend)."""
     win = winners(report)
     if not win:
         raise TuneError("no backend produced a correct, timed result on any cell")
     stat = statuses(report)
-    counts: Dict[str, int] = defaultdict(int)
-    for name in win.values():
-        counts[name] += 1
-    default = sorted(counts, key=lambda n: (-counts[n], n))[0]
-    specific = sorted((n for n in counts if n != default), key=lambda n: (counts[n], n))
-    order = specific + [default]
-    cells = sorted(win)
+    backends, arms = arm_order(report)
+    default = backends[-1]
     groups: Dict[tuple, List[tuple]] = defaultdict(list)
-    for c in cells:
+    for c in sorted(win):
         groups[c[:5]].append(c)
     rules: Dict[str, List[dict]] = {}
-    for i, name in enumerate(specific):
-        later = set(order[i + 1:])
+    for i, label in enumerate(arms):
+        name, options = _arm(label)
+        last = i == len(arms) - 1
+        if last:
+            # the default arm: takes whatever no earlier rule claimed
+            if rules.get(name) or options:
+                rules.setdefault(name, []).append({"options": options} if options else {})
+            continue
+        later = set(arms[i + 1:])
         out: List[dict] = []
         for cat, members in sorted(groups.items()):
-            mine = {(c[5], c[6]) for c in members if win[c] == name}
+            mine = {(c[5], c[6]) for c in members if win[c] == label}
             if not mine:
                 continue
-            # keep off every cell a later backend must get, and every cell where this one is wrong
+            # keep off every cell a later arm must get, and every cell where this arm is wrong
             keep_off = {(c[5], c[6]) for c in members
-                        if win[c] in later or stat.get((c, name)) not in (OK, SKIPPED, None)}
+                        if win[c] in later or stat.get((c, label)) not in (OK, SKIPPED, None)}
             keep_off -= mine
             b_vals = sorted({c[5] for c in members})
             l_vals = sorted({c[6] for c in members})
@@ -122,9 +152,12 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
                 rule.update(min_batch=lo, max_batch=hi)
                 lo, hi = _bounds(li0, li1, l_vals)
                 rule.update(min_kv_len=lo, max_kv_len=hi)
-                out.append({k: v for k, v in rule.items() if v is not None})
-        rules[name] = _merge(out, report)
-    return order, rules, default
+                rule = {k: v for k, v in rule.items() if v is not None}
+                if options:
+                    rule["options"] = options
+                out.append(rule)
+        rules.setdefault(name, []).extend(_merge(out, report))
+    return backends, rules, default
 
 
 def _merge(rules: List[dict], report: BenchReport) -> List[dict]:
@@ -155,15 +188,20 @@ def _merge(rules: List[dict], report: BenchReport) -> List[dict]:
 
 def routes(order: Sequence[str], rules: Dict[str, List[dict]], report: BenchReport,
            base_policy_text: Optional[str] = None) -> Dict[tuple, Optional[str]]:
-    """What the written policy picks per cell, with the dispatcher's own rule code."""
+    """The arm the written policy picks per cell, using the dispatcher's own rule code.
+
+    A backend is passed over where its measured arm could not take the cell
+    (can_implement said no), exactly as the dispatcher would.
+    """
     data = {"mla": {"order": list(order)},
             "backend": {n: {"allow": rs} for n, rs in rules.items()}}
     policy = parse_policy(data, "<tune>")
-    deny = {}
+    deny: Dict[str, tuple] = {}
     if base_policy_text is not None:
-        base = parse_policy_text(base_policy_text)
-        deny = {n: bp.deny for n, bp in base.backend.items()}
+        deny = {n: bp.deny for n, bp in parse_policy_text(base_policy_text).backend.items()}
     stat = statuses(report)
+    labels = {(spec.name, tuple(sorted(spec.options))): lbl
+              for lbl in {r.backend for r in report.rows} for spec in [BackendSpec.parse(lbl)]}
     picks: Dict[tuple, Optional[str]] = {}
     for r in report.rows:
         cell = _cell(r.problem)
@@ -171,15 +209,20 @@ def routes(order: Sequence[str], rules: Dict[str, List[dict]], report: BenchRepo
             continue
         picks[cell] = None
         for name in order:
-            if stat.get((cell, name)) in (SKIPPED, None):
-                continue  # cannot implement: the dispatcher passes over it
             bp = policy.backend_policy(name)
-            if bp.rejections(r.problem):
-                continue
             if any(not rule.mismatches(r.problem) for rule in deny.get(name, ())):
                 continue
-            picks[cell] = name
-            break
+            chosen = None
+            for options in bp.option_sets(r.problem) if bp.allow else [{}]:
+                if bp.allow and bp.rejections(r.problem):
+                    break
+                label = labels.get((name, tuple(sorted(options.items()))))
+                if label is not None and stat.get((cell, label)) not in (SKIPPED, None):
+                    chosen = label
+                    break
+            if chosen is not None:
+                picks[cell] = chosen
+                break
     return picks
 
 
@@ -194,7 +237,7 @@ def tune(report: BenchReport, policy_path: Path, base_text: str) -> Tuple[str, D
     if bad:
         cell, (w, got) = sorted(bad.items())[0]
         raise TuneError(f"the written rules would route cell {cell} to {got!r}, not its winner {w!r} "
-                        "(a hand-written deny rule in the policy conflicts?)")
+                        "(a hand-written deny rule or option in the policy conflicts?)")
     doc = tomlkit.parse(base_text)
     mla = doc.setdefault("mla", tomlkit.table())
     old = [n for n in mla.get("order", []) if n not in order]
@@ -220,7 +263,7 @@ def tune(report: BenchReport, policy_path: Path, base_text: str) -> Tuple[str, D
     tuned["capability"] = str(fp.get("capability", ""))
     tuned["driver"] = str(fp.get("driver", ""))
     tuned["torch"] = str(fp.get("torch", ""))
-    measured = sorted({r.backend for r in report.rows})
+    measured = sorted({_arm(r.backend)[0] for r in report.rows})
     tuned["backends"] = {n: str(v) for n, v in sorted(dict(fp.get("backends", {})).items()) if n in measured}
     tuned["date"] = report.date
     tuned["grid"] = report.grid

@@ -197,3 +197,34 @@ def test_cli_tune_end_to_end_on_cpu(plugin_site, tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert pol2.read_text() == text
+
+
+def test_tune_routes_variants_of_one_backend_with_rule_options(tmp_path):
+    """X:variant=a wins small batches, X:variant=b large ones, Y one cell: options ride on the rules."""
+    rows = []
+    for b in (1, 8, 64):
+        for n in (1024, 8192):
+            p = DecodeProblem(num_heads=16, batch_size=b, max_kv_len=n, min_kv_len=n, page_size=64, device=CPU)
+            rows.append(BenchRow("X:variant=a", p, "ok", time_us=1.0 + b))
+            rows.append(BenchRow("X:variant=b", p, "ok", time_us=9.0 + b / 10))
+            rows.append(BenchRow("Y", p, "ok", time_us=0.5 if (b, n) == (8, 8192) else 99.0))
+    report = BenchReport(rows, CEIL, "variants", {"gpu": "G"}, "2026-11-29")
+    order, rules, default = build_rules(report)
+    assert order == ["Y", "X"]
+    picks = routes(order, rules, report)
+    assert picks == winners(report)
+    assert any(r.get("options") == {"variant": "a"} for r in rules["X"])
+    text, _ = tune(report, tmp_path / "p.toml", '[mla]\norder = ["reference"]\n')
+    pol = parse_policy_text(text)
+    from mlacore import BackendRegistry, Dispatcher
+    from support_backends import register_named_backends
+
+    reg = register_named_backends(BackendRegistry(env={"MLA_DISABLE_PLUGIN_AUTOLOAD": "1"}).load(),
+                                  {"X": None, "Y": None})
+    disp = Dispatcher(policy=pol, registry=reg, env={})
+    for r in rows[::3]:
+        decision = disp.select(r.problem)
+        want = winners(report)[(16, 1, "bf16", "bf16", 64, r.problem.batch_size, r.problem.max_kv_len)]
+        name, _, opt = want.partition(":")
+        assert decision.backend == name
+        assert decision.options == ({"variant": opt.split("=")[1]} if opt else {})

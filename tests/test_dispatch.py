@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from mlacore import BackendInfo, BackendRegistry, Dispatcher, NoBackendError
+from mlacore import BackendInfo, BackendRegistry, Dispatcher, NoBackendError, hookimpl
 from mlacore.policy import parse_policy_text
 from mlacore.problem import DecodeProblem, DeviceSpec
 from support_backends import Picky
@@ -179,3 +179,28 @@ def test_same_inputs_same_decision_in_fresh_dispatchers():
     text = '[mla]\norder = ["a", "b", "reference"]\n[[backend.a.allow]]\nnum_heads=[128]'
     picks = {make({"a": Picky(), "b": Picky()}, text).select(P).backend for _ in range(5)}
     assert picks == {"b"}
+
+
+def test_allow_rule_options_reach_can_implement_and_the_decision():
+    # the backend can only take s_q=2 with variant b; rules pick the variant per shape
+    class VariantPicky(Picky):
+        @hookimpl
+        def mla_can_implement(self, problem, options):
+            return [] if problem.seq_len_q == 1 or options.get("variant") == "b" else ["s_q=2 needs variant b"]
+
+    d = make({"x": VariantPicky()}, """
+[mla]
+order = ["x", "reference"]
+[backend.x.options]
+variant = "a"
+workspace = 1
+[[backend.x.allow]]
+seq_len_q = [2]
+options = { variant = "b" }
+[[backend.x.allow]]
+seq_len_q = [1]
+""")
+    one = d.select(P)
+    assert one.backend == "x" and one.options == {"variant": "a", "workspace": 1}
+    two = d.select(P.model_copy(update={"seq_len_q": 2}))
+    assert two.backend == "x" and two.options == {"variant": "b", "workspace": 1}

@@ -152,3 +152,12 @@ def test_env_mixed_and_unknown_are_errors():
         effective_order(POL, KNOWN, {"MLA_BACKENDS": "+flashinfr"})
     with pytest.raises(PolicyError, match="named twice"):
         effective_order(POL, KNOWN, {"MLA_BACKENDS": "reference,reference"})
+
+
+def test_rule_options_only_on_allow():
+    pol = parse_policy_text('[mla]\norder=["reference"]\n[[backend.reference.allow]]\nseq_len_q=[2]\n'
+                            'options={chunk_tokens=64}')
+    assert pol.backend["reference"].allow[0].options == {"chunk_tokens": 64}
+    with pytest.raises(PolicyError, match="a deny rule takes no options"):
+        parse_policy_text('[mla]\norder=["reference"]\n[[backend.reference.deny]]\nseq_len_q=[2]\n'
+                          'options={chunk_tokens=64}')
