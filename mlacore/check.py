@@ -21,11 +21,13 @@ from .reference import mla_decode_reference
 
 # ||out - ref|| / ||ref|| bounds: output rounded to 16 bits plus the kernel's
 # own bf16/fp16 P@V rounding stays well below these; a wrong mask, page or
-# scale lands far above. The scores see the same 16-bit (or fp8) inputs as
-# the reference and accumulate in fp32, so lse is held much tighter: one
-# token dropped from a 300-token request moves lse by ~3e-3.
+# scale lands far above. lse is an absolute bound on scores of size ~2:
+# FlashInfer fa2 rounds the pre-scaled query to bf16 (seen: 1.1e-3 on an
+# H200), its fp8 paths lose more (seen: 8.7e-3); one token dropped from a
+# 40-token request moves lse by ~2.5e-2.
 REL_TOL = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 5e-3}
-LSE_ABS_TOL = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-3}
+LSE_ABS_TOL = {"fp32": 1e-5, "bf16": 4e-3, "fp16": 4e-3}
+LSE_ABS_TOL_FP8_KV = 1.5e-2
 
 
 @dataclass
@@ -81,9 +83,10 @@ def compare(problem: DecodeProblem, out: torch.Tensor, lse: Optional[torch.Tenso
         if bool(full.any()):
             diff = (lse[full] - ref_lse[full]).abs()
             res.lse_max_err = float(torch.nan_to_num(diff, nan=math.inf).max())
-            if res.lse_max_err > LSE_ABS_TOL[problem.q_dtype]:
+            tol = LSE_ABS_TOL_FP8_KV if problem.kv_dtype == "fp8_e4m3" else LSE_ABS_TOL[problem.q_dtype]
+            if res.lse_max_err > tol:
                 res.passed = False
-                res.messages.append(f"lse max error {res.lse_max_err:.2e} > {LSE_ABS_TOL[problem.q_dtype]:.0e}")
+                res.messages.append(f"lse max error {res.lse_max_err:.2e} > {tol:.1e}")
         else:
             res.lse_max_err = 0.0
     return res

@@ -33,7 +33,7 @@ def test_bench_row_arithmetic_and_wrong_answer_guard(with_plugins):
     from mlacore import BackendRegistry
 
     reg = BackendRegistry(env={}).load()
-    p = DecodeProblem(num_heads=16, seq_len_q=1, batch_size=2, max_kv_len=300, min_kv_len=300, page_size=16,
+    p = DecodeProblem(num_heads=16, seq_len_q=1, batch_size=2, max_kv_len=40, min_kv_len=40, page_size=16,
                       device=CPU)
     rows = bench_cell(p, [BackendSpec("reference"), BackendSpec("drops_last_token"),
                           BackendSpec("chunked_reference", (("chunk_tokens", 32),))], "cpu", graph=False,
@@ -41,7 +41,7 @@ def test_bench_row_arithmetic_and_wrong_answer_guard(with_plugins):
     by = {r.backend: r for r in rows}
     ref = by["reference"]
     assert ref.status == "ok" and ref.time_us > 0
-    n_bytes, flops = traffic(p, [300, 300])
+    n_bytes, flops = traffic(p, [40, 40])
     assert ref.gbps == pytest.approx(n_bytes / ref.time_us / 1e3)
     assert ref.tflops == pytest.approx(flops / ref.time_us / 1e6)
     assert ref.pct_bw == pytest.approx(100 * ref.gbps / CEIL.copy_gbps)
