@@ -254,6 +254,10 @@ def tune(report: BenchReport, policy_path: Path, base_text: str) -> Tuple[str, D
             for rule in rules[name]:
                 t = tomlkit.table()
                 for k, v in rule.items():
+                    if k == "options":
+                        inline = tomlkit.inline_table()
+                        inline.update(v)
+                        v = inline
                     t[k] = v
                 aot.append(t)
             table["allow"] = aot
