@@ -362,8 +362,8 @@ def plot(report: BenchReport, path: str) -> None:
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle(f"mla bench ({report.grid}); ceilings {report.ceilings.copy_gbps:.0f} GB/s, "
-                 f"{report.ceilings.matmul_tflops:.0f} TFLOP/s", fontsize=9)
-    fig.tight_layout()
+    fig.suptitle(f"mla bench ({report.grid.split(':')[0]}, {report.fingerprint.get('gpu', '')}); ceilings "
+                 f"{report.ceilings.copy_gbps:.0f} GB/s, {report.ceilings.matmul_tflops:.0f} TFLOP/s", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)
