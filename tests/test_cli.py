@@ -10,9 +10,9 @@ from mlacore.cli import main
 from conftest import subprocess_env
 
 
-def run_cli(*args, **env):
+def run_cli(*args, plugin_site=None, **env):
     return subprocess.run([sys.executable, "-m", "mlacore.cli", *args], capture_output=True, text=True,
-                          env=subprocess_env(**env), timeout=300)
+                          env=subprocess_env(plugin_site, **env), timeout=300)
 
 
 def test_explain_json_lists_every_verdict(capsys):
@@ -75,18 +75,12 @@ def test_check_unknown_backend():
 
 
 def test_check_passes_a_right_plugin_and_skips_what_it_cannot_take(plugin_site):
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlacore.cli", "check", "--quick", "--device", "cpu", "--backend",
-         "chunked_reference"],
-        capture_output=True, text=True, timeout=300, env=subprocess_env(plugin_site))
+    proc = run_cli("check", "--quick", "--device", "cpu", "--backend", "chunked_reference", plugin_site=plugin_site)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "skip" in proc.stdout and "page_size=1 not in {16, 64}" in proc.stdout
 
 
 def test_check_fails_a_wrong_backend(plugin_site):
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlacore.cli", "check", "--quick", "--device", "cpu", "--backend",
-         "drops_last_token"],
-        capture_output=True, text=True, timeout=300, env=subprocess_env(plugin_site))
+    proc = run_cli("check", "--quick", "--device", "cpu", "--backend", "drops_last_token", plugin_site=plugin_site)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout and "0 passed, 12 failed" in proc.stdout
