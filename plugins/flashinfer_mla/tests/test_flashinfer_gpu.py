@@ -109,3 +109,31 @@ def test_mla_check_cli_passes():
     from mlacore.cli import main
 
     assert main(["check", "--backend", "flashinfer_mla", "--quick", "--device", "cuda"]) == 0
+
+
+@pytest.mark.parametrize("variant", ["fa3", "fa2"])
+@pytest.mark.parametrize("s_q", [2, 4])
+def test_requests_shorter_than_the_query(variant, s_q):
+    """Rows that see no kv position (len 0, or len < s_q for the first queries) must give 0 and -inf."""
+    if variant not in variants_here():
+        pytest.skip(f"{variant} does not run on this GPU")
+    problem = DecodeProblem(num_heads=16, seq_len_q=s_q, batch_size=4, min_kv_len=0, max_kv_len=200, page_size=16,
+                            device=dev())
+    inputs = make_inputs(problem, device="cuda", seed=6, kv_lens=torch.tensor([0, 1, 200, s_q - 1]))
+    res = check_backend("flashinfer_mla", problem, device="cuda", options={"variant": variant}, inputs=inputs)
+    assert res.passed, res.messages
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_few_heads(heads):
+    problem = DecodeProblem(num_heads=heads, seq_len_q=2, batch_size=3, min_kv_len=2, max_kv_len=900, page_size=64,
+                            device=dev())
+    for variant in variants_here():
+        res = check_backend("flashinfer_mla", problem, device="cuda", seed=heads, options={"variant": variant})
+        assert res.passed, (variant, res.messages)
+
+
+def test_mla_check_full_grid_passes():
+    from mlacore.cli import main
+
+    assert main(["check", "--backend", "flashinfer_mla", "--device", "cuda"]) == 0
