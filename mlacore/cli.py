@@ -108,7 +108,7 @@ def _problem_from_args(args: argparse.Namespace) -> DecodeProblem:
             causal=not args.non_causal, return_lse=not args.no_lse, device=device,
         )
     except ValueError as err:
-        raise CLIError(_first_line(err)) from None
+        raise CLIError(str(err).strip()) from None
 
 
 def cmd_backends_explain(args: argparse.Namespace) -> int:
@@ -185,19 +185,24 @@ def _fingerprint_warnings(policy) -> List[str]:
 # -- mla check -----------------------------------------------------------
 
 
+def _available_backend(name: str):
+    """The installed, available backend `name`, or a CLIError saying why not."""
+    registry = get_registry()
+    b = registry.get(name)
+    if b is None:
+        raise CLIError(f"--backend: '{name}' is not installed (installed: {', '.join(registry.names())})")
+    if b.status != AVAILABLE:
+        raise CLIError(f"--backend: '{name}' is {b.status}: {'; '.join(b.reasons())}")
+    return b
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from .check import check_grid, run_checks
 
     registry = get_registry()
     device = args.device or ("cuda" if _cuda() else "cpu")
     if args.backend:
-        for name in args.backend:
-            b = registry.get(name)
-            if b is None:
-                raise CLIError(f"--backend: '{name}' is not installed (installed: {', '.join(registry.names())})")
-            if b.status != AVAILABLE:
-                raise CLIError(f"--backend: '{name}' is {b.status}: {'; '.join(b.reasons())}")
-        names = list(args.backend)
+        names = [_available_backend(name).name for name in args.backend]
     else:
         names = [b.name for b in registry.backends() if b.status == AVAILABLE]
     spec = DeviceSpec.of(device)
@@ -237,11 +242,7 @@ def _bench_specs(args: argparse.Namespace):
         except ValueError as err:
             raise CLIError(str(err)) from None
         for spec in specs:
-            b = registry.get(spec.name)
-            if b is None:
-                raise CLIError(f"--backend: '{spec.name}' is not installed (installed: {', '.join(registry.names())})")
-            if b.status != AVAILABLE:
-                raise CLIError(f"--backend: '{spec.name}' is {b.status}: {'; '.join(b.reasons())}")
+            b = _available_backend(spec.name)
             errors = b.option_errors(dict(spec.options)) if spec.options else []
             if errors:
                 raise CLIError(f"--backend {spec.label}: " + "; ".join(errors))
@@ -358,11 +359,6 @@ def _cuda() -> bool:
 
 
 # -- wiring ----------------------------------------------------------------
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -55,10 +55,6 @@ class DecodePlan:
     q_shape: Tuple[int, int, int, int]
     out_shape: Tuple[int, int, int, int]
 
-    @property
-    def batch_size(self) -> int:
-        return self.problem.batch_size
-
 
 class MLADecoder:
     """Decode attention over a paged MLA latent cache, on the backend the policy picks.

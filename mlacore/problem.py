@@ -125,16 +125,3 @@ class DecodeProblem(BaseModel):
             f"kv_len={self.min_kv_len}..{self.max_kv_len} page={self.page_size} "
             f"q={self.q_dtype} kv={self.kv_dtype} {self.device}"
         )
-
-    def kv_bytes(self, mean_kv_len: Optional[float] = None) -> float:
-        """Bytes of cache a decode call must read (each token once)."""
-        length = self.max_kv_len if mean_kv_len is None else mean_kv_len
-        return self.batch_size * length * self.head_dim_qk * bytes_per_element(self.kv_dtype)
-
-    def flops(self, mean_kv_len: Optional[float] = None) -> float:
-        """Matrix FLOPs: QK^T over 576 dims plus PV over 512, 2 per multiply-add."""
-        length = self.max_kv_len if mean_kv_len is None else mean_kv_len
-        return (
-            2.0 * self.batch_size * self.seq_len_q * length * self.num_heads
-            * (self.head_dim_qk + self.kv_lora_rank)
-        )
