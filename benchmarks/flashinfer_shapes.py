@@ -19,7 +19,7 @@ from mlacore import MLADecoder
 from mlacore.bench import BackendSpec, bench_cell, measure_ceilings, report_json, BenchReport
 from mlacore.check import only_backend_dispatcher
 from mlacore.inputs import make_inputs
-from mlacore.problem import DecodeProblem, DeviceSpec, torch_dtype
+from mlacore.problem import DecodeProblem, DeviceSpec
 
 SHAPES = [  # (B, H, s_q, S)
     (1, 16, 1, 4096),

@@ -15,7 +15,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -175,7 +175,6 @@ def measure_ceilings(device: str) -> Ceilings:
     a = torch.randn(n, n, device=device, dtype=dt)
     b = torch.randn(n, n, device=device, dtype=dt)
     t_mm, _ = time_calls(lambda: a @ b, 1, device, graph=False, budget_s=0.5, min_repeats=10)
-    del src, dst, a, b
     return Ceilings(copy_gbps=2 * n_bytes / t_copy / 1e3, matmul_tflops=2 * n ** 3 / t_mm / 1e6,
                     how=f"copy of {n_bytes >> 20} MiB (read+write); {n}^3 {str(dt).replace('torch.', '')} matmul")
 

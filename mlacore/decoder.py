@@ -21,7 +21,7 @@ import torch
 from .dispatch import Decision, Dispatcher, default_dispatcher
 from .hookspecs import StepInputs
 from .policy import Policy
-from .problem import HEAD_DIM_QK, KV_LORA_RANK, QK_ROPE_HEAD_DIM, DecodeProblem, DeviceSpec, dtype_name
+from .problem import KV_LORA_RANK, QK_ROPE_HEAD_DIM, DecodeProblem, DeviceSpec, dtype_name
 from .validation import (
     MLAInputError,
     check_lengths_and_table,

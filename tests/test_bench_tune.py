@@ -6,12 +6,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from mlacore.bench import (BackendSpec, BenchReport, BenchRow, Ceilings, CSV_COLUMNS, bench_cell, report_from_json,
                            report_json, traffic, write_csv)
-from mlacore.grid import PRESETS, Grid, load_grid
-from mlacore.policy import PolicyError, load_policy, parse_policy_text
+from mlacore.grid import PRESETS, load_grid
+from mlacore.policy import PolicyError, parse_policy_text
 from mlacore.problem import DecodeProblem, DeviceSpec
 from mlacore.tune import build_rules, routes, tune, winners, write_atomically
 from conftest import subprocess_env

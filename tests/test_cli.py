@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from mlacore.cli import main
 from conftest import subprocess_env

@@ -1,7 +1,6 @@
 """The reference backend on CUDA (skipped without a GPU)."""
 
 import pytest
-import torch
 
 from mlacore.check import check_backend
 from mlacore.problem import DecodeProblem, DeviceSpec

@@ -3,10 +3,12 @@
 from mlacore import Availability, hookimpl
 
 
-class AvailabilityRaises:
+class MissingRun:
+    """Implements everything but mla_run."""
+
     @hookimpl
     def mla_availability(self):
-        raise RuntimeError("driver query exploded")
+        return Availability(True)
 
     @hookimpl
     def mla_can_implement(self, problem, options):
@@ -15,34 +17,22 @@ class AvailabilityRaises:
     @hookimpl
     def mla_plan(self, problem, options, step):
         return None
+
+
+class CanImplementRaises(MissingRun):
+    @hookimpl
+    def mla_can_implement(self, problem, options):
+        raise ZeroDivisionError("bad shape math")
 
     @hookimpl
     def mla_run(self, plan, q, kv_cache, out, lse):
         raise AssertionError("never chosen")
 
 
-class CanImplementRaises(AvailabilityRaises):
+class AvailabilityRaises(CanImplementRaises):
     @hookimpl
     def mla_availability(self):
-        return Availability(True)
-
-    @hookimpl
-    def mla_can_implement(self, problem, options):
-        raise ZeroDivisionError("bad shape math")
-
-
-class MissingRun:
-    @hookimpl
-    def mla_availability(self):
-        return Availability(True)
-
-    @hookimpl
-    def mla_can_implement(self, problem, options):
-        return []
-
-    @hookimpl
-    def mla_plan(self, problem, options, step):
-        return None
+        raise RuntimeError("driver query exploded")
 
 
 # entry points name instances: pluggy calls hook implementations on the object
