@@ -1,62 +1,59 @@
 """Choosing a backend for a problem, with the reasons for every verdict.
 
 The decision is a pure function of (policy, problem, environment), so every
-tensor-parallel rank reaches the same one. Decisions are cached on a key that
-holds every problem field a verdict reads; batch and kv length enter the key
-only as the interval they fall in between the cut points that the policy's
-rules and the backends' declared limits define, so a decode loop whose length
-grows by one each step keeps hitting the cache without ever sharing a
-decision across a boundary.
+tensor-parallel rank reaches the same one. What plugins say is cached on
+what they see: a backend's `can_implement` and `limits` get the problem's
+shape class (`DecodeShape`: no batch size, no lengths) and its typed options,
+and their answers are cached on exactly that. Batch and length limits come
+back as data that the core evaluates on every problem, as it does the
+policy's rules; so the cache cannot serve a verdict made for another batch
+size or length, by construction.
 
-MLA_DISPATCH_VERIFY=1 re-selects without the cache on every call and reports
-any difference (TensorRT-LLM's sanity mode, as a switch).
+Policy options are validated with each backend's Options model when the
+dispatcher is built: an unknown or mistyped option is a PolicyError naming
+the key path, here and in `mla policy check` alike.
+
+MLA_DISPATCH_VERIFY=1 asks the plugins again on every call and reports any
+answer that differs from the cached one (a plugin whose verdict is not a
+function of what it is shown).
 """
 
 from __future__ import annotations
 
-import bisect
+import logging
 import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .plugins import AVAILABLE, Backend, BackendRegistry, get_registry
-from .policy import Policy, effective_order, load_policy
-from .problem import DecodeProblem
+from .backend import BackendOptions, Limits
+from .errors import NoBackendError, Outcome, PolicyError
+from .policy import Policy, ValidatedOptions, effective_order, load_policy, validate_backend_options
+from .problem import DecodeProblem, DecodeShape
+from .registry import ENV_DISABLE_PLUGINS, BackendHandle, BackendRegistry, BackendStatus, get_registry
+
+log = logging.getLogger("mlacore")
 
 ENV_VERIFY = "MLA_DISPATCH_VERIFY"
+REFERENCE = "reference"
 
-# Verdict stages, in the order the dispatcher applies them.
-CHOSEN = "chosen"
-ACCEPTED = "accepted"  # would take the problem, but an earlier backend was chosen
-NOT_INSTALLED = "not installed"
-UNAVAILABLE = "unavailable"
-CANNOT = "cannot implement"
-POLICY = "policy"
-NOT_IN_ORDER = "not in order"
-
-
-class NoBackendError(RuntimeError):
-    """No backend may take the problem and the policy's fallback is 'error'."""
-
-    def __init__(self, decision: "Decision") -> None:
-        self.decision = decision
-        super().__init__(
-            f"no MLA backend for {decision.problem.describe()}:\n" + decision.format_trace()
-        )
+# Outcome names kept as module constants for callers of the first contract.
+CHOSEN, ACCEPTED, NOT_INSTALLED = Outcome.CHOSEN, Outcome.ACCEPTED, Outcome.NOT_INSTALLED
+UNAVAILABLE, CANNOT, LIMIT = Outcome.UNAVAILABLE, Outcome.CANNOT, Outcome.LIMIT
+POLICY, NOT_IN_ORDER = Outcome.POLICY, Outcome.NOT_IN_ORDER
 
 
 @dataclass(frozen=True)
 class Verdict:
     backend: str
-    outcome: str
+    outcome: Outcome
     reasons: Tuple[str, ...] = ()
-    options: Tuple[Tuple[str, object], ...] = ()  # the options the backend accepted the problem with
+    options: Optional[BackendOptions] = None  # the options the backend accepted the problem with
 
     @property
     def accepts(self) -> bool:
-        return self.outcome in (CHOSEN, ACCEPTED)
+        return self.outcome in (Outcome.CHOSEN, Outcome.ACCEPTED)
 
 
 @dataclass(frozen=True)
@@ -67,11 +64,15 @@ class Decision:
     fallback_used: bool = False
 
     @property
-    def options(self) -> Dict[str, object]:
-        """Options the chosen backend plans with (backend options, overridden by the matching rule)."""
+    def options(self) -> Optional[BackendOptions]:
+        """Typed options the chosen backend runs with (its policy options, overridden by the matching rule)."""
         if self.backend is None:
-            return {}
-        return dict(self.verdict(self.backend).options)
+            return None
+        return self.verdict(self.backend).options
+
+    def options_dict(self) -> Dict[str, Any]:
+        opts = self.options
+        return {} if opts is None else opts.model_dump(mode="json")
 
     def verdict(self, name: str) -> Verdict:
         for v in self.verdicts:
@@ -87,10 +88,6 @@ class Decision:
         return "\n".join(lines)
 
 
-def _bucket(value: int, cuts: Sequence[int]) -> int:
-    return bisect.bisect_right(cuts, value)
-
-
 class Dispatcher:
     """Select backends for problems under one policy; thread-safe."""
 
@@ -102,103 +99,138 @@ class Dispatcher:
         known = self.registry.names()
         self.policy.check_names(known)
         self.order: List[str] = effective_order(self.policy, known, self.env)
+        self._check_essential_reference()
+        self.options: Dict[str, ValidatedOptions] = self._validate_options()
         self.verify = self.env.get(ENV_VERIFY, "").strip().lower() in ("1", "true", "yes", "on")
-        self._cache: Dict[object, Decision] = {}
+        self._support: Dict[tuple, Tuple[Tuple[str, ...], Limits]] = {}
         self._lock = threading.Lock()
-        self.mismatches: List[Tuple[DecodeProblem, str, str]] = []
-        self._batch_cuts, self._kv_cuts = self._collect_cuts()
+        self.mismatches: List[Tuple[str, DecodeShape, str]] = []
 
-    def _collect_cuts(self) -> Tuple[List[int], List[int]]:
-        batch, kv = self.policy.shape_cuts()
-        kv = kv + [1]  # zero-length requests are a shape of their own
-        for backend in self.registry.backends():
-            if backend.loaded:
-                info = backend.info()
-                batch += list(info.batch_cuts)
-                kv += list(info.kv_len_cuts)
-        return sorted(set(batch)), sorted(set(kv))
+    # -- construction checks ---------------------------------------------
+    def _check_essential_reference(self) -> None:
+        """With fallback = "reference" the oracle is essential: disabling it is a policy error now."""
+        if self.policy.mla.fallback != REFERENCE:
+            return
+        ref = self.registry.get(REFERENCE)
+        if ref is None or ref.status in (BackendStatus.DISABLED, BackendStatus.BROKEN):
+            why = ref.disabled_reason or ref.load_error if ref is not None else "not installed"
+            setting = (f"{ENV_DISABLE_PLUGINS}={self.env.get(ENV_DISABLE_PLUGINS, '')!r}"
+                       if ref is not None and ref.disabled_reason else f"the reference backend ({why})")
+            raise PolicyError(
+                f"{self.policy.source}: mla.fallback = 'reference' needs the reference backend, but "
+                f"{setting} takes it away; re-enable it or set mla.fallback = 'error'")
 
-    def cache_key(self, problem: DecodeProblem) -> object:
-        """Every field a verdict reads, with batch and lengths reduced to their interval."""
-        return problem.model_copy(update={
-            "batch_size": _bucket(problem.batch_size, self._batch_cuts),
-            "max_kv_len": _bucket(problem.max_kv_len, self._kv_cuts),
-            "min_kv_len": _bucket(problem.min_kv_len, self._kv_cuts),
-        })
+    def _validate_options(self) -> Dict[str, ValidatedOptions]:
+        errors: List[str] = []
+        out: Dict[str, ValidatedOptions] = {}
+        for handle in self.registry.backends():
+            if not handle.loaded:
+                continue  # a policy may keep options for backends not usable here
+            try:
+                out[handle.name] = validate_backend_options(self.policy, handle.name, handle.options_model)
+            except PolicyError as err:
+                errors.append(str(err))
+        if errors:
+            raise PolicyError("\n".join(errors))
+        return out
 
-    def select(self, problem: DecodeProblem) -> Decision:
-        """The decision for `problem`: cached, and raising NoBackendError when none applies."""
-        key = self.cache_key(problem)
-        cached = self._cache.get(key)
+    # -- plugin answers, cached on what the plugin sees ---------------------
+    def support(self, handle: BackendHandle, shape: DecodeShape,
+                options: BackendOptions) -> Tuple[Tuple[str, ...], Limits]:
+        """(can_implement reasons, limits) of one backend for a shape class and options."""
+        key = (handle.name, shape, options)
+        cached = self._support.get(key)
         if cached is not None and not self.verify:
             return cached
-        decision = self.explain(problem)
-        if cached is not None and cached.backend != decision.backend:
-            self.mismatches.append((problem, cached.backend or "", decision.backend or ""))
-            warnings.warn(
-                f"mlacore dispatch cache disagrees for {problem.describe()}: cached "
-                f"{cached.backend!r}, fresh {decision.backend!r} (a backend reads a shape "
-                "field it did not declare a cut for)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        reasons = handle.can_implement(shape, options)
+        limits = handle.limits(shape, options) if not reasons else Limits()
+        fresh = (reasons, limits)
         if cached is None:
             with self._lock:
-                self._cache.setdefault(key, decision)
+                self._support.setdefault(key, fresh)
+        elif cached != fresh:
+            self.mismatches.append((handle.name, shape, f"cached {cached}, fresh {fresh}"))
+            warnings.warn(f"mlacore: backend '{handle.name}' answered differently for the same shape "
+                          f"{shape.describe()}: cached {cached}, fresh {fresh}", RuntimeWarning, stacklevel=3)
+        return fresh
+
+    # -- decisions ---------------------------------------------------------
+    def select(self, problem: DecodeProblem) -> Decision:
+        """The decision for `problem`, raising NoBackendError when none applies."""
+        decision = self.explain(problem)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("mlacore: %s -> %s\n%s", problem.describe(), decision.backend, decision.format_trace())
         if decision.backend is None:
             raise NoBackendError(decision)
         return decision
 
     def explain(self, problem: DecodeProblem) -> Decision:
-        """Evaluate every backend afresh, without the cache; never raises for 'no backend'."""
+        """Every backend's verdict on `problem`, and the choice; never raises for 'no backend'."""
         verdicts: List[Verdict] = []
         chosen: Optional[str] = None
         for name in self.order:
             verdict = self._judge(name, problem)
             if verdict.accepts and chosen is None:
                 chosen = name
-                verdict = Verdict(name, CHOSEN, options=verdict.options)
+                verdict = Verdict(name, Outcome.CHOSEN, options=verdict.options)
             verdicts.append(verdict)
         fallback_used = False
-        if chosen is None and self.policy.mla.fallback == "reference":
-            ref = self._judge("reference", problem, apply_policy=False)
+        ref: Optional[Verdict] = None
+        if chosen is None and self.policy.mla.fallback == REFERENCE:
+            ref = self._judge(REFERENCE, problem, apply_policy=False)
             if ref.accepts:
-                chosen, fallback_used = "reference", True
-        for backend in self.registry.backends():
-            if backend.name not in self.order:
-                if backend.name == chosen:
-                    verdicts.append(Verdict(backend.name, CHOSEN, ("policy fallback",), ref.options))
-                else:
-                    verdicts.append(Verdict(backend.name, NOT_IN_ORDER,
-                                            self._judge(backend.name, problem).reasons))
+                chosen, fallback_used = REFERENCE, True
+        for handle in self.registry.backends():
+            if handle.name in self.order:
+                continue
+            if handle.name == chosen and ref is not None:
+                verdicts.append(Verdict(handle.name, Outcome.CHOSEN, ("policy fallback",), ref.options))
+            else:
+                verdicts.append(Verdict(handle.name, Outcome.NOT_IN_ORDER,
+                                        self._judge(handle.name, problem).reasons))
         return Decision(problem, chosen, tuple(verdicts), fallback_used)
 
     def _judge(self, name: str, problem: DecodeProblem, apply_policy: bool = True) -> Verdict:
-        backend: Optional[Backend] = self.registry.get(name)
-        if backend is None:
-            return Verdict(name, NOT_INSTALLED, (f"no installed distribution provides '{name}'",))
-        if backend.status != AVAILABLE:
-            return Verdict(name, UNAVAILABLE, (f"{backend.status}",) + backend.reasons())
+        handle = self.registry.get(name)
+        if handle is None:
+            return Verdict(name, Outcome.NOT_INSTALLED, (f"no installed distribution provides '{name}'",))
+        status = handle.status
+        if status != BackendStatus.AVAILABLE:
+            return Verdict(name, Outcome.UNAVAILABLE, (str(status),) + handle.reasons())
+        validated = self.options.get(name)
+        if validated is None:  # loaded after this dispatcher was built
+            validated = validate_backend_options(self.policy, name, handle.options_model)
+            self.options[name] = validated
         bpol = self.policy.backend_policy(name)
-        rejected = bpol.rejections(problem) if apply_policy else []
-        option_sets = bpol.option_sets(problem) if apply_policy else [dict(bpol.options)]
-        first_reasons: Tuple[str, ...] = ()
+        option_sets = validated.option_sets(bpol, problem) if apply_policy else [validated.base]
+        shape = problem.shape
+        first: Optional[Tuple[Outcome, Tuple[str, ...]]] = None
+        accepted: Optional[BackendOptions] = None
         for options in option_sets:
-            reasons = backend.can_implement(problem, options)
-            if not reasons:
-                break
-            first_reasons = first_reasons or reasons
-        else:
-            return Verdict(name, CANNOT, first_reasons)
-        if rejected:
-            return Verdict(name, POLICY, tuple(rejected))
-        return Verdict(name, ACCEPTED, options=tuple(sorted(options.items())))
+            reasons, limits = self.support(handle, shape, options)
+            if reasons:
+                first = first or (Outcome.CANNOT, reasons)
+                continue
+            over = limits.reasons(problem)
+            if over:
+                first = first or (Outcome.LIMIT, tuple(over))
+                continue
+            accepted = options
+            break
+        if accepted is None:
+            assert first is not None
+            return Verdict(name, first[0], first[1])
+        if apply_policy:
+            rejected = bpol.rejections(problem)
+            if rejected:
+                return Verdict(name, Outcome.POLICY, tuple(rejected))
+        return Verdict(name, Outcome.ACCEPTED, options=accepted)
 
-    def backend(self, name: str) -> Backend:
-        backend = self.registry.get(name)
-        if backend is None:
+    def backend(self, name: str) -> BackendHandle:
+        handle = self.registry.get(name)
+        if handle is None:
             raise KeyError(f"backend '{name}' is not installed")
-        return backend
+        return handle
 
 
 _dispatchers: Dict[object, Dispatcher] = {}

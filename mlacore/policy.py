@@ -37,8 +37,7 @@ BUILTIN_SOURCE = "<built-in default>"
 FIRST_PARTY_BACKENDS = ("cute_dsl_mla", "flashinfer_mla", "cutlass_mla", "reference")
 
 
-class PolicyError(ValueError):
-    """A policy file or override is invalid; the message names the key path."""
+from .errors import PolicyError  # noqa: E402  (re-exported: policy errors are raised here)
 
 
 class _Strict(BaseModel):
@@ -333,3 +332,67 @@ def effective_order(policy: Policy, known: Iterable[str],
             else:
                 order.append(name)
     return order
+
+
+# -- backend options -------------------------------------------------------
+
+
+def _option_error_lines(prefix: str, errors: Sequence[Mapping[str, Any]], model: type) -> List[str]:
+    known = ", ".join(sorted(model.model_fields)) or "none"
+    lines = []
+    for e in errors:
+        key = _format_loc(e["loc"]) if e["loc"] else ""
+        where = f"{prefix}.{key}" if key else prefix
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown option (known: {known})")
+        else:
+            lines.append(f"{where}: {e['msg']}")
+    return lines
+
+
+class ValidatedOptions:
+    """One backend's policy options, parsed into its typed Options model.
+
+    `base` is `[backend.X].options`; `per_rule[i]` is the options of allow
+    rule i merged over them. Built once, when a dispatcher is made.
+    """
+
+    def __init__(self, base: Any, per_rule: Tuple[Any, ...]) -> None:
+        self.base = base
+        self.per_rule = per_rule
+
+    def option_sets(self, bpol: BackendPolicy, problem: DecodeProblem) -> List[Any]:
+        """The options to try for `problem`: one per matching allow rule, else the base options."""
+        if not bpol.allow:
+            return [self.base]
+        sets: List[Any] = []
+        for rule, opts in zip(bpol.allow, self.per_rule):
+            if not rule.mismatches(problem) and opts not in sets:
+                sets.append(opts)
+        return sets or [self.base]
+
+
+def validate_backend_options(policy: Policy, name: str, model: type) -> ValidatedOptions:
+    """Parse a backend's options (and every allow rule's) with its Options model.
+
+    Raises PolicyError naming every bad key path at once, e.g.
+    `backend.flashinfer_mla.allow[2].options.varaint: unknown option`.
+    """
+    bpol = policy.backend_policy(name)
+    errors: List[str] = []
+    base = None
+    try:
+        base = model.model_validate(dict(bpol.options))
+    except ValidationError as err:
+        errors += _option_error_lines(f"{policy.source}: backend.{name}.options", err.errors(), model)
+    per_rule = []
+    for i, rule in enumerate(bpol.allow):
+        try:
+            per_rule.append(model.model_validate({**bpol.options, **rule.options}))
+        except ValidationError as err:
+            if rule.options:  # errors of the base options are reported once, above
+                own = [e for e in err.errors() if e["loc"] and e["loc"][0] in rule.options]
+                errors += _option_error_lines(f"{policy.source}: backend.{name}.allow[{i}].options", own, model)
+    if errors:
+        raise PolicyError("\n".join(errors))
+    return ValidatedOptions(base, tuple(per_rule))

@@ -82,22 +82,19 @@ class DeviceSpec(BaseModel):
         return f"{self.type}:sm_{self.capability[0]}{self.capability[1]}"
 
 
-class DecodeProblem(BaseModel):
-    """One MLA decode call, as the dispatcher and the backends see it.
+class DecodeShape(BaseModel):
+    """The shape class of a decode call: every fact except batch size and kv lengths.
 
-    Shapes follow the canonical tensors: q [B, s_q, H, 576], cache
-    [P, page, 576], table [B, max_pages], lens [B], out [B, s_q, H, 512].
-    `max_kv_len`/`min_kv_len` are the largest and smallest entries of lens
-    (min 0 means some request has no context at all).
+    This is all a backend's `can_implement` sees, and what the dispatcher
+    caches verdicts on, so the cache is exact by construction: batch and
+    length limits are declared as data (`mlacore.backend.Limits`) that the
+    core evaluates on every problem.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     num_heads: int = Field(ge=1)
     seq_len_q: int = Field(default=1, ge=1)
-    batch_size: int = Field(ge=1)
-    max_kv_len: int = Field(ge=0)
-    min_kv_len: int = Field(default=0, ge=0)
     page_size: int = Field(ge=1)
     q_dtype: QDType = "bf16"
     kv_dtype: DType = "bf16"
@@ -106,6 +103,30 @@ class DecodeProblem(BaseModel):
     causal: bool = True
     return_lse: bool = True
     device: DeviceSpec = DeviceSpec()
+
+    @property
+    def head_dim_qk(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def describe(self) -> str:
+        return (
+            f"H={self.num_heads} s_q={self.seq_len_q} page={self.page_size} "
+            f"q={self.q_dtype} kv={self.kv_dtype} {self.device}"
+        )
+
+
+class DecodeProblem(DecodeShape):
+    """One MLA decode call, as the dispatcher and the backends see it.
+
+    Shapes follow the canonical tensors: q [B, s_q, H, 576], cache
+    [P, page, 576], table [B, max_pages], lens [B], out [B, s_q, H, 512].
+    `max_kv_len`/`min_kv_len` are the largest and smallest entries of lens
+    (min 0 means some request has no context at all).
+    """
+
+    batch_size: int = Field(ge=1)
+    max_kv_len: int = Field(ge=0)
+    min_kv_len: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _lengths_ordered(self) -> "DecodeProblem":
@@ -116,8 +137,9 @@ class DecodeProblem(BaseModel):
         return self
 
     @property
-    def head_dim_qk(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
+    def shape(self) -> DecodeShape:
+        """The shape class (what verdicts are cached on)."""
+        return DecodeShape(**{k: getattr(self, k) for k in DecodeShape.model_fields})
 
     def describe(self) -> str:
         return (

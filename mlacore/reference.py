@@ -1,8 +1,6 @@
 """The reference backend: plain torch, CPU or CUDA, and the oracle for every other backend.
 
-It computes in fp32 (or fp64 when asked) one request at a time and walks the
-kv length in chunks with an online softmax, so B=128, S=32768 never holds
-more than one chunk of scores. Semantics it defines for all backends:
+Semantics it defines for all backends:
 
 * causal with s_q > 1 is bottom-right aligned: query i of a request of kv
   length L sees kv positions < L - s_q + i + 1;
@@ -10,20 +8,47 @@ more than one chunk of scores. Semantics it defines for all backends:
   gets out = 0 and lse = -inf;
 * lse is the natural log of the softmax denominator of the scaled scores;
 * fp8 caches are dequantized as value * kv_scale (one per-tensor scale).
+
+Two implementations of the same math live here:
+
+* `mla_decode_reference` walks one request at a time with host lengths. It
+  is the plainest statement of the semantics and, in fp64, the oracle that
+  `mlacore.testing` compares every backend (this one included) against.
+* `mla_decode_paged` is what the `reference` backend runs: the whole batch
+  at once, lengths read from a device tensor, a fixed number of pages walked
+  in chunks with an online softmax. It does no host work per call, so a
+  CUDA graph captured around it replays correctly after any re-plan.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
+from pydantic import Field
 
-from .hookspecs import Availability, BackendInfo, StepInputs, hookimpl
-from .problem import DecodeProblem
+from .backend import (
+    Availability,
+    Backend,
+    BackendInfo,
+    BackendOptions,
+    Planned,
+    Session,
+    SessionConfig,
+    StepInputs,
+    hookimpl,
+)
+from .problem import DecodeProblem, DecodeShape
 
-DEFAULT_CHUNK_TOKENS = 4096
+DEFAULT_CHUNK_TOKENS = 65536
+
+
+def _gather_pages(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """kv_cache[ids], also for fp8 caches (not every device gathers fp8 directly)."""
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        return kv_cache.view(torch.uint8)[ids].view(kv_cache.dtype)
+    return kv_cache[ids]
 
 
 def mla_decode_reference(
@@ -37,128 +62,177 @@ def mla_decode_reference(
     out: Optional[torch.Tensor] = None,
     lse: Optional[torch.Tensor] = None,
     kv_lora_rank: int = 512,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    compute_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype = torch.float64,
 ):
-    """MLA decode over a paged latent cache; returns (out, lse).
+    """The oracle: one request at a time, exact softmax, host lengths. Returns (out, lse).
 
     q [B, s_q, H, D], kv_cache [P, page, D], page_table [B, max_pages],
-    kv_lens [B] (a tensor or a list of ints; pass a list to avoid a device sync).
+    kv_lens [B] (a tensor or a list of ints).
     """
     B, s_q, H, D = q.shape
     page = kv_cache.shape[1]
     lens: List[int] = kv_lens.tolist() if isinstance(kv_lens, torch.Tensor) else list(kv_lens)
     if out is None:
-        out = torch.empty(B, s_q, H, kv_lora_rank, dtype=q.dtype, device=q.device)
+        out = torch.empty(B, s_q, H, kv_lora_rank, dtype=compute_dtype, device=q.device)
     if lse is None:
-        lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
-    flat_cache = kv_cache  # indexed per page below
+        lse = torch.empty(B, s_q, H, dtype=compute_dtype, device=q.device)
     rows = s_q * H
     query_of_row = torch.arange(rows, device=q.device) // H  # row r = i * H + h
     for b in range(B):
         L = int(lens[b])
-        qb = q[b].reshape(rows, D).to(compute_dtype)
-        m = torch.full((rows,), -math.inf, dtype=compute_dtype, device=q.device)
-        den = torch.zeros(rows, dtype=compute_dtype, device=q.device)
-        acc = torch.zeros(rows, kv_lora_rank, dtype=compute_dtype, device=q.device)
-        # last visible position (exclusive) for each row
         limit = (L - s_q + 1 + query_of_row) if causal else torch.full_like(query_of_row, L)
-        for start in range(0, L, chunk_tokens):
-            end = min(L, start + chunk_tokens)
-            p0, p1 = start // page, (end + page - 1) // page
-            pages = page_table[b, p0:p1].to(device=kv_cache.device, dtype=torch.long)
-            if kv_cache.dtype == torch.float8_e4m3fn:  # gather the bytes; not every device gathers fp8
-                kv = flat_cache.view(torch.uint8).index_select(0, pages).view(kv_cache.dtype).reshape(-1, D)
-            else:
-                kv = flat_cache.index_select(0, pages).reshape(-1, D)
-            kv = kv[start - p0 * page: end - p0 * page].to(compute_dtype)
-            if kv_scale != 1.0:
-                kv = kv * kv_scale
-            s = (qb @ kv.T) * sm_scale  # [rows, n]
-            if causal and s_q > 1:
-                pos = torch.arange(start, end, device=q.device)
-                s = s.masked_fill(pos[None, :] >= limit[:, None], -math.inf)
-            m_new = torch.maximum(m, s.max(dim=1).values)
-            shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            alpha = torch.exp(m - shift)
-            p = torch.exp(s - shift[:, None])
-            den = den * alpha + p.sum(dim=1)
-            acc = acc * alpha[:, None] + p @ kv[:, :kv_lora_rank]
-            m = m_new
-        seen = den > 0
-        o = torch.where(seen[:, None], acc / torch.where(seen, den, torch.ones_like(den))[:, None],
-                        torch.zeros_like(acc))
-        row_lse = torch.where(seen, m + torch.log(torch.where(seen, den, torch.ones_like(den))),
-                              torch.full_like(m, -math.inf))
+        qb = q[b].reshape(rows, D).to(compute_dtype)
+        n_pages = (L + page - 1) // page
+        ids = page_table[b, :n_pages].to(device=kv_cache.device, dtype=torch.long)
+        kv = _gather_pages(kv_cache, ids).reshape(-1, D)[:L].to(compute_dtype) * kv_scale
+        s = (qb @ kv.T) * sm_scale  # [rows, L]
+        s = s.masked_fill(torch.arange(L, device=q.device)[None, :] >= limit[:, None], -math.inf)
+        seen = limit > 0
+        m = torch.where(seen, s.max(dim=1).values if L else torch.zeros(rows, dtype=compute_dtype,
+                                                                            device=q.device), 0.0)
+        p = torch.exp(s - m[:, None])
+        den = p.sum(dim=1)
+        o = torch.where(seen[:, None], (p @ kv[:, :kv_lora_rank]) / torch.where(seen, den, 1.0)[:, None], 0.0)
+        row_lse = torch.where(seen, m + torch.log(torch.where(seen, den, 1.0)), -math.inf)
         out[b].copy_(o.reshape(s_q, H, kv_lora_rank))
         lse[b].copy_(row_lse.reshape(s_q, H))
     return out, lse
 
 
-# -- the backend plugin -------------------------------------------------
+def mla_decode_paged(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    pages_to_walk: int,
+    sm_scale: float,
+    kv_scale: float,
+    causal: bool,
+    out: torch.Tensor,
+    lse: Optional[torch.Tensor],
+    kv_lora_rank: int = 512,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    compute_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Batched decode with device lengths; writes out (and lse). No host work, no sync.
+
+    Walks `pages_to_walk` table columns (a host constant: the step's longest
+    request, or a CUDA-graph envelope). Slots past a request's length are
+    clamped to a valid page and zeroed before use, so NaN-poisoned or garbage
+    entries never reach the result.
+    """
+    B, s_q, H, D = q.shape
+    P, page = kv_cache.shape[0], kv_cache.shape[1]
+    rows = s_q * H
+    dev = q.device
+    lens = kv_lens.to(device=dev, dtype=torch.long)
+    qf = q.reshape(B, rows, D).to(compute_dtype)
+    row_query = torch.arange(rows, device=dev) // H
+    limit = (lens[:, None] - s_q + 1 + row_query[None, :]) if causal else lens[:, None].expand(B, rows)
+    m = torch.full((B, rows), -math.inf, dtype=compute_dtype, device=dev)
+    den = torch.zeros(B, rows, dtype=compute_dtype, device=dev)
+    acc = torch.zeros(B, rows, kv_lora_rank, dtype=compute_dtype, device=dev)
+    chunk_pages = max(1, chunk_tokens // (B * page * max(1, rows // 64)))
+    for p0 in range(0, pages_to_walk, chunk_pages):
+        p1 = min(pages_to_walk, p0 + chunk_pages)
+        ids = page_table[:, p0:p1].to(device=kv_cache.device, dtype=torch.long).clamp(0, P - 1)
+        kv = _gather_pages(kv_cache, ids).to(device=dev).reshape(B, (p1 - p0) * page, D).to(compute_dtype)
+        pos = torch.arange(p0 * page, p1 * page, device=dev)
+        kv = torch.where((pos[None, :] < lens[:, None])[..., None], kv, 0.0)
+        if kv_scale != 1.0:
+            kv = kv * kv_scale
+        s = torch.bmm(qf, kv.transpose(1, 2)) * sm_scale  # [B, rows, T]
+        s = s.masked_fill(pos[None, None, :] >= limit[:, :, None], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=2))
+        shift = torch.where(torch.isinf(m_new), 0.0, m_new)
+        alpha = torch.exp(m - shift)
+        p = torch.exp(s - shift[..., None])
+        den = den * alpha + p.sum(dim=2)
+        acc = acc * alpha[..., None] + torch.bmm(p, kv[..., :kv_lora_rank])
+        m = m_new
+    seen = den > 0
+    safe = torch.where(seen, den, 1.0)
+    out.copy_(torch.where(seen[..., None], acc / safe[..., None], 0.0).reshape(out.shape))
+    if lse is not None:
+        lse.copy_(torch.where(seen, m + torch.log(safe), -math.inf).reshape(lse.shape))
 
 
-@dataclass(frozen=True)
-class ReferencePlan:
-    page_table: torch.Tensor
-    lens: List[int]
-    sm_scale: float
-    kv_scale: float
-    causal: bool
-    kv_lora_rank: int
-    chunk_tokens: int
+# -- the backend ----------------------------------------------------------
 
 
-_OPTIONS = {"chunk_tokens"}
+class ReferenceOptions(BackendOptions):
+    chunk_tokens: int = Field(default=DEFAULT_CHUNK_TOKENS, ge=1,
+                              description="tokens gathered per chunk over the whole batch (memory bound)")
 
 
-@hookimpl
-def mla_backend_info() -> BackendInfo:
-    return BackendInfo(
-        description="pure torch, fp32 compute, any shape; CPU and CUDA; the correctness oracle",
-        graph_capturable=False,
-    )
+class ReferencePlanned(Planned):
+    __slots__ = ("kv_lens", "page_table", "pages", "config", "chunk_tokens")
 
+    def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, pages: int,
+                 config: SessionConfig, chunk_tokens: int) -> None:
+        self.kv_lens, self.page_table, self.pages = kv_lens, page_table, pages
+        self.config, self.chunk_tokens = config, chunk_tokens
 
-@hookimpl
-def mla_availability() -> Availability:
-    return Availability(True, details={"torch": torch.__version__})
-
-
-@hookimpl
-def mla_option_errors(options: Dict[str, Any]) -> List[str]:
-    errors = [f"unknown option '{k}' (known: chunk_tokens)" for k in options if k not in _OPTIONS]
-    chunk = options.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        errors.append(f"chunk_tokens={chunk!r}: expected a positive integer")
-    return errors
-
-
-@hookimpl
-def mla_can_implement(problem: DecodeProblem, options: Dict[str, Any]) -> List[str]:
-    reasons = []
-    if problem.kv_lora_rank < 1 or problem.qk_rope_head_dim < 0:
-        reasons.append("kv_lora_rank must be >= 1 and qk_rope_head_dim >= 0")
-    return reasons
-
-
-@hookimpl
-def mla_plan(problem: DecodeProblem, options: Dict[str, Any], step: StepInputs) -> ReferencePlan:
-    return ReferencePlan(
-        page_table=step.page_table,
-        lens=step.kv_lens_host.tolist(),
-        sm_scale=step.sm_scale,
-        kv_scale=step.kv_scale,
-        causal=problem.causal,
-        kv_lora_rank=problem.kv_lora_rank,
-        chunk_tokens=int(options.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)),
-    )
-
-
-@hookimpl
-def mla_run(plan: ReferencePlan, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
             lse: Optional[torch.Tensor]) -> None:
-    mla_decode_reference(
-        q, kv_cache, plan.page_table, plan.lens, plan.sm_scale, plan.kv_scale, plan.causal,
-        out=out, lse=lse, kv_lora_rank=plan.kv_lora_rank, chunk_tokens=plan.chunk_tokens,
-    )
+        c = self.config
+        mla_decode_paged(q, kv_cache, self.page_table, self.kv_lens, self.pages, c.sm_scale, c.kv_scale,
+                         c.causal, out, lse, c.kv_lora_rank, self.chunk_tokens)
+
+
+class ReferenceSession(Session):
+    """Eager: reads the engine's tensors. Graph mode: copies them into buffers sized from the envelope."""
+
+    def __init__(self, config: SessionConfig, options: ReferenceOptions) -> None:
+        self.config, self.options = config, options
+        self._lens_buf: Optional[torch.Tensor] = None
+        self._table_buf: Optional[torch.Tensor] = None
+        env = config.envelope
+        if env is not None:
+            dev = torch.device(config.device.type, config.device_index) if config.device.type == "cuda" else "cpu"
+            self._lens_buf = torch.zeros(env.max_batch, dtype=torch.int32, device=dev)
+            self._table_buf = torch.zeros(env.max_batch, env.max_pages(config.page_size), dtype=torch.int32,
+                                          device=dev)
+
+    def plan(self, problem: DecodeProblem, step: StepInputs) -> ReferencePlanned:
+        B, page = problem.batch_size, problem.page_size
+        if self._lens_buf is None:
+            pages = -(-problem.max_kv_len // page)
+            return ReferencePlanned(step.kv_lens, step.page_table, pages, self.config, self.options.chunk_tokens)
+        width = min(step.page_table.shape[1], self._table_buf.shape[1])
+        self._lens_buf[:B].copy_(step.kv_lens, non_blocking=True)
+        self._table_buf[:B, :width].copy_(step.page_table[:, :width], non_blocking=True)
+        return ReferencePlanned(self._lens_buf[:B], self._table_buf[:B], self._table_buf.shape[1],
+                                self.config, self.options.chunk_tokens)
+
+    def close(self) -> None:
+        self._lens_buf = self._table_buf = None
+
+
+class ReferenceBackend(Backend):
+    """pure torch, fp32 compute, any shape; CPU and CUDA; the correctness oracle"""
+
+    name = "reference"
+    Options = ReferenceOptions
+
+    @hookimpl
+    def availability(self) -> Availability:
+        return Availability(True, details={"torch": torch.__version__})
+
+    @hookimpl
+    def info(self) -> BackendInfo:
+        return BackendInfo(description="pure torch, fp32 compute, any shape; CPU and CUDA; the oracle",
+                           notes=("slow by design: the fallback when no kernel takes a shape",))
+
+    @hookimpl
+    def can_implement(self, shape: DecodeShape, options: ReferenceOptions) -> List[str]:
+        if shape.kv_lora_rank < 1 or shape.qk_rope_head_dim < 0:
+            return ["kv_lora_rank must be >= 1 and qk_rope_head_dim >= 0"]
+        return []
+
+    @hookimpl
+    def open(self, config: SessionConfig, options: ReferenceOptions) -> ReferenceSession:
+        return ReferenceSession(config, options)
+
+
+backend = ReferenceBackend()

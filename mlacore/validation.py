@@ -12,8 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 
-class MLAInputError(ValueError):
-    """An argument to the decoder is not what it must be; the message names it."""
+from .errors import MLAInputError  # noqa: E402  (re-exported)
 
 
 def expect_tensor(name: str, value: object) -> torch.Tensor:
