@@ -7,7 +7,7 @@ than from an exception in the middle of a step.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 VARIANTS = ("fa2", "fa3", "trtllm-gen")
 OPTION_VARIANTS = ("auto",) + VARIANTS
@@ -29,11 +29,18 @@ def auto_variant(capability: Optional[Tuple[int, int]]) -> Optional[str]:
     return None
 
 
-def variant_for(problem: Any, options: Dict[str, Any]) -> Optional[str]:
-    requested = options.get("variant", "auto")
+def variant_for(shape: Any, options: Any) -> Optional[str]:
+    """The kernel family `options.variant` names, or the architecture's default for "auto"."""
+    requested = getattr(options, "variant", "auto")
     if requested != "auto":
         return requested
-    return auto_variant(problem.device.capability)
+    return auto_variant(shape.device.capability)
+
+
+def fa_work_items_per_request(shape: Any) -> int:
+    """FlashInfer's FA scheduler splits each request into query tiles of 64 or 128 rows."""
+    tile = 128 if shape.seq_len_q * shape.num_heads > 64 else 64
+    return -(-shape.seq_len_q * shape.num_heads // tile)
 
 
 def fa2_shared_bytes(ckv: int, kpe: int, fp8_kv: bool, smem_per_sm: int) -> Optional[int]:
@@ -55,11 +62,12 @@ def fa2_shared_bytes(ckv: int, kpe: int, fp8_kv: bool, smem_per_sm: int) -> Opti
     return max(q_bytes + kv_bytes + repack + 2 * 64 * 4, 64 * ckv * 2)
 
 
-def reasons(problem: Any, options: Dict[str, Any],
+def reasons(problem: Any, options: Any,
             smem: Optional[Tuple[int, int]] = None) -> List[str]:
-    """Every reason FlashInfer cannot take `problem` (empty: it can).
+    """Every reason FlashInfer cannot take this shape class (empty: it can).
 
-    `smem` is (shared memory per SM, per block opt-in) of the device, when known.
+    `smem` is (shared memory per SM, per block opt-in) of the device, when
+    known. Batch limits are not reasons here: they are `Limits` (plugin.py).
     """
     out: List[str] = []
     dev = problem.device
@@ -101,11 +109,6 @@ def reasons(problem: Any, options: Dict[str, Any],
         if problem.causal and problem.seq_len_q > 1 and 64 % problem.num_heads and 128 % problem.num_heads:
             out.append(f"num_heads={problem.num_heads} with causal seq_len_q>1: FlashInfer's causal query "
                        "tiles (64 or 128 rows) must hold whole tokens (num_heads dividing 64 or 128)")
-        tile = 128 if problem.seq_len_q * problem.num_heads > 64 else 64
-        items = problem.batch_size * -(-problem.seq_len_q * problem.num_heads // tile)
-        if items > FA_MAX_WORK_ITEMS:
-            out.append(f"batch={problem.batch_size} x query tiles = {items} work items > FlashInfer's "
-                       f"{FA_MAX_WORK_ITEMS}")
     elif variant == "trtllm-gen":
         if cap not in ((10, 0), (10, 3)):
             out.append(f"variant trtllm-gen needs sm_100 or sm_103, device is {dev}")
@@ -120,15 +123,3 @@ def reasons(problem: Any, options: Dict[str, Any],
         elif problem.kv_dtype != problem.q_dtype:
             out.append(f"kv_dtype={problem.kv_dtype} must equal q_dtype={problem.q_dtype}")
     return out
-
-
-def option_errors(options: Dict[str, Any]) -> List[str]:
-    known = {"variant", "workspace_mb"}
-    errors = [f"unknown option '{k}' (known: {', '.join(sorted(known))})" for k in options if k not in known]
-    variant = options.get("variant", "auto")
-    if variant not in OPTION_VARIANTS:
-        errors.append(f"variant={variant!r}: expected one of {', '.join(OPTION_VARIANTS)}")
-    ws = options.get("workspace_mb", 128)
-    if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
-        errors.append(f"workspace_mb={ws!r}: expected a positive integer")
-    return errors

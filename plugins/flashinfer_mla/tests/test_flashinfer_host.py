@@ -7,14 +7,18 @@ import torch
 
 from mla_flashinfer import variants
 from mla_flashinfer.metadata import csr_from_table, trtllm_gen_args
-from mla_flashinfer.plugin import mla_availability
-from mlacore import BackendRegistry, Dispatcher, parse_policy
+from mla_flashinfer.plugin import FlashInferBackend, FlashInferOptions
+from mlacore import BackendRegistry, Dispatcher, PolicyError, parse_policy
 from mlacore.problem import DecodeProblem, DeviceSpec
 
 H200 = DeviceSpec(type="cuda", capability=(9, 0))
 B200 = DeviceSpec(type="cuda", capability=(10, 0))
 A100 = DeviceSpec(type="cuda", capability=(8, 0))
 H200_SMEM = (233472, 232448)
+
+
+def opts(**kw):
+    return FlashInferOptions(**kw)
 
 
 def prob(**kw):
@@ -26,7 +30,7 @@ def prob(**kw):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
 def test_availability_without_gpu_names_the_reason():
-    avail = mla_availability()
+    avail = FlashInferBackend().availability()
     assert not avail.available
     assert any("CUDA" in r for r in avail.reasons), avail.reasons
 
@@ -37,7 +41,8 @@ def test_listing_does_not_import_flashinfer():
     backend = reg.get("flashinfer_mla")
     assert backend.distribution == "mla-flashinfer"
     backend.availability()
-    backend.can_implement(prob(), {})
+    backend.can_implement(prob().shape, FlashInferOptions())
+    backend.limits(prob().shape, FlashInferOptions())
     assert "flashinfer" not in sys.modules
 
 
@@ -58,7 +63,7 @@ def test_fa3_takes_deepseek_shapes():
 
 def test_every_reason_is_listed_not_just_the_first():
     p = prob(q_dtype="fp32", kv_dtype="fp8_e4m3", device=A100)
-    r = variants.reasons(p, {"variant": "fa3"}, (167936, 166912))
+    r = variants.reasons(p, opts(variant="fa3"), (167936, 166912))
     assert "variant fa3 needs sm_90, device is cuda:sm_80" in r
     assert "q_dtype=fp32 not in {bf16, fp16}" in r
     assert "kv_dtype=fp8_e4m3 needs sm_90 for fa3, device is cuda:sm_80" in r
@@ -66,53 +71,68 @@ def test_every_reason_is_listed_not_just_the_first():
 
 
 def test_cpu_and_old_gpus_are_refused():
-    assert variants.reasons(prob(device=DeviceSpec(type="cpu")), {}) == [
+    assert variants.reasons(prob(device=DeviceSpec(type="cpu")), opts()) == [
         "device=cpu: FlashInfer runs on CUDA GPUs only"]
-    assert "needs sm_80 or newer" in variants.reasons(prob(device=DeviceSpec(type="cuda", capability=(7, 5))), {})[0]
+    assert "needs sm_80 or newer" in variants.reasons(prob(device=DeviceSpec(type="cuda", capability=(7, 5))), opts())[0]
 
 
 def test_dtype_mixing_and_head_dims():
-    assert "kv_dtype=fp16 must equal q_dtype=bf16 (or be fp8_e4m3)" in variants.reasons(prob(kv_dtype="fp16"), {})
-    r = variants.reasons(prob(kv_lora_rank=384), {})
+    assert "kv_dtype=fp16 must equal q_dtype=bf16 (or be fp8_e4m3)" in variants.reasons(prob(kv_dtype="fp16"), opts())
+    r = variants.reasons(prob(kv_lora_rank=384), opts())
     assert "fa3 needs kv_lora_rank in {128, 256, 512}, got 384" in r
 
 
 def test_causal_tiles_need_heads_dividing_64_or_128():
-    assert variants.reasons(prob(num_heads=96, seq_len_q=2), {}) != []
-    assert variants.reasons(prob(num_heads=96, seq_len_q=1), {}) == []
-    assert variants.reasons(prob(num_heads=96, seq_len_q=2, causal=False), {}) == []
+    assert variants.reasons(prob(num_heads=96, seq_len_q=2), opts()) != []
+    assert variants.reasons(prob(num_heads=96, seq_len_q=1), opts()) == []
+    assert variants.reasons(prob(num_heads=96, seq_len_q=2, causal=False), opts()) == []
 
 
-def test_work_item_limit():
-    r = variants.reasons(prob(num_heads=128, seq_len_q=4, batch_size=5000), {})
-    assert any("work items" in x for x in r)
+def test_work_item_limit_is_data_not_a_verdict():
+    backend = FlashInferBackend()
+    p = prob(num_heads=128, seq_len_q=4, batch_size=5000)
+    assert variants.reasons(p.shape, opts()) == []
+    limits = backend.limits(p.shape, opts())
+    assert limits.max_batch == 16384 // 4  # 512 rows = 4 tiles of 128
+    assert any("work items" in r for r in limits.reasons(p))
+    assert backend.limits(prob(num_heads=16).shape, opts()).max_batch == 16384
+    assert backend.limits(prob(device=B200).shape, opts()).max_batch is None  # trtllm-gen: no FA scheduler
 
 
 def test_fa2_shared_memory():
     assert variants.fa2_shared_bytes(512, 64, False, 233472) <= 232448
-    r = variants.reasons(prob(device=A100), {"variant": "fa2"}, (100000, 90000))
+    r = variants.reasons(prob(device=A100), opts(variant="fa2"), (100000, 90000))
     assert any("shared-memory bytes per block" in x for x in r)
-    r = variants.reasons(prob(device=A100), {"variant": "fa2"}, (50000, 49000))
+    r = variants.reasons(prob(device=A100), opts(variant="fa2"), (50000, 49000))
     assert any("92672" in x for x in r)
 
 
 def test_trtllm_gen_rules():
     ok = prob(device=B200, page_size=32)
-    assert variants.reasons(ok, {}) == []
-    r = variants.reasons(prob(device=B200, page_size=16, num_heads=96, kv_dtype="fp8_e4m3"), {})
+    assert variants.reasons(ok, opts()) == []
+    r = variants.reasons(prob(device=B200, page_size=16, num_heads=96, kv_dtype="fp8_e4m3"), opts())
     assert "page_size=16 not in {32, 64} (trtllm-gen)" in r
     assert "num_heads=96: trtllm-gen takes 1..64 or 128" in r
     assert any("fp8" in x for x in r)
     assert "variant trtllm-gen needs sm_100 or sm_103, device is cuda:sm_90" in variants.reasons(
-        prob(), {"variant": "trtllm-gen"})
+        prob(), opts(variant="trtllm-gen"))
 
 
-def test_option_errors():
-    assert variants.option_errors({"variant": "fa3", "workspace_mb": 64}) == []
-    errs = variants.option_errors({"variant": "fa4", "workspace_mb": 0, "colour": "red"})
-    assert "unknown option 'colour' (known: variant, workspace_mb)" in errs
-    assert any("variant='fa4'" in e for e in errs)
-    assert any("workspace_mb=0" in e for e in errs)
+def test_typed_options_in_a_policy():
+    reg = BackendRegistry(env={}).load()
+    good = {"mla": {"order": ["flashinfer_mla"]},
+            "backend": {"flashinfer_mla": {"options": {"variant": "fa3", "workspace_mb": 64}}}}
+    Dispatcher(policy=parse_policy(good), registry=reg, env={})
+    bad = {"mla": {"order": ["flashinfer_mla"]},
+           "backend": {"flashinfer_mla": {"options": {"varaint": "fa2", "workspace_mb": 0},
+                                          "allow": [{"num_heads": [16]}, {"num_heads": [128],
+                                                                           "options": {"variant": "fa4"}}]}}}
+    with pytest.raises(PolicyError) as err:
+        Dispatcher(policy=parse_policy(bad), registry=reg, env={})
+    text = str(err.value)
+    assert "backend.flashinfer_mla.options.varaint: unknown option (known: variant, workspace_mb)" in text
+    assert "backend.flashinfer_mla.options.workspace_mb" in text
+    assert "backend.flashinfer_mla.allow[1].options.variant" in text
 
 
 def test_csr_from_hand_made_table():

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .bench import OK, SKIPPED, BackendSpec, BenchReport
-from .policy import parse_policy, parse_policy_text
-from .problem import DecodeProblem
+from ..policy import parse_policy, parse_policy_text
+from ..problem import DecodeProblem
 
 CAT_FIELDS = ("num_heads", "seq_len_q", "q_dtype", "kv_dtype", "page_size")
 

@@ -19,10 +19,10 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from .check import compare, only_backend_dispatcher, reference_outputs
-from .decoder import MLADecoder
-from .inputs import FP8_MAX, DecodeInputs, make_inputs
-from .problem import DecodeProblem, bytes_per_element, torch_dtype
+from ..testing.compare import compare, only_backend_dispatcher, reference_outputs
+from ..decoder import MLADecoder
+from ..testing.inputs import FP8_MAX, DecodeInputs, make_inputs
+from ..problem import DecodeProblem, bytes_per_element, torch_dtype
 
 OK, WRONG, ERROR, SKIPPED = "ok", "wrong", "error", "skipped"
 
@@ -230,10 +230,12 @@ def bench_cell(problem: DecodeProblem, specs: Sequence[BackendSpec], device: str
             continue
         try:
             capturable = dispatcher.backend(spec.name).info().graph_capturable
+            use_graph = graph and capturable
+            envelope = dict(max_batch=problem.batch_size, max_kv_len=max(1, problem.max_kv_len)) if use_graph else {}
             decoder = MLADecoder(problem.num_heads, problem.page_size, q_dtype=torch_dtype(problem.q_dtype),
                                  kv_dtype=torch_dtype(problem.kv_dtype), device=device, sm_scale=first.sm_scale,
                                  kv_scale=first.kv_scale, causal=problem.causal, dispatcher=dispatcher,
-                                 cuda_graph=graph and capturable)
+                                 cuda_graph=use_graph, **envelope)
             plan = decoder.plan(first.kv_lens, first.page_table, problem.seq_len_q)
             out = torch.full((*first.q.shape[:3], problem.kv_lora_rank), float("nan"), dtype=first.q.dtype,
                              device=device)
@@ -249,7 +251,8 @@ def bench_cell(problem: DecodeProblem, specs: Sequence[BackendSpec], device: str
                 for s in sets:
                     decoder.run(s.q, s.kv_cache, plan, out=out, lse=lse)
 
-            row.time_us, row.timing = time_calls(calls, len(sets), device, graph and capturable, budget_s)
+            row.time_us, row.timing = time_calls(calls, len(sets), device, use_graph, budget_s)
+            decoder.close()
         except Exception as exc:  # report the backend's failure, keep benchmarking the rest
             row.status, row.notes = ERROR, f"{type(exc).__name__}: {exc}"
             continue

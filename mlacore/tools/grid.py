@@ -22,8 +22,8 @@ from typing import Dict, List, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .policy import PolicyError, _format_validation_error
-from .problem import DType, DecodeProblem, DeviceSpec, QDType
+from ..policy import PolicyError, _format_validation_error
+from ..problem import DType, DecodeProblem, DeviceSpec, QDType
 
 if sys.version_info >= (3, 11):
     import tomllib

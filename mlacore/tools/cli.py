@@ -15,11 +15,13 @@ from typing import List, Optional, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from .dispatch import Dispatcher
-from .plugins import AVAILABLE, get_registry
-from .policy import PolicyError, effective_order, load_policy
-from .problem import DecodeProblem, DeviceSpec
-from .validation import MLAInputError
+from ..dispatch import Dispatcher
+from ..errors import BackendStatus, MLAError
+from ..policy import effective_order, load_policy
+from ..problem import DecodeProblem, DeviceSpec
+from ..registry import get_registry
+
+AVAILABLE = BackendStatus.AVAILABLE
 
 EXIT_USAGE = 2
 
@@ -146,24 +148,9 @@ def cmd_backends_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_check(args: argparse.Namespace) -> int:
-    registry = get_registry()
     policy = load_policy(args.path)
-    policy.check_names(registry.names())
-    problems: List[str] = []
-    for name, bpol in policy.backend.items():
-        backend = registry.get(name)
-        if backend is None or not backend.loaded:
-            continue
-        if bpol.options:
-            problems += [f"{policy.source}: backend.{name}.options: {e}" for e in backend.option_errors(bpol.options)]
-        for i, rule in enumerate(bpol.allow):
-            if rule.options:
-                merged = {**bpol.options, **rule.options}
-                problems += [f"{policy.source}: backend.{name}.allow[{i}].options: {e}"
-                             for e in backend.option_errors(merged)]
-    if problems:
-        raise CLIError("\n".join(problems))
-    order = effective_order(policy, registry.names())
+    dispatcher = Dispatcher(policy=policy)  # validates names, options (typed, per rule) and the fallback
+    order = dispatcher.order
     console = _console()
     console.print(f"[green]ok[/]: {policy.source}")
     console.print(f"effective order: {order}" + (
@@ -197,7 +184,7 @@ def _available_backend(name: str):
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .check import check_grid, run_checks
+    from ..testing.compare import check_grid, run_checks
 
     registry = get_registry()
     device = args.device or ("cuda" if _cuda() else "cpu")
@@ -243,9 +230,11 @@ def _bench_specs(args: argparse.Namespace):
             raise CLIError(str(err)) from None
         for spec in specs:
             b = _available_backend(spec.name)
-            errors = b.option_errors(dict(spec.options)) if spec.options else []
-            if errors:
-                raise CLIError(f"--backend {spec.label}: " + "; ".join(errors))
+            try:
+                b.parse_options(dict(spec.options))
+            except ValueError as err:  # pydantic's ValidationError
+                lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+                raise CLIError(f"--backend {spec.label}: " + "; ".join(lines)) from None
         return specs
     return [BackendSpec(b.name) for b in registry.backends() if b.status == AVAILABLE]
 
@@ -303,7 +292,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench import report_from_json
-    from .policy import builtin_policy_text
+    from ..policy import builtin_policy_text
     from .tune import TuneError, tune, write_atomically
 
     if args.from_json:
@@ -437,7 +426,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (CLIError, PolicyError, MLAInputError) as err:
+    except (CLIError, MLAError) as err:
         for line in str(err).splitlines() or [""]:
             print(f"mla: error: {line}", file=sys.stderr)
         return EXIT_USAGE

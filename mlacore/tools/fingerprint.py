@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from .registry import get_registry
+from ..registry import get_registry
 
 
 def current_fingerprint() -> Dict[str, object]:

@@ -1,0 +1,7 @@
+"""`python -m mlacore` is the `mla` command."""
+
+import sys
+
+from mlacore.tools.cli import main
+
+sys.exit(main())
