@@ -3,12 +3,39 @@
 import pytest
 import torch
 
-from mlacore import MLADecoder
-from mlacore.check import check_backend, compare, only_backend_dispatcher, reference_outputs
-from mlacore.inputs import make_inputs
+from mlacore import MLADecoder, MLAInputError
 from mlacore.problem import DecodeProblem, DeviceSpec
+from mlacore.testing import check_backend, compare, make_inputs, only_backend_dispatcher, reference_outputs
+from mlacore.testing.conformance import BackendConformance
 
 pytestmark = pytest.mark.gpu
+
+
+def _needs(variant):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if variant not in variants_here():
+        pytest.skip(f"{variant} does not run on this GPU")
+
+
+class TestFa3Conformance(BackendConformance):
+    backend = "flashinfer_mla"
+    options = {"variant": "fa3"}
+    device = "cuda"
+    num_heads = (8, 16, 64, 128)
+    seq_lens_q = (1, 2, 4)
+    page_sizes = (1, 16, 64)
+    max_kv_len = 2000
+
+    def _require_device(self):
+        _needs("fa3")
+
+
+class TestFa2Conformance(TestFa3Conformance):
+    options = {"variant": "fa2"}
+
+    def _require_device(self):
+        _needs("fa2")
 
 
 def dev():
@@ -56,7 +83,7 @@ def test_plan_reused_across_layers_and_stale_plans_refused():
         out, lse = dec.run(inp.q, inp.kv_cache, plan)
         assert compare(problem, out, lse, *ref).passed
     newer = dec.plan(inp.kv_lens, inp.page_table)
-    with pytest.raises(Exception, match="replaced by a later plan"):
+    with pytest.raises(MLAInputError, match="replaced by a later plan"):
         dec.run(inp.q, inp.kv_cache, plan)
     dec.run(inp.q, inp.kv_cache, newer)
 
@@ -66,7 +93,8 @@ def test_cuda_graph_capture_and_replay_after_replan():
                             device=dev())
     inp = make_inputs(problem, device="cuda", seed=11)
     disp = only_backend_dispatcher("flashinfer_mla")
-    dec = MLADecoder(16, 64, device="cuda", sm_scale=inp.sm_scale, dispatcher=disp, cuda_graph=True)
+    dec = MLADecoder(16, 64, device="cuda", sm_scale=inp.sm_scale, dispatcher=disp, cuda_graph=True,
+                     max_batch=8, max_kv_len=4096)
     out = torch.empty(4, 2, 16, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(4, 2, 16, dtype=torch.float32, device="cuda")
     q = inp.q.clone()
@@ -98,15 +126,21 @@ def test_cuda_graph_capture_and_replay_after_replan():
 def test_cuda_graph_buffers_are_enforced():
     problem = DecodeProblem(num_heads=16, batch_size=2, min_kv_len=10, max_kv_len=100, page_size=16, device=dev())
     inp = make_inputs(problem, device="cuda", seed=12)
-    dec = MLADecoder(16, 16, device="cuda", dispatcher=only_backend_dispatcher("flashinfer_mla"), cuda_graph=True)
+    dec = MLADecoder(16, 16, device="cuda", dispatcher=only_backend_dispatcher("flashinfer_mla"), cuda_graph=True,
+                     max_batch=4, max_kv_len=256)
     dec.plan(inp.kv_lens, inp.page_table)
     wider = torch.arange(2 * 40, dtype=torch.int32, device="cuda").reshape(2, 40) % inp.kv_cache.shape[0]
-    with pytest.raises(Exception, match="buffers fixed for batch 2"):
+    with pytest.raises(MLAInputError, match="envelope max_kv_len=256"):
         dec.plan(torch.tensor([600, 600], dtype=torch.int32, device="cuda"), wider)
+    with pytest.raises(MLAInputError, match="envelope max_batch=4"):
+        dec.plan(torch.full((5,), 10, dtype=torch.int32, device="cuda"),
+                 torch.zeros(5, 2, dtype=torch.int32, device="cuda"))
+    # a wide table whose extra columns are beyond every length still plans (buffers come from the envelope)
+    dec.plan(torch.tensor([200, 256], dtype=torch.int32, device="cuda"), wider)
 
 
 def test_mla_check_cli_passes():
-    from mlacore.cli import main
+    from mlacore.tools.cli import main
 
     assert main(["check", "--backend", "flashinfer_mla", "--quick", "--device", "cuda"]) == 0
 
@@ -134,6 +168,6 @@ def test_few_heads(heads):
 
 
 def test_mla_check_full_grid_passes():
-    from mlacore.cli import main
+    from mlacore.tools.cli import main
 
     assert main(["check", "--backend", "flashinfer_mla", "--device", "cuda"]) == 0
