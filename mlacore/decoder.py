@@ -88,7 +88,7 @@ class MLADecoder:
         kv_dtype: Optional[torch.dtype] = None,
         device: Union[str, torch.device] = "cpu",
         sm_scale: float = DEEPSEEK_SM_SCALE,
-        kv_scale: float = 1.0,
+        kv_scale: Optional[float] = None,
         causal: bool = True,
         return_lse: bool = True,
         cuda_graph: bool = False,
@@ -107,6 +107,11 @@ class MLADecoder:
         if kv_dtype not in _KV_DTYPES:
             raise MLAInputError(f"kv_dtype: expected bfloat16, float16, float32 or float8_e4m3fn, got {kv_dtype}")
         _expect_scale("sm_scale", sm_scale)
+        if kv_scale is None:
+            if kv_dtype == torch.float8_e4m3fn:
+                raise MLAInputError("kv_scale: an float8_e4m3fn cache needs its dequantization scale "
+                                    "(value = stored * kv_scale); pass kv_scale=1.0 if it holds unscaled values")
+            kv_scale = 1.0
         _expect_scale("kv_scale", kv_scale)
         for name, flag in (("causal", causal), ("return_lse", return_lse), ("cuda_graph", cuda_graph)):
             if not isinstance(flag, bool):

@@ -18,7 +18,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr,
+                      ValidationError, field_validator, model_validator)
+from typing_extensions import Annotated
 
 from .problem import DType, DecodeProblem, QDType
 
@@ -44,21 +46,42 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ShapeRule(_Strict):
-    """A set of shapes: every listed field must match (an absent field matches all)."""
+# strict scalars: TOML gives exact types, so "32", 32.0 and true are mistakes, not numbers
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 
-    num_heads: Optional[Tuple[int, ...]] = None
-    seq_len_q: Optional[Tuple[int, ...]] = None
-    kv_dtype: Optional[Tuple[DType, ...]] = None
-    q_dtype: Optional[Tuple[QDType, ...]] = None
-    page_size: Optional[Tuple[int, ...]] = None
-    min_batch: Optional[int] = Field(default=None, ge=1)
-    max_batch: Optional[int] = Field(default=None, ge=1)
-    min_kv_len: Optional[int] = Field(default=None, ge=0)
-    max_kv_len: Optional[int] = Field(default=None, ge=0)
+
+def _int_set() -> Any:
+    return None
+
+
+class ShapeRule(_Strict):
+    """A set of shapes: every listed field must match (an absent field matches all).
+
+    Sets are non-empty (an empty set would silently match nothing) and hold
+    positive integers; bounds are integers, never strings, floats or booleans.
+    """
+
+    num_heads: Optional[Tuple[PositiveInt, ...]] = _int_set()
+    seq_len_q: Optional[Tuple[PositiveInt, ...]] = _int_set()
+    kv_dtype: Optional[Tuple[DType, ...]] = _int_set()
+    q_dtype: Optional[Tuple[QDType, ...]] = _int_set()
+    page_size: Optional[Tuple[PositiveInt, ...]] = _int_set()
+    min_batch: Optional[PositiveInt] = None
+    max_batch: Optional[PositiveInt] = None
+    min_kv_len: Optional[NonNegativeInt] = None
+    max_kv_len: Optional[NonNegativeInt] = None
     # backend options for the shapes this (allow) rule matches, over [backend.X.options];
     # how `mla tune` routes e.g. FlashInfer's fa2 and fa3 to different shapes
     options: Dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("num_heads", "seq_len_q", "kv_dtype", "q_dtype", "page_size")
+    @classmethod
+    def _non_empty(cls, value: Optional[Tuple[Any, ...]]) -> Optional[Tuple[Any, ...]]:
+        if value is not None and not value:
+            raise ValueError("expected a non-empty list (an empty one matches no shape and silently "
+                             "disables the rule); leave the key out to match every value")
+        return value
 
     @model_validator(mode="after")
     def _ranges_ordered(self) -> "ShapeRule":
@@ -105,7 +128,7 @@ class ShapeRule(_Strict):
 
 
 class BackendPolicy(_Strict):
-    enabled: bool = True
+    enabled: StrictBool = True
     allow: Tuple[ShapeRule, ...] = ()
     deny: Tuple[ShapeRule, ...] = ()
     options: Dict[str, Any] = Field(default_factory=dict)
@@ -165,15 +188,16 @@ class MLASection(_Strict):
 
 
 class TunedSection(_Strict):
-    """Fingerprint of the machine `mla tune` measured on (see mlacore.tune)."""
+    """Fingerprint of the machine `mla tune` measured on (see mlacore.tools.tune)."""
 
-    gpu: str
-    capability: str
-    driver: str = ""
-    torch: str = ""
-    backends: Dict[str, str] = Field(default_factory=dict)
-    date: str = ""
-    grid: str = ""
+    gpu: StrictStr
+    capability: StrictStr
+    driver: StrictStr = ""
+    torch: StrictStr = ""
+    backends: Dict[str, StrictStr] = Field(default_factory=dict)
+    date: StrictStr = ""
+    grid: StrictStr = ""
+    validation: Dict[str, Any] = Field(default_factory=dict)
 
 
 class Policy(_Strict):
@@ -241,6 +265,9 @@ def _format_validation_error(source: str, err: ValidationError) -> str:
             msg = "unknown key"
         elif e["type"] == "missing":
             msg = "required key is missing"
+        elif isinstance(e.get("input"), (str, int, float, bool)) and not msg.startswith("Value error"):
+            msg = f"{msg}, got {e['input']!r}"
+        msg = msg.replace("Value error, ", "")
         lines.append(f"{source}: {_format_loc(loc)}: {msg}")
     return "\n".join(lines)
 
@@ -255,11 +282,18 @@ def parse_policy(data: Mapping[str, Any], source: str = "<dict>") -> Policy:
 
 
 def parse_policy_text(text: str, source: str = "<string>") -> Policy:
+    if text.startswith("\ufeff"):  # a UTF-8 byte-order mark (Windows editors): not TOML, but harmless
+        text = text[1:]
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise PolicyError(f"{source}: not valid TOML: {err}") from None
-    return parse_policy(data, source)
+    except RecursionError:
+        raise PolicyError(f"{source}: not valid TOML: nested too deeply") from None
+    try:
+        return parse_policy(data, source)
+    except RecursionError:
+        raise PolicyError(f"{source}: nested too deeply to be a policy") from None
 
 
 def builtin_policy_text() -> str:
@@ -286,9 +320,15 @@ def load_policy(explicit: Union[str, os.PathLike, None] = None,
     if path is None:
         return parse_policy_text(builtin_policy_text(), BUILTIN_SOURCE)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as err:
         raise PolicyError(f"{path}: cannot read policy file: {err.strerror or err}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise PolicyError(f"{path}: not UTF-8 text (TOML must be UTF-8): byte 0x{raw[err.start]:02x} "
+                          f"at line {line} cannot be decoded") from None
     return parse_policy_text(text, str(path))
 
 
@@ -301,6 +341,8 @@ def effective_order(policy: Policy, known: Iterable[str],
     if not raw:
         return base
     items = [s.strip() for s in raw.split(",") if s.strip()]
+    if not items or any(s in ("+", "-") for s in items):
+        raise PolicyError(f"{ENV_BACKENDS}={raw!r}: expected backend names 'a,b' or deltas '+a,-b'")
     allowed = set(known) | set(FIRST_PARTY_BACKENDS)
     deltas = [s[0] in "+-" for s in items]
     if any(deltas) and not all(deltas):

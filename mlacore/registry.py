@@ -130,7 +130,10 @@ class BackendHandle:
         return BackendStatus.AVAILABLE if avail.available else BackendStatus.UNAVAILABLE
 
     def reasons(self) -> Tuple[str, ...]:
-        return self.availability().reasons
+        reasons = self.availability().reasons
+        if self.load_error is not None and self.load_error not in reasons:
+            reasons = (self.load_error,) + reasons  # broken after availability (e.g. by info())
+        return reasons
 
     # -- checked hook calls --------------------------------------------
     def _call(self, hook: str, **kwargs: Any) -> Any:

@@ -64,6 +64,7 @@ def check_lengths_and_table(kv_lens_host: torch.Tensor, table_host: torch.Tensor
     if bool((kv_lens_host < 0).any()):
         bad = int(torch.nonzero(kv_lens_host < 0)[0, 0])
         raise MLAInputError(f"kv_lens: expected lengths >= 0, got kv_lens[{bad}] = {int(kv_lens_host[bad])}")
+    kv_lens_host = kv_lens_host.to(torch.int64)  # no int32 wrap at max_pages * page_size >= 2**31
     capacity = table_host.shape[1] * page_size
     if bool((kv_lens_host > capacity).any()):
         bad = int(torch.nonzero(kv_lens_host > capacity)[0, 0])
