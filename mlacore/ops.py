@@ -14,6 +14,8 @@ from typing import Dict, Tuple
 import torch
 
 from .decoder import MLADecoder
+from .problem import HEAD_DIM_QK
+from .validation import expect_rank, expect_tensor, MLAInputError
 
 _decoders: Dict[tuple, MLADecoder] = {}
 _lock = threading.Lock()
@@ -41,10 +43,25 @@ def _decoder_for(q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float, kv_sc
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,
                sm_scale: float, kv_scale: float = 1.0, causal: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """MLA decode: q [B, s_q, H, 576] over cache [P, page, 576]; returns (out [B,s_q,H,512], lse [B,s_q,H])."""
+    _check_layouts(q, kv_cache)
     decoder = _decoder_for(q, kv_cache, sm_scale, kv_scale, causal)
     plan = decoder.plan(kv_lens, page_table, int(q.shape[1]))
     out, lse = decoder.run(q, kv_cache, plan)
     return out, lse
+
+
+def _check_layouts(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """What the op infers its decoder from: checked first, with the decoder's own messages."""
+    expect_tensor("q", q)
+    expect_tensor("kv_cache", kv_cache)
+    expect_rank("q", q, 4, f"[batch, seq_len_q, num_heads, {HEAD_DIM_QK}]")
+    expect_rank("kv_cache", kv_cache, 3, f"[num_pages, page_size, {HEAD_DIM_QK}]")
+    if q.shape[-1] != HEAD_DIM_QK:
+        raise MLAInputError(f"q: expected last dimension {HEAD_DIM_QK} (512 latent | 64 rope), got shape "
+                            f"{tuple(q.shape)}")
+    if kv_cache.shape[-1] != HEAD_DIM_QK:
+        raise MLAInputError(f"kv_cache: expected last dimension {HEAD_DIM_QK} (512 latent | 64 rope), got shape "
+                            f"{tuple(kv_cache.shape)}")
 
 
 @mla_decode.register_fake
