@@ -1,9 +1,9 @@
-"""What MLADecoder.run adds over calling the chosen backend's run directly.
+"""What MLADecoder.run adds over calling the plan's Planned.run directly.
 
 Two measurements, median of many calls with a cached decision:
-  * a no-op backend (pure dispatch + validation overhead),
+  * a no-op backend registered in-process (pure validation overhead),
   * the chosen real backend on a small shape (the overhead in context).
-Usage: python benchmarks/decoder_overhead.py [--device cuda] [--backend NAME]
+Usage: python benchmarks/decoder_overhead.py [--device cuda] [--backend NAME] [-n CALLS]
 """
 
 from __future__ import annotations
@@ -14,27 +14,33 @@ import time
 
 import torch
 
-from mlacore import Availability, BackendRegistry, Dispatcher, MLADecoder, hookimpl, parse_policy
-from mlacore.inputs import make_inputs
+from mlacore import Backend, BackendRegistry, Dispatcher, MLADecoder, Planned, Session, hookimpl, parse_policy
 from mlacore.problem import DecodeProblem, DeviceSpec, torch_dtype
+from mlacore.testing import make_inputs
 
 
-class NoOp:
+class NoOpPlanned(Planned):
+    def run(self, q, kv_cache, out, lse):
+        return None
+
+
+class NoOpSession(Session):
+    def plan(self, problem, step):
+        return NoOpPlanned()
+
+
+class NoOp(Backend):
+    """does nothing: measures what the decoder adds"""
+
+    name = "noop"
+
     @hookimpl
-    def mla_availability(self):
-        return Availability(True)
-
-    @hookimpl
-    def mla_can_implement(self, problem, options):
+    def can_implement(self, shape, options):
         return []
 
     @hookimpl
-    def mla_plan(self, problem, options, step):
-        return None
-
-    @hookimpl
-    def mla_run(self, plan, q, kv_cache, out, lse):
-        return None
+    def open(self, config, options):
+        return NoOpSession()
 
 
 def median_us(fn, n: int, sync) -> float:
@@ -63,8 +69,9 @@ def measure(backend: str, device: str, registry: BackendRegistry, n: int) -> tup
     out = torch.empty(1, 1, 16, 512, dtype=torch.bfloat16, device=device)
     lse = torch.empty(1, 1, 16, dtype=torch.float32, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    run, bp = plan.run_fn, plan.backend_plan
-    direct = median_us(lambda: run(plan=bp, q=inp.q, kv_cache=inp.kv_cache, out=out, lse=lse), n, sync)
+    assert plan.backend == backend, plan.decision.format_trace()
+    run = plan.planned.run
+    direct = median_us(lambda: run(inp.q, inp.kv_cache, out, lse), n, sync)
     through = median_us(lambda: dec.run(inp.q, inp.kv_cache, plan, out=out, lse=lse), n, sync)
     return direct, through
 
@@ -76,7 +83,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=20000)
     args = ap.parse_args()
     reg = BackendRegistry().load()
-    reg.register(NoOp(), "noop")
+    reg.register(NoOp())
     for name, n in (("noop", args.n), (args.backend, max(200, args.n // 20))):
         direct, through = measure(name, args.device, reg, n)
         print(f"{name:<16} {args.device}: direct {direct:8.2f} us  via MLADecoder.run {through:8.2f} us  "

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from mlacore import MLADecoder, MLAInputError, parse_policy
-from mlacore.check import compare, reference_outputs
+from mlacore.testing import compare, make_inputs, reference_outputs
 from mlacore.dispatch import Dispatcher
-from mlacore.inputs import make_inputs
 from mlacore.problem import DecodeProblem
 
 
@@ -121,12 +120,34 @@ def test_unused_table_slots_may_hold_anything(setup):
 
 
 def test_bad_constructor_arguments():
-    bad(lambda: reference_decoder(num_heads=0), "num_heads: expected a positive int")
-    bad(lambda: reference_decoder(page_size=-4), "page_size: expected a positive int")
+    bad(lambda: reference_decoder(num_heads=0), "num_heads: expected an int >= 1, got 0")
+    bad(lambda: reference_decoder(page_size=-4), "page_size: expected an int >= 1, got -4")
+    bad(lambda: reference_decoder(num_heads=16.0), "num_heads: expected an int >= 1, got 16.0")
     bad(lambda: reference_decoder(q_dtype=torch.int8), "q_dtype: expected bfloat16, float16 or float32")
     bad(lambda: reference_decoder(kv_dtype=torch.int8), "kv_dtype: expected")
     bad(lambda: reference_decoder(sm_scale=float("nan")), "sm_scale: expected a positive finite float")
     bad(lambda: reference_decoder(kv_scale=0.0), "kv_scale: expected a positive finite float")
+    bad(lambda: reference_decoder(causal=1), "causal: expected True or False, got 1")
+    bad(lambda: reference_decoder(kv_dtype=torch.float8_e4m3fn), "kv_scale: an float8_e4m3fn cache needs its "
+        "dequantization scale")
+    bad(lambda: reference_decoder(device="tpu"), "device: expected 'cpu', 'cuda' or 'cuda:N'")
+
+
+def test_cuda_graph_envelope_arguments():
+    bad(lambda: reference_decoder(cuda_graph=True), "cuda_graph=True needs the capture envelope",
+        "max_batch and max_kv_len")
+    bad(lambda: reference_decoder(cuda_graph=True, max_batch=4), "cuda_graph=True needs the capture envelope")
+    bad(lambda: reference_decoder(cuda_graph=True, max_batch=0, max_kv_len=64), "max_batch: expected an int >= 1")
+    bad(lambda: reference_decoder(cuda_graph=True, max_batch=4, max_kv_len=0), "max_kv_len: expected an int >= 1")
+    bad(lambda: reference_decoder(max_batch=4, max_kv_len=64), "the capture envelope is for cuda_graph=True only")
+    dec = reference_decoder(cuda_graph=True, max_batch=3, max_kv_len=50)
+    assert dec.envelope.max_batch == 3 and dec.envelope.max_kv_len == 50
+    table = torch.zeros(4, 4, dtype=torch.int32)
+    bad(lambda: dec.plan(torch.tensor([1, 2, 3, 4], dtype=torch.int32), table),
+        "kv_lens: batch 4 is larger than the decoder's cuda_graph envelope max_batch=3")
+    bad(lambda: dec.plan(torch.tensor([1, 51, 3], dtype=torch.int32), table[:3]),
+        "kv_lens: kv_lens[1] = 51 is larger than the decoder's cuda_graph envelope max_kv_len=50")
+    assert dec.plan(torch.tensor([1, 50, 3], dtype=torch.int32), table[:3]).graph_fixed
 
 
 def test_device_mismatch_is_named(setup):

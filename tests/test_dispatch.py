@@ -1,19 +1,22 @@
 """Dispatcher: order, allow/deny, fallback, trace, cache key completeness, verify switch."""
 
 import threading
+from typing import Literal
 
 import pytest
 
-from mlacore import BackendInfo, BackendRegistry, Dispatcher, NoBackendError, hookimpl
+from mlacore import BackendOptions, BackendRegistry, Dispatcher, Limits, NoBackendError, hookimpl
 from mlacore.policy import parse_policy_text
-from mlacore.problem import DecodeProblem, DeviceSpec
+from mlacore.problem import DecodeProblem, DecodeShape, DeviceSpec
 from support_backends import Picky
 
 
 def make(backends, policy_text, env=None):
+    """A dispatcher over mlacore's reference and the given backends (name -> Picky), nothing else."""
     reg = BackendRegistry(env={"MLA_DISABLE_PLUGIN_AUTOLOAD": "1"}).load()
-    for name, plugin in backends.items():
-        reg.register(plugin, name)
+    for name, backend in backends.items():
+        backend.name = name
+        reg.register(backend)
     return Dispatcher(policy=parse_policy_text(policy_text), registry=reg, env=env or {})
 
 
@@ -88,8 +91,10 @@ def test_decisions_are_cached_and_reused_across_growing_lengths():
     picky = Picky()
     d = make({"a": picky}, '[mla]\norder = ["a", "reference"]')
     for n in range(4096, 4200):
-        assert d.select(P.model_copy(update={"max_kv_len": n})).backend == "a"
-    assert picky.calls == 1
+        assert d.select(P.model_copy(update={"max_kv_len": n, "batch_size": n - 4000})).backend == "a"
+    assert picky.calls == 1 and picky.limit_calls == 1
+    # what the plugin saw is the shape class alone: no batch size, no lengths
+    assert all(type(s) is DecodeShape for s in picky.seen_shapes)
 
 
 FIELD_VARIANTS = {
@@ -103,7 +108,7 @@ FIELD_VARIANTS = {
 def test_cache_key_completeness_for_every_field(field):
     """Two problems differing only in a field a verdict reads never share a decision."""
     other = P.model_copy(update={field: FIELD_VARIANTS[field]})
-    picky = Picky(refuse=lambda p: getattr(p, field) == FIELD_VARIANTS[field])
+    picky = Picky(refuse=lambda s: getattr(s, field) == FIELD_VARIANTS[field])
     d = make({"a": picky}, '[mla]\norder = ["a", "reference"]')
     assert d.select(P).backend == "a"
     assert d.select(other).backend == "reference"
@@ -111,21 +116,29 @@ def test_cache_key_completeness_for_every_field(field):
 
 
 def test_every_problem_field_is_covered_by_the_completeness_test():
-    bucketed = {"batch_size", "max_kv_len", "min_kv_len"}
-    assert set(DecodeProblem.model_fields) == set(FIELD_VARIANTS) | bucketed
+    per_problem = {"batch_size", "max_kv_len", "min_kv_len"}  # evaluated by the core through Limits
+    assert set(DecodeShape.model_fields) == set(FIELD_VARIANTS)
+    assert set(DecodeProblem.model_fields) == set(FIELD_VARIANTS) | per_problem
 
 
-@pytest.mark.parametrize("field, cut, below, above", [
-    ("batch_size", 32, 31, 32), ("max_kv_len", 513, 512, 513), ("min_kv_len", 1, 0, 1),
+@pytest.mark.parametrize("field, limits, inside, outside, needle", [
+    ("batch_size", Limits(max_batch=31), 31, 32, "batch=32 > max_batch=31"),
+    ("max_kv_len", Limits(max_kv_len=512), 512, 513, "max_kv_len=513 > the backend's max_kv_len=512"),
+    ("min_kv_len", Limits(min_kv_len=1), 1, 0, "min_kv_len=0 < the backend's min_kv_len=1"),
 ])
-def test_bucketed_fields_split_at_declared_cuts(field, cut, below, above):
-    info = BackendInfo(batch_cuts=(cut,)) if field == "batch_size" else BackendInfo(kv_len_cuts=(cut,))
-    picky = Picky(refuse=lambda p: getattr(p, field) >= cut, info=info)
+def test_declared_limits_are_evaluated_on_every_problem(field, limits, inside, outside, needle):
+    picky = Picky(limits=limits)
     d = make({"a": picky}, '[mla]\norder = ["a", "reference"]')
-    lo = P.model_copy(update={field: below, "min_kv_len": 0} if field != "min_kv_len" else {field: below})
-    hi = lo.model_copy(update={field: above})
-    assert d.select(lo).backend == "a"
-    assert d.select(hi).backend == "reference"
+    base = P.model_copy(update={"min_kv_len": 1, "max_kv_len": 600, "batch_size": 16})
+    ok = base.model_copy(update={field: inside})
+    over = base.model_copy(update={field: outside})
+    for _ in range(2):  # cached or not, the limits decide
+        assert d.select(ok).backend == "a"
+        dec = d.select(over)
+        assert dec.backend == "reference"
+        assert dec.verdict("a").outcome == "over a limit"
+        assert needle in dec.verdict("a").reasons[0]
+    assert picky.calls == 1 and picky.limit_calls == 1
 
 
 def test_policy_rule_bounds_split_the_cache():
@@ -142,22 +155,32 @@ max_kv_len = 8192
     assert d.select(P.model_copy(update={"batch_size": 33, "max_kv_len": 8193})).backend == "reference"
 
 
-def test_verify_switch_reports_an_undeclared_cut():
-    # reads batch_size without declaring a cut: the cache would serve a stale decision
-    picky = Picky(refuse=lambda p: p.batch_size > 100)
-    d = make({"a": picky}, '[mla]\norder = ["a", "reference"]', env={"MLA_DISPATCH_VERIFY": "1"})
+def flip_after(n):
+    """A refuse predicate that is not a function of the shape: it changes its mind after n calls."""
+    seen = []
+
+    def refuse(shape):
+        seen.append(shape)
+        return len(seen) > n
+    return refuse
+
+
+def test_verify_switch_reports_a_plugin_that_is_not_a_function_of_the_shape():
+    d = make({"a": Picky(refuse=flip_after(1))}, '[mla]\norder = ["a", "reference"]',
+             env={"MLA_DISPATCH_VERIFY": "1"})
     assert d.select(P).backend == "a"
-    with pytest.warns(RuntimeWarning, match="dispatch cache disagrees"):
+    with pytest.warns(RuntimeWarning, match="answered differently for the same shape"):
         assert d.select(P.model_copy(update={"batch_size": 128})).backend == "reference"
-    assert len(d.mismatches) == 1
-    # without the switch the stale answer is what a cache gives: that is why the switch exists
-    d2 = make({"a": Picky(refuse=lambda p: p.batch_size > 100)}, '[mla]\norder = ["a", "reference"]')
+    assert len(d.mismatches) == 1 and d.mismatches[0][0] == "a"
+    # without the switch the cached answer is what a cache gives: that is why the switch exists
+    d2 = make({"a": Picky(refuse=flip_after(1))}, '[mla]\norder = ["a", "reference"]')
     d2.select(P)
     assert d2.select(P.model_copy(update={"batch_size": 128})).backend == "a"
+    assert d2.mismatches == []
 
 
 def test_select_is_thread_safe_and_consistent():
-    d = make({"a": Picky(refuse=lambda p: p.num_heads == 128)}, '[mla]\norder = ["a", "reference"]')
+    d = make({"a": Picky(refuse=lambda s: s.num_heads == 128)}, '[mla]\norder = ["a", "reference"]')
     problems = [P.model_copy(update={"num_heads": h, "max_kv_len": 1000 + i})
                 for i in range(200) for h in (16, 128)]
     results = {}
@@ -181,14 +204,26 @@ def test_same_inputs_same_decision_in_fresh_dispatchers():
     assert picks == {"b"}
 
 
+class VariantOptions(BackendOptions):
+    variant: Literal["a", "b"] = "a"
+    workspace: int = 0
+
+
+class VariantPicky(Picky):
+    """Can take s_q=2 with variant b only."""
+
+    Options = VariantOptions
+
+    @hookimpl
+    def can_implement(self, shape, options):
+        self.seen_options.append(options)
+        return [] if shape.seq_len_q == 1 or options.variant == "b" else ["s_q=2 needs variant b"]
+
+
 def test_allow_rule_options_reach_can_implement_and_the_decision():
     # the backend can only take s_q=2 with variant b; rules pick the variant per shape
-    class VariantPicky(Picky):
-        @hookimpl
-        def mla_can_implement(self, problem, options):
-            return [] if problem.seq_len_q == 1 or options.get("variant") == "b" else ["s_q=2 needs variant b"]
-
-    d = make({"x": VariantPicky()}, """
+    x = VariantPicky()
+    d = make({"x": x}, """
 [mla]
 order = ["x", "reference"]
 [backend.x.options]
@@ -201,6 +236,35 @@ options = { variant = "b" }
 seq_len_q = [1]
 """)
     one = d.select(P)
-    assert one.backend == "x" and one.options == {"variant": "a", "workspace": 1}
+    assert one.backend == "x" and one.options == VariantOptions(variant="a", workspace=1)
+    assert one.options_dict() == {"variant": "a", "workspace": 1}
     two = d.select(P.model_copy(update={"seq_len_q": 2}))
-    assert two.backend == "x" and two.options == {"variant": "b", "workspace": 1}
+    assert two.backend == "x" and two.options == VariantOptions(variant="b", workspace=1)
+    assert two.options_dict() == {"variant": "b", "workspace": 1}
+    assert {type(o) for o in x.seen_options} == {VariantOptions}
+    # options are part of the cache key: one answer per (shape, options)
+    assert len(x.seen_options) == 2
+
+
+def test_allow_rules_try_options_in_order_until_one_is_accepted():
+    # two rules match s_q=2: variant a is tried first and refused, variant b is taken
+    d = make({"x": VariantPicky()}, """
+[mla]
+order = ["x", "reference"]
+[[backend.x.allow]]
+seq_len_q = [2]
+[[backend.x.allow]]
+seq_len_q = [2]
+options = { variant = "b" }
+""")
+    dec = d.select(P.model_copy(update={"seq_len_q": 2}))
+    assert dec.backend == "x" and dec.options.variant == "b"
+
+
+def test_decision_for_an_unavailable_backend_says_why_and_asks_nothing():
+    c = Picky(available=False)
+    d = make({"c": c}, '[mla]\norder = ["c", "reference"]')
+    dec = d.select(P)
+    assert dec.backend == "reference"
+    assert dec.verdict("c").reasons == ("unavailable", "no GPU here")
+    assert c.calls == 0 and c.limit_calls == 0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlacore.check import check_backend
+from mlacore.testing import check_backend
 from mlacore.problem import DecodeProblem, DeviceSpec
 
 pytestmark = pytest.mark.gpu

@@ -3,8 +3,7 @@
 import torch
 
 import mlacore.ops  # noqa: F401  (registers torch.ops.mlacore.mla_decode)
-from mlacore.check import compare, reference_outputs
-from mlacore.inputs import make_inputs
+from mlacore.testing import compare, make_inputs, reference_outputs
 from mlacore.problem import DecodeProblem
 
 PROBLEM = DecodeProblem(num_heads=4, seq_len_q=2, batch_size=2, min_kv_len=3, max_kv_len=40, page_size=16)

@@ -1,41 +1,70 @@
-"""Plugins with bugs: a raising availability, a raising can_implement, a missing hook."""
+"""Backends with bugs, one per way a plugin can get the contract wrong.
 
-from mlacore import Availability, hookimpl
+Entry points name Backend objects and Backend classes (both are accepted).
+"""
+
+from mlacore import Availability, Backend, hookimpl
 
 
-class MissingRun:
-    """Implements everything but mla_run."""
+class _Base(Backend):
+    """Implements the contract correctly; each subclass breaks one thing."""
 
     @hookimpl
-    def mla_availability(self):
-        return Availability(True)
-
-    @hookimpl
-    def mla_can_implement(self, problem, options):
+    def can_implement(self, shape, options):
         return []
 
     @hookimpl
-    def mla_plan(self, problem, options, step):
-        return None
-
-
-class CanImplementRaises(MissingRun):
-    @hookimpl
-    def mla_can_implement(self, problem, options):
-        raise ZeroDivisionError("bad shape math")
-
-    @hookimpl
-    def mla_run(self, plan, q, kv_cache, out, lse):
+    def open(self, config, options):
         raise AssertionError("never chosen")
 
 
-class AvailabilityRaises(CanImplementRaises):
+class AvailabilityRaises(_Base):
+    name = "raises_in_availability"
+
     @hookimpl
-    def mla_availability(self):
+    def availability(self):
         raise RuntimeError("driver query exploded")
 
 
-# entry points name instances: pluggy calls hook implementations on the object
+class CanImplementRaises(_Base):
+    name = "raises_in_can_implement"
+
+    @hookimpl
+    def can_implement(self, shape, options):
+        raise ZeroDivisionError("bad shape math")
+
+
+class MissingOpen(Backend):
+    """Implements everything but open."""
+
+    name = "missing_open"
+
+    @hookimpl
+    def can_implement(self, shape, options):
+        return []
+
+
+class CanImplementReturnsFalse(_Base):
+    """Answers a yes/no question instead of giving reasons."""
+
+    name = "can_implement_false"
+
+    @hookimpl
+    def can_implement(self, shape, options):
+        return False
+
+
+class AvailabilityBuiltWrongly(_Base):
+    """Passes a string where the reasons tuple goes: the Availability constructor raises."""
+
+    name = "bad_availability"
+
+    @hookimpl
+    def availability(self):
+        return Availability(False, "no GPU here")
+
+
+# entry points name objects and classes: the registry takes both
 availability_raises = AvailabilityRaises()
 can_implement_raises = CanImplementRaises()
-missing_run = MissingRun()
+missing_open = MissingOpen()

@@ -1,80 +1,96 @@
-"""A second real backend for mlacore's tests: the reference math in small chunks.
+"""A real plugin distribution for mlacore's tests: one entry point, two backends.
 
-It restricts num_heads and page_size so verdict reasons can be tested, takes
-at most 65536 tokens (declared as a cut), and is measurably slower than the
-reference on long sequences because of its small chunks.
+`mla_register_backends(register)` registers
+
+* `chunked_reference`: the reference math in small chunks, with typed options
+  (`chunk_tokens`). It restricts num_heads and page_size so verdict reasons
+  can be tested, takes at most 65536 tokens (declared as a limit, as data),
+  and is measurably slower than the reference on long sequences;
+* `drops_last_token`: a wrong backend that forgets each request's last kv
+  token (an off-by-one kernel), for `mla check` and `mla bench`.
 """
 
-from typing import Any, Dict, List
+from typing import List
 
-from mlacore import Availability, BackendInfo, hookimpl
-from mlacore.reference import ReferencePlan, mla_decode_reference
+import torch
+from pydantic import Field
+
+from mlacore import Backend, BackendInfo, BackendOptions, Limits, Planned, Session, hookimpl
+from mlacore.reference import mla_decode_paged
 
 MAX_TOKENS = 65536
 
 
-@hookimpl
-def mla_backend_info():
-    return BackendInfo(description="test backend: reference math, 64-token chunks",
-                       kv_len_cuts=(MAX_TOKENS + 1,))
+class ChunkedOptions(BackendOptions):
+    chunk_tokens: int = Field(default=64, ge=1)
 
 
-@hookimpl
-def mla_availability():
-    return Availability(True)
+class ChunkedPlanned(Planned):
+    def __init__(self, lens, table, pages, config, chunk_tokens):
+        self.lens, self.table, self.pages = lens, table, pages
+        self.config, self.chunk_tokens = config, chunk_tokens
+
+    def run(self, q, kv_cache, out, lse):
+        c = self.config
+        mla_decode_paged(q, kv_cache, self.table, self.lens, self.pages, c.sm_scale, c.kv_scale, c.causal,
+                         out, lse, c.kv_lora_rank, chunk_tokens=self.chunk_tokens)
 
 
-@hookimpl
-def mla_option_errors(options: Dict[str, Any]) -> List[str]:
-    return [f"unknown option '{k}' (known: chunk_tokens)" for k in options if k != "chunk_tokens"]
+class ChunkedSession(Session):
+    def __init__(self, config, options, drop_last=False):
+        self.config, self.options, self.drop_last = config, options, drop_last
+
+    def plan(self, problem, step):
+        lens = step.kv_lens
+        if self.drop_last:
+            lens = torch.clamp(lens - 1, min=0)
+        pages = -(-problem.max_kv_len // problem.page_size)
+        return ChunkedPlanned(lens, step.page_table, pages, self.config, self.options.chunk_tokens)
 
 
-@hookimpl
-def mla_can_implement(problem, options) -> List[str]:
-    reasons = []
-    if problem.num_heads not in (16, 128):
-        reasons.append(f"num_heads={problem.num_heads} not in {{16, 128}}")
-    if problem.page_size not in (16, 64):
-        reasons.append(f"page_size={problem.page_size} not in {{16, 64}}")
-    if problem.max_kv_len > MAX_TOKENS:
-        reasons.append(f"max_kv_len={problem.max_kv_len} > {MAX_TOKENS}")
-    return reasons
+class ChunkedReference(Backend):
+    """test backend: reference math, 64-token chunks"""
+
+    name = "chunked_reference"
+    Options = ChunkedOptions
+
+    @hookimpl
+    def info(self):
+        return BackendInfo(description="test backend: reference math, 64-token chunks")
+
+    @hookimpl
+    def can_implement(self, shape, options) -> List[str]:
+        reasons = []
+        if shape.num_heads not in (16, 128):
+            reasons.append(f"num_heads={shape.num_heads} not in {{16, 128}}")
+        if shape.page_size not in (16, 64):
+            reasons.append(f"page_size={shape.page_size} not in {{16, 64}}")
+        return reasons
+
+    @hookimpl
+    def limits(self, shape, options):
+        return Limits(max_kv_len=MAX_TOKENS, why="test backend: 64K tokens at most")
+
+    @hookimpl
+    def open(self, config, options):
+        return ChunkedSession(config, options)
 
 
-@hookimpl
-def mla_plan(problem, options, step):
-    return ReferencePlan(page_table=step.page_table, lens=step.kv_lens_host.tolist(),
-                         sm_scale=step.sm_scale, kv_scale=step.kv_scale, causal=problem.causal,
-                         kv_lora_rank=problem.kv_lora_rank,
-                         chunk_tokens=int(options.get("chunk_tokens", 64)))
-
-
-@hookimpl
-def mla_run(plan, q, kv_cache, out, lse):
-    mla_decode_reference(q, kv_cache, plan.page_table, plan.lens, plan.sm_scale, plan.kv_scale,
-                         plan.causal, out=out, lse=lse, kv_lora_rank=plan.kv_lora_rank,
-                         chunk_tokens=plan.chunk_tokens)
-
-
-class DropsLastToken:
+class DropsLastToken(Backend):
     """A wrong backend: it forgets each request's last kv token (an off-by-one kernel)."""
 
-    @hookimpl
-    def mla_availability(self):
-        return Availability(True)
+    name = "drops_last_token"
 
     @hookimpl
-    def mla_can_implement(self, problem, options):
+    def can_implement(self, shape, options) -> List[str]:
         return []
 
     @hookimpl
-    def mla_plan(self, problem, options, step):
-        plan = mla_plan(problem=problem, options=options, step=step)
-        return ReferencePlan(**{**plan.__dict__, "lens": [max(0, n - 1) for n in plan.lens]})
-
-    @hookimpl
-    def mla_run(self, plan, q, kv_cache, out, lse):
-        mla_run(plan=plan, q=q, kv_cache=kv_cache, out=out, lse=lse)
+    def open(self, config, options):
+        return ChunkedSession(config, ChunkedOptions(), drop_last=True)
 
 
-drops_last_token = DropsLastToken()
+@hookimpl
+def mla_register_backends(register):
+    register(ChunkedReference())
+    register(DropsLastToken())
