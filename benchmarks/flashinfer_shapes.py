@@ -16,9 +16,9 @@ import time
 import torch
 
 from mlacore import MLADecoder
-from mlacore.bench import BackendSpec, bench_cell, measure_ceilings, report_json, BenchReport
-from mlacore.check import only_backend_dispatcher
-from mlacore.inputs import make_inputs
+from mlacore.tools.bench import BackendSpec, bench_cell, measure_ceilings, report_json, BenchReport
+from mlacore.testing import only_backend_dispatcher
+from mlacore.testing import make_inputs
 from mlacore.problem import DecodeProblem, DeviceSpec
 
 SHAPES = [  # (B, H, s_q, S)
@@ -38,7 +38,7 @@ def overhead(variant: str, n: int = 3000) -> dict:
     plan = dec.plan(inp.kv_lens, inp.page_table)
     out = torch.empty(1, 1, 16, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(1, 1, 16, dtype=torch.float32, device="cuda")
-    wrapper = plan.backend_plan.slot.wrapper
+    wrapper = plan.planned.slot.wrapper
     q3, o3, l3 = inp.q.view(1, 16, 576), out.view(1, 16, 512), lse.view(1, 16)
 
     def direct():

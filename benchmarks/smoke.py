@@ -5,7 +5,7 @@ import time
 import torch
 
 import mlacore
-from mlacore.check import check_backend
+from mlacore.testing import check_backend
 from mlacore.problem import DecodeProblem, DeviceSpec
 
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())

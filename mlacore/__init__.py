@@ -12,7 +12,11 @@ SDK: contract, problem, errors) needs neither torch nor the decoder, and the
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
+
+# a library logs, the application decides where it goes (engines configure "mlacore")
+logging.getLogger("mlacore").addHandler(logging.NullHandler())
 
 __version__ = "0.2.0"
 

@@ -222,6 +222,9 @@ class BackendSpec:
         """A session for one decoder; it owns every buffer the backend needs."""
 
 
+HOOK_NAMES = ("availability", "info", "can_implement", "limits", "open")
+
+
 class Backend:
     """Base class of every backend object. Subclasses set `name` and override the hooks.
 
@@ -232,6 +235,18 @@ class Backend:
 
     name: ClassVar[str] = ""
     Options: ClassVar[Type[BackendOptions]] = NoOptions
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Mark overridden hook methods as hook implementations, so the marker is truly inherited.
+
+        Without this, `def can_implement(...)` without `@hookimpl` in a subclass
+        would be invisible to pluggy and the backend would silently say yes.
+        """
+        super().__init_subclass__(**kwargs)
+        for hook in HOOK_NAMES:
+            fn = cls.__dict__.get(hook)
+            if callable(fn) and not hasattr(fn, f"{PROJECT}_impl"):
+                setattr(cls, hook, hookimpl(fn))
 
     @hookimpl
     def availability(self) -> Availability:

@@ -12,6 +12,7 @@ backend's run function, resolved once in `plan`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -41,6 +42,7 @@ _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 log = logging.getLogger("mlacore")
+_decoder_ids = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ class MLADecoder:
         self._last_choice: Dict[DecodeShape, tuple] = {}
         self._warned_fallback: set = set()
         self._generation = 0
-        self._id = id(self)
+        self._id = next(_decoder_ids)  # not id(self): ids are reused after a decoder is freed
         self._closed = False
         self._lock = threading.Lock()
 
@@ -221,7 +223,7 @@ class MLADecoder:
         decision = self._graph_choice.get(key)
         if decision is None:
             envelope_problem = problem.model_copy(update={"min_kv_len": 0, "max_kv_len": self.envelope.max_kv_len})
-            decision = self.dispatcher.select(envelope_problem)
+            decision = self.dispatcher.select(envelope_problem, cuda_graph=True)
             self._graph_choice[key] = decision
             log.info("mlacore: cuda_graph decoder fixes %s (options %s) for batch %d, seq_len_q %d, "
                      "kv_len 0..%d", decision.backend, decision.options_dict(), key[0], key[1],

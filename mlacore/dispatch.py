@@ -155,21 +155,24 @@ class Dispatcher:
         return fresh
 
     # -- decisions ---------------------------------------------------------
-    def select(self, problem: DecodeProblem) -> Decision:
-        """The decision for `problem`, raising NoBackendError when none applies."""
-        decision = self.explain(problem)
+    def select(self, problem: DecodeProblem, cuda_graph: bool = False) -> Decision:
+        """The decision for `problem`, raising NoBackendError when none applies.
+
+        With `cuda_graph`, backends whose info says they cannot be captured are passed over.
+        """
+        decision = self.explain(problem, cuda_graph)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("mlacore: %s -> %s\n%s", problem.describe(), decision.backend, decision.format_trace())
         if decision.backend is None:
             raise NoBackendError(decision)
         return decision
 
-    def explain(self, problem: DecodeProblem) -> Decision:
+    def explain(self, problem: DecodeProblem, cuda_graph: bool = False) -> Decision:
         """Every backend's verdict on `problem`, and the choice; never raises for 'no backend'."""
         verdicts: List[Verdict] = []
         chosen: Optional[str] = None
         for name in self.order:
-            verdict = self._judge(name, problem)
+            verdict = self._judge(name, problem, cuda_graph=cuda_graph)
             if verdict.accepts and chosen is None:
                 chosen = name
                 verdict = Verdict(name, Outcome.CHOSEN, options=verdict.options)
@@ -177,7 +180,7 @@ class Dispatcher:
         fallback_used = False
         ref: Optional[Verdict] = None
         if chosen is None and self.policy.mla.fallback == REFERENCE:
-            ref = self._judge(REFERENCE, problem, apply_policy=False)
+            ref = self._judge(REFERENCE, problem, apply_policy=False, cuda_graph=cuda_graph)
             if ref.accepts:
                 chosen, fallback_used = REFERENCE, True
         for handle in self.registry.backends():
@@ -190,13 +193,17 @@ class Dispatcher:
                                         self._judge(handle.name, problem).reasons))
         return Decision(problem, chosen, tuple(verdicts), fallback_used)
 
-    def _judge(self, name: str, problem: DecodeProblem, apply_policy: bool = True) -> Verdict:
+    def _judge(self, name: str, problem: DecodeProblem, apply_policy: bool = True,
+               cuda_graph: bool = False) -> Verdict:
         handle = self.registry.get(name)
         if handle is None:
             return Verdict(name, Outcome.NOT_INSTALLED, (f"no installed distribution provides '{name}'",))
         status = handle.status
         if status != BackendStatus.AVAILABLE:
             return Verdict(name, Outcome.UNAVAILABLE, (str(status),) + handle.reasons())
+        if cuda_graph and not handle.info().graph_capturable:
+            return Verdict(name, Outcome.CANNOT, ("cannot be captured in a CUDA graph (its info() says "
+                                                  "graph_capturable=False) and this decoder has cuda_graph=True",))
         validated = self.options.get(name)
         if validated is None:  # loaded after this dispatcher was built
             validated = validate_backend_options(self.policy, name, handle.options_model)

@@ -41,6 +41,7 @@ from .backend import (
     BackendInfo,
     BackendOptions,
     BackendSpec,
+    HOOK_NAMES,
     Limits,
     Session,
     SessionConfig,
@@ -63,7 +64,7 @@ RESERVED_NAMES: Dict[str, str] = {
     "cute_dsl_mla": "mla-cute-dsl",
 }
 
-HOOKS = ("availability", "info", "can_implement", "limits", "open")
+HOOKS = HOOK_NAMES
 REQUIRED = ("can_implement", "open")
 
 
@@ -182,8 +183,6 @@ class BackendHandle:
             got = self._call("can_implement", shape=shape, options=options)
         except Exception as exc:
             return (f"can_implement raised {_error_line(exc)}",)
-        if got is None:
-            return ()
         if not _is_str_tuple(got):
             self.mark_broken(f"can_implement() returned {type(got).__name__} {got!r:.60}, "
                              "expected a list of reason strings")
@@ -369,6 +368,10 @@ class BackendRegistry:
                 handle.callers[hook] = self.pm.subset_hook_caller(hook, remove_plugins=others)
 
     def _add(self, handle: BackendHandle) -> None:
+        owner = RESERVED_NAMES.get(handle.name)
+        if owner is not None and canonical_dist(handle.distribution) != canonical_dist(owner):
+            # a disabled or broken entry point of another distribution never takes a reserved name
+            handle.name = f"{handle.name}@{handle.distribution}"
         if handle.name not in self._backends:
             self._backends[handle.name] = handle
 

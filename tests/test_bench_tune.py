@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from mlacore.bench import (BackendSpec, BenchReport, BenchRow, Ceilings, CSV_COLUMNS, bench_cell, report_from_json,
+from mlacore.tools.bench import (BackendSpec, BenchReport, BenchRow, Ceilings, CSV_COLUMNS, bench_cell, report_from_json,
                            report_json, traffic, write_csv)
-from mlacore.grid import PRESETS, load_grid
+from mlacore.tools.grid import PRESETS, load_grid
 from mlacore.policy import PolicyError, parse_policy_text
 from mlacore.problem import DecodeProblem, DeviceSpec
-from mlacore.tune import build_rules, routes, tune, winners, write_atomically
+from mlacore.tools.tune import build_rules, routes, tune, winners, write_atomically
 from conftest import subprocess_env
 
 CPU = DeviceSpec(type="cpu")
@@ -167,7 +167,7 @@ def test_policy_check_warns_on_fingerprint_mismatch(tmp_path):
     clean = '[mla]\norder = ["reference"]\n[tuned]\ngpu = "TestGPU"\ncapability = "9.0"\ntorch = "2.x"\n'
     p = tmp_path / "t.toml"
     p.write_text(clean)
-    proc = subprocess.run([sys.executable, "-m", "mlacore.cli", "policy", "check", str(p)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mlacore", "policy", "check", str(p)], capture_output=True,
                           text=True, env=subprocess_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "warning" in proc.stdout and "tuned on gpu='TestGPU'" in proc.stdout
@@ -181,7 +181,7 @@ def test_cli_tune_end_to_end_on_cpu(plugin_site, tmp_path):
     pol.write_text('[mla]\norder = ["reference"]\n[backend.reference.options]\nchunk_tokens = 4096\n')
     out_json = tmp_path / "m.json"
     env = subprocess_env(plugin_site)
-    proc = subprocess.run([sys.executable, "-m", "mlacore.cli", "tune", "--grid", str(grid), "--backend", "reference",
+    proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--grid", str(grid), "--backend", "reference",
                            "--backend", "chunked_reference", "--write", str(pol), "--json", str(out_json),
                            "--budget", "0.05", "--no-progress", "--device", "cpu"],
                           capture_output=True, text=True, env=env, timeout=300)
@@ -192,7 +192,7 @@ def test_cli_tune_end_to_end_on_cpu(plugin_site, tmp_path):
     # same measurements in, same file out
     pol2 = tmp_path / "again.toml"
     pol2.write_text('[mla]\norder = ["reference"]\n[backend.reference.options]\nchunk_tokens = 4096\n')
-    proc = subprocess.run([sys.executable, "-m", "mlacore.cli", "tune", "--from", str(out_json), "--write", str(pol2)],
+    proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--from", str(out_json), "--write", str(pol2)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert pol2.read_text() == text
@@ -215,15 +215,21 @@ def test_tune_routes_variants_of_one_backend_with_rule_options(tmp_path):
     assert any(r.get("options") == {"variant": "a"} for r in rules["X"])
     text, _ = tune(report, tmp_path / "p.toml", '[mla]\norder = ["reference"]\n')
     pol = parse_policy_text(text)
-    from mlacore import BackendRegistry, Dispatcher
+    from typing import Literal
+
+    from mlacore import BackendOptions, BackendRegistry, Dispatcher
     from support_backends import register_named_backends
 
+    class VariantOptions(BackendOptions):
+        variant: Literal["a", "b"] = "b"
+
     reg = register_named_backends(BackendRegistry(env={"MLA_DISABLE_PLUGIN_AUTOLOAD": "1"}).load(),
-                                  {"X": None, "Y": None})
+                                  {"X": None, "Y": None}, options_model=VariantOptions)
     disp = Dispatcher(policy=pol, registry=reg, env={})
     for r in rows[::3]:
         decision = disp.select(r.problem)
         want = winners(report)[(16, 1, "bf16", "bf16", 64, r.problem.batch_size, r.problem.max_kv_len)]
         name, _, opt = want.partition(":")
         assert decision.backend == name
-        assert decision.options == ({"variant": opt.split("=")[1]} if opt else {})
+        if opt:
+            assert decision.options_dict() == {"variant": opt.split("=")[1]}

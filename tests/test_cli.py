@@ -5,12 +5,12 @@ import subprocess
 import sys
 
 
-from mlacore.cli import main
+from mlacore.tools.cli import main
 from conftest import subprocess_env
 
 
 def run_cli(*args, plugin_site=None, **env):
-    return subprocess.run([sys.executable, "-m", "mlacore.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mlacore", *args], capture_output=True, text=True,
                           env=subprocess_env(plugin_site, **env), timeout=300)
 
 
@@ -42,7 +42,7 @@ def test_policy_check_ok_and_errors(tmp_path):
     bad.write_text('[mla]\norder = ["reference"]\n[backend.reference.options]\nchunk_token = 128')
     proc = run_cli("policy", "check", str(bad))
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"mla: error: {bad}: backend.reference.options: unknown option 'chunk_token' (known: chunk_tokens)"
+    assert proc.stderr.strip() == f"mla: error: {bad}: backend.reference.options.chunk_token: unknown option (known: chunk_tokens)"
     typo = tmp_path / "typo.toml"
     typo.write_text('[mla]\norder = ["refrence"]')
     proc = run_cli("policy", "check", str(typo))

@@ -408,8 +408,6 @@ def test_4_graph_mode_fixes_the_backend_per_batch_size_for_the_decoder_life(capl
     assert graph.plan(*lens_table([50, 20, 3]), 1).backend == "long"
 
 
-@pytest.mark.xfail(strict=True, reason="core gap: BackendInfo.graph_capturable says 'the decoder refuses graph "
-                   "mode' for such backends, but MLADecoder never reads it (decoder.py decide/plan)")
 def test_4_graph_mode_does_not_fix_a_backend_that_says_it_is_not_capturable():
     from mlacore import BackendInfo
 
@@ -652,10 +650,6 @@ def test_7_the_in_process_register_guards_names():
         reg.register(object())
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: a Backend subclass that overrides can_implement without "
-                   "@hookimpl is not a pluggy hook implementation, the subset caller finds none and "
-                   "returns None, and BackendHandle.can_implement treats None as 'no reasons': the "
-                   "backend is chosen for shapes it refuses (registry.py _register_backend / can_implement)")
 def test_7_an_override_without_hookimpl_is_not_silently_treated_as_can_implement_everything():
     class Unmarked(Backend):
         name = "unmarked"

@@ -187,10 +187,6 @@ def test_entry_point_named_reference_from_another_distribution_is_refused(with_p
     assert reg.get("reference@mla-test-evil").status == "refused"
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: with MLA_DISABLE_PLUGIN_AUTOLOAD=1 the registry adds a "
-                   "disabled handle under the entry point's name before any reserved-name check, so a "
-                   "third-party entry point named 'reference' takes the name and mlacore's own "
-                   "reference becomes 'reference@mlacore', broken (registry.py _load_entry_point)")
 def test_autoload_off_keeps_reference_when_another_entry_point_is_named_reference(with_plugins, tmp_path,
                                                                                    monkeypatch):
     _fake_distribution(tmp_path, "mla-test-evil", {"reference": "mla_test_impostor:backend"})
