@@ -74,8 +74,16 @@ class BackendInfo:
     description: StrictStr = ""
     notes: Tuple[StrictStr, ...] = ()
     # False for backends whose run does host work per call: capturing them in
-    # a CUDA graph would freeze that work, so the decoder refuses graph mode.
+    # a CUDA graph would freeze that work, so graph-mode decoders pass them over.
     graph_capturable: StrictBool = True
+    # Input layouts `Planned.run` takes without a copy: "packed" (one 576-wide
+    # tensor) and/or "split" ((q_nope, q_pe) / (ckv, kpe)). For any other, the
+    # decoder converts (a copy per call) and `explain` says so.
+    q_layouts: Tuple[StrictStr, ...] = ("packed",)
+    kv_layouts: Tuple[StrictStr, ...] = ("packed",)
+    # True: q tensors may have any strides but a contiguous last dimension
+    # (the views engines produce); False: the decoder hands over contiguous copies.
+    strided_q: StrictBool = False
 
 
 @checked_dataclass(frozen=True, config=_STRICT)
@@ -144,12 +152,17 @@ class SessionConfig(BaseModel):
     page_size: int
     q_dtype: str
     kv_dtype: str
+    out_dtype: str
     kv_lora_rank: int
     qk_rope_head_dim: int
     causal: bool
     return_lse: bool
     sm_scale: float
-    kv_scale: float
+    kv_scale: float  # fp8 caches: value = stored * kv_scale (the default when run gets none)
+    q_scale: float  # fp8 queries: value = stored * q_scale
+    scale_inputs: str = "static"
+    q_layout: str = "packed"  # what Planned.run receives (after any conversion by the decoder)
+    kv_layout: str = "packed"
     device: DeviceSpec
     device_index: int = 0
     envelope: Optional[GraphEnvelope] = None  # set: CUDA-graph mode
@@ -176,10 +189,18 @@ class StepInputs:
 
 
 class Planned(abc.ABC):
-    """One step's plan of one backend: runs itself once per layer."""
+    """One step's plan of one backend: runs itself once per layer.
+
+    `q` is a tensor [B, s_q, H, 576] or a pair (q_nope [.., 512], q_pe [.., 64])
+    and `kv_cache` a tensor [P, page, 576] or a pair (ckv, kpe), as the
+    session's config says (`q_layout`, `kv_layout`). `kv_scale`/`q_scale` are
+    None (use the config's) or, with `scale_inputs` "float"/"tensor", this
+    layer's scale as a float or a 0-d device tensor (never read on the host).
+    """
 
     @abc.abstractmethod
-    def run(self, q: Any, kv_cache: Any, out: Any, lse: Optional[Any]) -> None:
+    def run(self, q: Any, kv_cache: Any, out: Any, lse: Optional[Any],
+            kv_scale: Any = None, q_scale: Any = None) -> None:
         """Compute one layer's decode into out (and lse when given); no host work, no sync."""
 
 

@@ -17,18 +17,24 @@ import logging
 import math
 import os
 import threading
+import time
+import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .backend import GraphEnvelope, Planned, Session, SessionConfig, StepInputs
+from .backend import BackendInfo, GraphEnvelope, Planned, Session, SessionConfig, StepInputs
 from .dispatch import Decision, Dispatcher, default_dispatcher
 from .errors import BackendError, MLAError, MLAInputError, StalePlanError
 from .policy import Policy
 from .problem import KV_LORA_RANK, QK_ROPE_HEAD_DIM, DecodeProblem, DecodeShape, DeviceSpec, dtype_name
 from .validation import (
     check_lengths_and_table,
+    check_output,
+    check_run_scale,
+    explain_cache,
+    explain_q,
     expect_contiguous,
     expect_device,
     expect_dtype,
@@ -38,11 +44,28 @@ from .validation import (
 )
 
 DEEPSEEK_SM_SCALE = 1.0 / math.sqrt(128 + 64)
-_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+_FP8 = torch.float8_e4m3fn
+_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32, _FP8)
+_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, _FP8)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LAYOUTS = ("packed", "split")
+SCALE_INPUTS = ("static", "float", "tensor")
+_Tensor = torch.Tensor
 
 log = logging.getLogger("mlacore")
 _decoder_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class WarmupEntry:
+    """One specialization `MLADecoder.warmup` built, with the seconds its first run took."""
+
+    backend: str
+    options: Dict[str, Any]
+    batch_size: int
+    seq_len_q: int
+    kv_len: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -64,6 +87,7 @@ class DecodePlan:
     decoder_id: int
     generation: int
     graph_fixed: bool = False  # the backend was fixed for this batch size by the CUDA-graph envelope
+    conversions: Tuple[str, ...] = ()  # what the decoder copies per run for this backend (layouts, strides)
 
 
 class MLADecoder:
@@ -88,9 +112,14 @@ class MLADecoder:
         *,
         q_dtype: torch.dtype = torch.bfloat16,
         kv_dtype: Optional[torch.dtype] = None,
+        out_dtype: Optional[torch.dtype] = None,
         device: Union[str, torch.device] = "cpu",
         sm_scale: float = DEEPSEEK_SM_SCALE,
         kv_scale: Optional[float] = None,
+        q_scale: Optional[float] = None,
+        scale_inputs: str = "static",
+        q_layout: str = "packed",
+        kv_layout: str = "packed",
         causal: bool = True,
         return_lse: bool = True,
         cuda_graph: bool = False,
@@ -103,18 +132,22 @@ class MLADecoder:
     ) -> None:
         _expect_int("num_heads", num_heads, 1)
         _expect_int("page_size", page_size, 1)
-        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
         if q_dtype not in _Q_DTYPES:
-            raise MLAInputError(f"q_dtype: expected bfloat16, float16 or float32, got {q_dtype}")
+            raise MLAInputError(f"q_dtype: expected bfloat16, float16, float32 or float8_e4m3fn, got {q_dtype}")
+        kv_dtype = (torch.bfloat16 if q_dtype == _FP8 else q_dtype) if kv_dtype is None else kv_dtype
         if kv_dtype not in _KV_DTYPES:
             raise MLAInputError(f"kv_dtype: expected bfloat16, float16, float32 or float8_e4m3fn, got {kv_dtype}")
+        if out_dtype is None:
+            out_dtype = torch.bfloat16 if q_dtype == _FP8 else q_dtype
+        if out_dtype not in _OUT_DTYPES:
+            raise MLAInputError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
+        for name, value, allowed in (("scale_inputs", scale_inputs, SCALE_INPUTS), ("q_layout", q_layout, LAYOUTS),
+                                     ("kv_layout", kv_layout, LAYOUTS)):
+            if value not in allowed:
+                raise MLAInputError(f"{name}: expected one of {', '.join(map(repr, allowed))}, got {value!r}")
         _expect_scale("sm_scale", sm_scale)
-        if kv_scale is None:
-            if kv_dtype == torch.float8_e4m3fn:
-                raise MLAInputError("kv_scale: an float8_e4m3fn cache needs its dequantization scale "
-                                    "(value = stored * kv_scale); pass kv_scale=1.0 if it holds unscaled values")
-            kv_scale = 1.0
-        _expect_scale("kv_scale", kv_scale)
+        kv_scale = _static_scale("kv_scale", kv_scale, kv_dtype == _FP8, scale_inputs, "cache")
+        q_scale = _static_scale("q_scale", q_scale, q_dtype == _FP8, scale_inputs, "query")
         for name, flag in (("causal", causal), ("return_lse", return_lse), ("cuda_graph", cuda_graph)):
             if not isinstance(flag, bool):
                 raise MLAInputError(f"{name}: expected True or False, got {flag!r}")
@@ -122,10 +155,16 @@ class MLADecoder:
         self.page_size = page_size
         self.q_dtype = q_dtype
         self.kv_dtype = kv_dtype
+        self.out_dtype = out_dtype
         self.device = _resolve_device(device)
         self.device_spec = DeviceSpec.of(self.device)
+        self._dev_index = -1 if self.device.type == "cpu" else self.device.index
         self.sm_scale = float(sm_scale)
         self.kv_scale = float(kv_scale)
+        self.q_scale = float(q_scale)
+        self.scale_inputs = scale_inputs
+        self.q_layout = q_layout
+        self.kv_layout = kv_layout
         self.causal = causal
         self.return_lse = return_lse
         self.cuda_graph = cuda_graph
@@ -149,28 +188,105 @@ class MLADecoder:
                 policy = load_policy(policy)
             dispatcher = Dispatcher(policy=policy) if policy is not None else default_dispatcher()
         self.dispatcher = dispatcher
-        self.session_config = SessionConfig(
-            num_heads=num_heads, page_size=page_size, q_dtype=dtype_name(q_dtype),
-            kv_dtype=dtype_name(kv_dtype), kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-            causal=causal, return_lse=return_lse, sm_scale=self.sm_scale, kv_scale=self.kv_scale,
-            device=self.device_spec, device_index=self.device.index or 0, envelope=self.envelope,
-        )
+        self._fp8_kv = kv_dtype == _FP8
+        self._fp8_q = q_dtype == _FP8
         self._sessions: Dict[tuple, Session] = {}
         self._graph_choice: Dict[Tuple[int, int], Decision] = {}
         self._last_choice: Dict[DecodeShape, tuple] = {}
         self._warned_fallback: set = set()
+        self._warned_copies: set = set()
         self._generation = 0
         self._id = next(_decoder_ids)  # not id(self): ids are reused after a decoder is freed
         self._closed = False
         self._lock = threading.Lock()
+        self._plan: Optional[DecodePlan] = None
+        # per-plan run state (the hot path reads plain attributes)
+        self._run_fn: Any = None
+        self._q_shape: Any = None
+        self._qn_shape: Any = None
+        self._qp_shape: Any = None
+        self._out_shape: Any = None
+        self._lse_shape: Any = None
+        self._fast: Any = None
+        # caches already checked, by id: (weak reference, page count); a cache is checked once, not per call
+        self._checked_kv: Dict[int, Tuple[Any, int]] = {}
+        self._checked_out: Dict[int, Tuple[Any, tuple]] = {}
 
     # -- lifecycle -----------------------------------------------------
+    @property
+    def handle(self) -> int:
+        """This decoder's id, unique in the process (the custom ops name decoders by it)."""
+        return self._id
+
+    def current_plan(self) -> DecodePlan:
+        """The newest plan (what `mlacore::run` runs)."""
+        if self._plan is None:
+            raise MLAInputError("plan: this MLADecoder has no current plan; call plan() first"
+                                + (" (it is closed)" if self._closed else ""))
+        return self._plan
+
+    def warmup(self, batch_sizes: Sequence[int], kv_lens: Sequence[int], seq_lens_q: Sequence[int] = (1,),
+               ) -> List[WarmupEntry]:
+        """Build every kernel specialization the policy routes this decoder's envelope to, before serving.
+
+        For each (batch size, kv length, seq_len_q) the decision is made as in
+        `plan`; each distinct (backend, options, shape class) is planned and run
+        once on a tiny synthetic cache (every table slot points at one page),
+        so JIT compilation happens here, not in the serving loop. Returns what
+        was built and how long each first run took (compilation included).
+        """
+        entries: List[WarmupEntry] = []
+        built: set = set()
+        pages = 1
+        D, latent = self.head_dim_qk, self.kv_lora_rank
+        kv_dtype = self.kv_dtype
+        store = torch.float32 if kv_dtype == _FP8 else kv_dtype
+        if self.kv_layout == "packed":
+            cache: Any = torch.zeros(pages, self.page_size, D, dtype=store, device=self.device).to(kv_dtype)
+        else:
+            cache = (torch.zeros(pages, self.page_size, latent, dtype=store, device=self.device).to(kv_dtype),
+                     torch.zeros(pages, self.page_size, D - latent, dtype=store, device=self.device).to(kv_dtype))
+        for s_q in seq_lens_q:
+            for B in batch_sizes:
+                for L in kv_lens:
+                    _expect_int("batch_sizes", B, 1)
+                    _expect_int("kv_lens", L, 0)
+                    lens = torch.full((B,), L, dtype=torch.int32)
+                    table = torch.zeros(B, max(1, -(-L // self.page_size)), dtype=torch.int32)
+                    problem = self.problem_for(lens, s_q)
+                    decision, _ = self.decide(problem)
+                    key = (decision.backend, decision.options, problem.shape, B if self.envelope else None)
+                    if key in built:
+                        continue
+                    built.add(key)
+                    start = time.perf_counter()
+                    step = self.plan(lens.to(self.device), table.to(self.device), s_q,
+                                     kv_lens_host=lens, page_table_host=table, num_pages=pages)
+                    q_store = torch.float32 if self.q_dtype == _FP8 else self.q_dtype
+                    q: Any = torch.zeros(B, s_q, self.num_heads, D, dtype=q_store, device=self.device)
+                    q = q.to(self.q_dtype)
+                    if self.q_layout == "split":
+                        q = (q[..., :latent], q[..., latent:])
+                    scales = {}
+                    if self.scale_inputs != "static":
+                        one = 1.0 if self.scale_inputs == "float" else torch.ones((), device=self.device)
+                        scales = {k: one for k, fp8 in (("kv_scale", self._fp8_kv), ("q_scale", self._fp8_q)) if fp8}
+                    self.run(q, cache, step, **scales)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    entries.append(WarmupEntry(decision.backend, decision.options_dict(), B, s_q, L,
+                                               time.perf_counter() - start))
+                    log.info("mlacore: warm-up built %s %s for B=%d s_q=%d kv_len=%d in %.2f s", decision.backend,
+                             decision.options_dict(), B, s_q, L, entries[-1].seconds)
+        self._plan = None  # warm-up plans are not the engine's
+        return entries
     def close(self) -> None:
         """Close every backend session (frees workspaces and graph buffers); plans become unusable."""
         with self._lock:
             sessions, self._sessions = list(self._sessions.values()), {}
             self._closed = True
             self._generation += 1
+            self._plan = None
         for session in sessions:
             try:
                 session.close()
@@ -183,11 +299,38 @@ class MLADecoder:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def session_config(self, q_layout: Optional[str] = None, kv_layout: Optional[str] = None) -> SessionConfig:
+        """The static facts a backend session gets (with the layouts its run will receive)."""
+        return SessionConfig(
+            num_heads=self.num_heads, page_size=self.page_size, q_dtype=dtype_name(self.q_dtype),
+            kv_dtype=dtype_name(self.kv_dtype), out_dtype=dtype_name(self.out_dtype),
+            kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim, causal=self.causal,
+            return_lse=self.return_lse, sm_scale=self.sm_scale, kv_scale=self.kv_scale, q_scale=self.q_scale,
+            scale_inputs=self.scale_inputs, q_layout=q_layout or self.q_layout,
+            kv_layout=kv_layout or self.kv_layout, device=self.device_spec,
+            device_index=self.device.index or 0, envelope=self.envelope,
+        )
+
+    def _layouts_for(self, info: BackendInfo) -> Tuple[str, str, Tuple[str, ...]]:
+        """The layouts the backend receives, and what the decoder converts per call to get there."""
+        q_layout = self.q_layout if self.q_layout in info.q_layouts else info.q_layouts[0]
+        kv_layout = self.kv_layout if self.kv_layout in info.kv_layouts else info.kv_layouts[0]
+        conversions = []
+        if q_layout != self.q_layout:
+            conversions.append(f"q: {self.q_layout} -> {q_layout} (a copy per run)")
+        if not info.strided_q:
+            conversions.append("q: strided views -> contiguous copies (only when not contiguous)")
+        if kv_layout != self.kv_layout:
+            conversions.append(f"kv_cache: {self.kv_layout} -> {kv_layout} "
+                               + ("(a copy of the whole cache per run)" if kv_layout == "packed" else "(views)"))
+        return q_layout, kv_layout, tuple(conversions)
+
     def _session(self, name: str, options: Any) -> Session:
         key = (name, options)
         session = self._sessions.get(key)
         if session is None:
-            session = self.dispatcher.backend(name).open(self.session_config, options)
+            q_layout, kv_layout, _ = self._layouts_for(self.dispatcher.backend(name).info())
+            session = self.dispatcher.backend(name).open(self.session_config(q_layout, kv_layout), options)
             self._sessions[key] = session
         return session
 
@@ -203,10 +346,12 @@ class MLADecoder:
             page_size=self.page_size,
             q_dtype=dtype_name(self.q_dtype),
             kv_dtype=dtype_name(self.kv_dtype),
+            out_dtype=dtype_name(self.out_dtype),
             kv_lora_rank=self.kv_lora_rank,
             qk_rope_head_dim=self.qk_rope_head_dim,
             causal=self.causal,
             return_lse=self.return_lse,
+            scale_inputs=self.scale_inputs,
             device=self.device_spec,
         )
 
@@ -237,6 +382,9 @@ class MLADecoder:
                                    "batch_size": batch_size, "max_kv_len": max_kv_len, "min_kv_len": min_kv_len})
         decision, fixed = self.decide(problem)
         head = f"{problem.describe()} -> {decision.backend} {decision.options_dict()}"
+        if decision.backend is not None:
+            for conversion in self._layouts_for(self.dispatcher.backend(decision.backend).info())[2]:
+                head += f"\n  the decoder converts {conversion}"
         if fixed:
             head += (f"\n  fixed for batch {batch_size}, seq_len_q {seq_len_q} for this decoder's life "
                      f"(cuda_graph envelope: kv_len 0..{self.envelope.max_kv_len})")
@@ -323,54 +471,125 @@ class MLADecoder:
         if not isinstance(planned, Planned):
             raise BackendError(f"backend '{name}': plan() returned {type(planned).__name__}, expected a "
                                "mlacore.backend.Planned")
+        info = self.dispatcher.backend(name).info()
+        q_layout, kv_layout, conversions = self._layouts_for(info)
         with self._lock:
             self._generation += 1
             generation = self._generation
         B, H = problem.batch_size, self.num_heads
-        return DecodePlan(problem, decision, name, decision.options, planned, max_page_id,
+        plan = DecodePlan(problem, decision, name, decision.options, planned, max_page_id,
                           q_shape=(B, seq_len_q, H, self.head_dim_qk),
                           out_shape=(B, seq_len_q, H, self.kv_lora_rank),
-                          decoder_id=self._id, generation=generation, graph_fixed=fixed)
+                          decoder_id=self._id, generation=generation, graph_fixed=fixed, conversions=conversions)
+        # what run reads on every call, fixed here once per plan
+        self._run_fn = planned.run
+        self._q_shape = tuple(plan.q_shape)
+        self._qn_shape = (B, seq_len_q, H, self.kv_lora_rank)
+        self._qp_shape = (B, seq_len_q, H, self.qk_rope_head_dim)
+        self._out_shape = tuple(plan.out_shape)
+        self._lse_shape = tuple(plan.out_shape[:3])
+        self._fast = (self._q_shape, self.q_dtype, self._dev_index, self._out_shape, self.out_dtype,
+                      self._lse_shape, max_page_id, self._converter(q_layout, kv_layout, info.strided_q, name),
+                      self.scale_inputs != "static")
+        self._plan = plan
+        return plan
+
+    def _converter(self, q_layout: str, kv_layout: str, strided_ok: bool, name: str) -> Any:
+        """None when the backend takes the engine's inputs as they are; else a function that converts them."""
+        conv_q, conv_kv = q_layout != self.q_layout, kv_layout != self.kv_layout
+        pack_q, split_q = conv_q and q_layout == "packed", conv_q and q_layout == "split"
+        pack_kv, split_kv = conv_kv and kv_layout == "packed", conv_kv and kv_layout == "split"
+        latent = self.kv_lora_rank
+        if not (conv_q or conv_kv or not strided_ok):
+            return None
+        if pack_kv and name not in self._warned_copies:
+            self._warned_copies.add(name)
+            log.warning("mlacore: backend '%s' takes a packed cache only; this decoder has kv_layout='split', so "
+                        "every run copies the whole cache (build the decoder with kv_layout='packed')", name)
+
+        def convert(q: Any, kv: Any) -> Tuple[Any, Any]:
+            if pack_q:
+                q = torch.cat(q, dim=-1)
+            elif split_q:
+                q = (q[..., :latent], q[..., latent:])
+            if not strided_ok:
+                if isinstance(q, tuple):
+                    q = (q[0].contiguous(), q[1].contiguous())
+                else:
+                    q = q.contiguous()
+            if pack_kv:
+                kv = torch.cat(kv, dim=-1)
+            elif split_kv:
+                kv = (kv[..., :latent], kv[..., latent:])
+            return q, kv
+
+        return convert
 
     # -- per layer -----------------------------------------------------
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan,
-            out: Optional[torch.Tensor] = None,
-            lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def run(self, q: Any, kv_cache: Any, plan: DecodePlan, out: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None, *, kv_scale: Any = None,
+            q_scale: Any = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One layer's decode. Checks metadata only; never synchronizes with the device.
 
-        The checks are one combined test per tensor on the common path; only a
-        failing tensor pays for the detailed message.
+        `q`: [B, s_q, H, 576], or (q_nope, q_pe) with q_layout='split'; any
+        strides with a contiguous last dimension. `kv_cache`: [P, page, 576],
+        or (ckv, kpe) with kv_layout='split'. `kv_scale`/`q_scale`: this
+        layer's fp8 scales, with scale_inputs='float' (floats) or 'tensor'
+        (0-d device tensors; a captured graph reads their current value).
+
+        The checks are one combined test per tensor on the common path (a
+        cache tensor is checked once, then recognised); only a failing input
+        pays for the detailed message.
         """
-        if type(plan) is not DecodePlan:
-            raise MLAInputError(f"plan: expected a DecodePlan from MLADecoder.plan, got {type(plan).__name__}")
-        if plan.generation != self._generation or plan.decoder_id != self._id:
+        if plan is not self._plan:
             self._explain_stale(plan)
-        dev = self.device
-        if not (isinstance(q, torch.Tensor) and q.shape == plan.q_shape and q.dtype is self.q_dtype
-                and q.device == dev and q.is_contiguous()):
-            self._explain_q(q, plan)
-        if not (isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 3
-                and kv_cache.shape[1] == self.page_size and kv_cache.shape[2] == self.head_dim_qk
-                and kv_cache.dtype is self.kv_dtype and kv_cache.device == dev and kv_cache.is_contiguous()):
-            self._explain_cache(kv_cache)
-        if plan.max_page_id >= kv_cache.shape[0]:
-            raise MLAInputError(f"page_table: page id {plan.max_page_id} is out of range for kv_cache "
-                                f"with {kv_cache.shape[0]} pages")
+        # one attribute read for everything the checks compare against (fixed by plan)
+        q_shape, q_dtype, dev, out_shape, out_dtype, lse_shape, max_page_id, convert, scaled = self._fast
+        # dev is get_device()'s answer: -1 on the CPU, the index on CUDA (cheaper than comparing devices)
+        if self.q_layout == "packed":
+            if not (isinstance(q, _Tensor) and q.shape == q_shape and q.dtype is q_dtype
+                    and q.get_device() == dev and (dev >= 0 or q.is_cpu) and (q.is_contiguous() or q.stride(-1) == 1)):
+                self._explain_q(q)
+        elif not (type(q) is tuple and len(q) == 2 and isinstance(q[0], _Tensor) and isinstance(q[1], _Tensor)
+                  and q[0].shape == self._qn_shape and q[1].shape == self._qp_shape
+                  and q[0].dtype is q_dtype and q[1].dtype is q_dtype and q[0].get_device() == dev
+                  and q[1].get_device() == dev and (dev >= 0 or (q[0].is_cpu and q[1].is_cpu)) and q[0].stride(-1) == 1 and q[1].stride(-1) == 1):
+            self._explain_q(q)
+        seen = self._checked_kv.get(id(kv_cache))
+        if seen is None or seen[0]() is not kv_cache:
+            pages = self._check_cache(kv_cache)
+        else:
+            pages = seen[1]
+        if max_page_id >= pages:
+            raise MLAInputError(f"page_table: page id {max_page_id} is out of range for kv_cache "
+                                f"with {pages} pages")
+        checked = self._checked_out  # output buffers already checked against this plan's shapes
         if out is None:
-            out = torch.empty(plan.out_shape, dtype=self.q_dtype, device=dev)
-        elif not (isinstance(out, torch.Tensor) and out.shape == plan.out_shape and out.dtype is self.q_dtype
-                  and out.device == dev and out.is_contiguous()):
-            _check_output("out", out, plan.out_shape, self.q_dtype, dev)
+            out = torch.empty(out_shape, dtype=out_dtype, device=self.device)
+        else:
+            seen = checked.get(id(out))
+            if seen is None or seen[0]() is not out or seen[1] is not out_shape:
+                check_output("out", out, out_shape, out_dtype, self.device)
+                self._remember_output(out, out_shape)
         if lse is None:
             if self.return_lse:
-                lse = torch.empty(plan.out_shape[:3], dtype=torch.float32, device=dev)
-        elif not self.return_lse:
-            raise MLAInputError("lse: this decoder was built with return_lse=False; pass lse=None")
-        elif not (isinstance(lse, torch.Tensor) and lse.shape == plan.out_shape[:3]
-                  and lse.dtype is torch.float32 and lse.device == dev and lse.is_contiguous()):
-            _check_output("lse", lse, plan.out_shape[:3], torch.float32, dev)
+                lse = torch.empty(lse_shape, dtype=torch.float32, device=self.device)
+        else:
+            seen = checked.get(id(lse))
+            if seen is None or seen[0]() is not lse or seen[1] is not lse_shape:
+                if not self.return_lse:
+                    raise MLAInputError("lse: this decoder was built with return_lse=False; pass lse=None")
+                check_output("lse", lse, lse_shape, torch.float32, self.device)
+                self._remember_output(lse, lse_shape)
+        if scaled or kv_scale is not None or q_scale is not None:
+            self._check_scales(kv_scale, q_scale)
+        if convert is not None:
+            q, kv_cache = convert(q, kv_cache)
         try:
-            plan.planned.run(q, kv_cache, out, lse)
+            if kv_scale is None and q_scale is None:
+                self._run_fn(q, kv_cache, out, lse)
+            else:
+                self._run_fn(q, kv_cache, out, lse, kv_scale, q_scale)
         except MLAError:
             raise
         except Exception as exc:
@@ -378,7 +597,41 @@ class MLADecoder:
                                f"{type(exc).__name__}: {exc}") from exc
         return out, lse
 
+    def _remember_output(self, t: torch.Tensor, shape: tuple) -> None:
+        """Remember a checked buffer with the plan shape tuple it was checked against (compared by identity:
+        a new plan makes new tuples, so every buffer is checked again once per plan)."""
+        if len(self._checked_out) > 4096:
+            self._checked_out.clear()
+        self._checked_out[id(t)] = (weakref.ref(t), shape)
+
+    def _check_scales(self, kv_scale: Any, q_scale: Any) -> None:
+        mode = self.scale_inputs
+        for name, value, fp8, what in (("kv_scale", kv_scale, self._fp8_kv, "cache"),
+                                       ("q_scale", q_scale, self._fp8_q, "query")):
+            if value is None:
+                if mode != "static" and fp8:
+                    raise MLAInputError(f"{name}: this decoder has scale_inputs={mode!r} and an fp8 {what}: pass "
+                                        "this layer's scale to every run")
+                continue
+            if not fp8:
+                raise MLAInputError(f"{name}: only an fp8 {what} is scaled; this decoder's {what} is not fp8")
+            check_run_scale(name, value, mode, self.device)
+
+    def _check_cache(self, kv_cache: Any) -> int:
+        """Full check of a cache not seen before; remembers it (weakly) with its page count."""
+        explain_cache(kv_cache, self.kv_layout, self.page_size, self.head_dim_qk, self.qk_rope_head_dim,
+                      self.kv_dtype, self.device)
+        first = kv_cache[0] if isinstance(kv_cache, tuple) else kv_cache
+        pages = int(first.shape[0])
+        if isinstance(kv_cache, _Tensor):
+            if len(self._checked_kv) > 4096:  # engines have one cache per layer; never grow without bound
+                self._checked_kv.clear()
+            self._checked_kv[id(kv_cache)] = (weakref.ref(kv_cache), pages)
+        return pages
+
     def _explain_stale(self, plan: DecodePlan) -> None:
+        if type(plan) is not DecodePlan:
+            raise MLAInputError(f"plan: expected a DecodePlan from MLADecoder.plan, got {type(plan).__name__}")
         if plan.decoder_id != self._id:
             raise StalePlanError("plan: this plan was made by another MLADecoder; plan with the decoder "
                                  "that runs it (its scales, page size and buffers are the ones used)")
@@ -387,26 +640,9 @@ class MLADecoder:
         raise StalePlanError(f"plan: step {plan.generation} was replaced by a later plan() of this decoder "
                              f"(step {self._generation}); run the newest plan")
 
-    def _explain_q(self, q: object, plan: DecodePlan) -> None:
-        layout = "[batch, seq_len_q, num_heads, 576]"
-        q = expect_tensor("q", q)
-        expect_rank("q", q, 4, layout)
-        if q.shape[1] != plan.problem.seq_len_q:
-            raise MLAInputError(f"q: seq_len_q={q.shape[1]} does not match the plan's "
-                                f"seq_len_q={plan.problem.seq_len_q}")
-        expect_shape("q", q, plan.q_shape, layout)
-        expect_dtype("q", q, (self.q_dtype,))
-        expect_device("q", q, self.device)
-        expect_contiguous("q", q)
-
-    def _explain_cache(self, kv_cache: object) -> None:
-        kv_cache = expect_tensor("kv_cache", kv_cache)
-        if kv_cache.dim() != 3 or kv_cache.shape[1] != self.page_size or kv_cache.shape[2] != self.head_dim_qk:
-            raise MLAInputError(f"kv_cache: expected shape (num_pages, {self.page_size}, {self.head_dim_qk}) "
-                                f"[num_pages, page_size, 576], got {tuple(kv_cache.shape)}")
-        expect_dtype("kv_cache", kv_cache, (self.kv_dtype,))
-        expect_device("kv_cache", kv_cache, self.device)
-        expect_contiguous("kv_cache", kv_cache)
+    def _explain_q(self, q: object) -> None:
+        explain_q(q, self._q_shape, self.q_layout, self.q_dtype, self.device, self.qk_rope_head_dim)
+        raise MLAInputError(f"q: not accepted ({type(q).__name__})")  # pragma: no cover - explain_q raised
 
 
 def _host(t: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -431,6 +667,20 @@ def _expect_int(name: str, value: object, minimum: int) -> None:
         raise MLAInputError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
+def _static_scale(name: str, value: Optional[float], fp8: bool, mode: str, what: str) -> float:
+    """The decoder's own scale: required for an fp8 tensor in static mode, meaningless otherwise."""
+    if value is None:
+        if fp8 and mode == "static":
+            raise MLAInputError(f"{name}: an fp8 {what} needs its dequantization scale (value = stored * "
+                                f"{name}); pass {name}=1.0 if it holds unscaled values, or scale_inputs='float'/"
+                                "'tensor' to pass one per run")
+        return 1.0
+    _expect_scale(name, value)
+    if not fp8 and value != 1.0:
+        raise MLAInputError(f"{name}: only an fp8 {what} is scaled; got {name}={value!r} for a non-fp8 {what}")
+    return float(value)
+
+
 def _expect_scale(name: str, value: object) -> None:
     if type(value) not in (int, float) or not (value > 0 and math.isfinite(value)):
         raise MLAInputError(f"{name}: expected a positive finite float, got {value!r}")
@@ -452,12 +702,3 @@ def _resolve_device(device: Union[str, torch.device]) -> torch.device:
     elif dev.type != "cpu":
         raise MLAInputError(f"device: expected cpu or cuda, got {dev.type}")
     return dev
-
-
-def _check_output(name: str, t: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype,
-                  device: torch.device) -> None:
-    expect_tensor(name, t)
-    expect_shape(name, t, shape, "")
-    expect_dtype(name, t, (dtype,))
-    expect_device(name, t, device)
-    expect_contiguous(name, t)

@@ -1,24 +1,98 @@
-"""`torch.ops.mlacore.mla_decode`: the decoder as a custom op that torch.compile can trace.
+"""Custom ops so that torch.compile can trace through MLA decode.
 
-The op plans and runs in one call (so it reads the lengths on the host each
-time); engines that capture CUDA graphs use `MLADecoder` directly, planning
-outside the graph. The fake implementation gives torch.compile the output
-shapes without running anything.
+Two ways in:
+
+* The op pair, for engines: `mlacore::plan` (once per step) and
+  `mlacore::run` (per layer). A decoder is named by `decoder.handle` (an int
+  from `register_decoder`); `plan` returns a small device tensor, the step
+  token, that every `run` of the step takes, so the compiler keeps plan before
+  run and never drops it. `run` does no host work: under
+  `torch.compile(mode="reduce-overhead")` its kernels are captured, and with
+  a `cuda_graph=True` decoder they read buffers whose addresses never move, so
+  replays after later plans are correct. Call `plan` outside the captured
+  region (the engine's step loop, as vLLM and SGLang build attention
+  metadata); `torch.compile(fullgraph=True)` traces both.
+* `mlacore::mla_decode`, one op that plans and runs (it reads the lengths on
+  the host every call): convenient, not for CUDA graphs.
+
+Fake implementations give the compiler output shapes without running anything.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Dict, Tuple
+import weakref
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .decoder import MLADecoder
+from .errors import MLAInputError
 from .problem import HEAD_DIM_QK
-from .validation import expect_rank, expect_tensor, MLAInputError
+from .validation import expect_rank, expect_tensor
 
 _decoders: Dict[tuple, MLADecoder] = {}
+_handles: "weakref.WeakValueDictionary[int, MLADecoder]" = weakref.WeakValueDictionary()
 _lock = threading.Lock()
+
+
+def register_decoder(decoder: MLADecoder) -> int:
+    """The handle that names `decoder` in `mlacore::plan` / `mlacore::run` (held weakly)."""
+    with _lock:
+        _handles[decoder.handle] = decoder
+    return decoder.handle
+
+
+def _decoder(handle: int) -> MLADecoder:
+    decoder = _handles.get(int(handle))
+    if decoder is None:
+        raise MLAInputError(f"handle: no live MLADecoder registered as {handle} (call mlacore.ops.register_decoder)")
+    return decoder
+
+
+# -- the op pair ----------------------------------------------------------------
+
+
+@torch.library.custom_op("mlacore::plan", mutates_args=())
+def plan(handle: int, kv_lens: torch.Tensor, page_table: torch.Tensor, seq_len_q: int,
+         kv_lens_host: Optional[torch.Tensor] = None,
+         page_table_host: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plan one step on the decoder named by `handle`; returns the step token (int32, 0-d, on its device)."""
+    decoder = _decoder(handle)
+    step = decoder.plan(kv_lens, page_table, seq_len_q, kv_lens_host=kv_lens_host,
+                        page_table_host=page_table_host)
+    return torch.full((), step.generation, dtype=torch.int32, device=decoder.device)
+
+
+@plan.register_fake
+def _plan_fake(handle, kv_lens, page_table, seq_len_q, kv_lens_host=None, page_table_host=None):
+    return kv_lens.new_empty((), dtype=torch.int32)
+
+
+@torch.library.custom_op("mlacore::run", mutates_args=())
+def run(handle: int, step: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One layer of the step `step` was planned for: (out [B, s_q, H, 512], lse [B, s_q, H]).
+
+    No host work: the step token is only an ordering edge (its value is not read).
+    """
+    decoder = _decoder(handle)
+    out, lse = decoder.run(q, kv_cache, decoder.current_plan())
+    if lse is None:  # return_lse=False decoders still return a tensor here
+        lse = out.new_empty(out.shape[:3], dtype=torch.float32)
+    return out, lse
+
+
+@run.register_fake
+def _run_fake(handle, step, q, kv_cache):
+    decoder = _handles.get(int(handle))
+    out_dtype = decoder.out_dtype if decoder is not None else (
+        torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
+    B, s_q, H, _ = q.shape
+    latent = decoder.kv_lora_rank if decoder is not None else 512
+    return q.new_empty(B, s_q, H, latent, dtype=out_dtype), q.new_empty(B, s_q, H, dtype=torch.float32)
+
+
+# -- the one-call op ------------------------------------------------------------
 
 
 def _decoder_for(q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float, kv_scale: float,
@@ -30,24 +104,14 @@ def _decoder_for(q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float, kv_sc
         with _lock:
             decoder = _decoders.get(key)
             if decoder is None:
+                fp8 = kv_cache.dtype == torch.float8_e4m3fn
                 decoder = MLADecoder(
                     int(q.shape[2]), int(kv_cache.shape[1]), q_dtype=q.dtype, kv_dtype=kv_cache.dtype,
-                    device=q.device, sm_scale=sm_scale, kv_scale=kv_scale, causal=causal,
+                    device=q.device, sm_scale=sm_scale, kv_scale=kv_scale if fp8 else None, causal=causal,
                     kv_lora_rank=512, qk_rope_head_dim=int(q.shape[3]) - 512,
                 )
                 _decoders[key] = decoder
     return decoder
-
-
-@torch.library.custom_op("mlacore::mla_decode", mutates_args=())
-def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,
-               sm_scale: float, kv_scale: float = 1.0, causal: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
-    """MLA decode: q [B, s_q, H, 576] over cache [P, page, 576]; returns (out [B,s_q,H,512], lse [B,s_q,H])."""
-    _check_layouts(q, kv_cache)
-    decoder = _decoder_for(q, kv_cache, sm_scale, kv_scale, causal)
-    plan = decoder.plan(kv_lens, page_table, int(q.shape[1]))
-    out, lse = decoder.run(q, kv_cache, plan)
-    return out, lse
 
 
 def _check_layouts(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -62,6 +126,17 @@ def _check_layouts(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
     if kv_cache.shape[-1] != HEAD_DIM_QK:
         raise MLAInputError(f"kv_cache: expected last dimension {HEAD_DIM_QK} (512 latent | 64 rope), got shape "
                             f"{tuple(kv_cache.shape)}")
+
+
+@torch.library.custom_op("mlacore::mla_decode", mutates_args=())
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,
+               sm_scale: float, kv_scale: float = 1.0, causal: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode: q [B, s_q, H, 576] over cache [P, page, 576]; returns (out [B,s_q,H,512], lse [B,s_q,H])."""
+    _check_layouts(q, kv_cache)
+    decoder = _decoder_for(q, kv_cache, sm_scale, kv_scale, causal)
+    step = decoder.plan(kv_lens, page_table, int(q.shape[1]))
+    out, lse = decoder.run(q, kv_cache, step)
+    return out, lse
 
 
 @mla_decode.register_fake

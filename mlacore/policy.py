@@ -12,7 +12,9 @@ as an exact list (`a,b`) or as deltas (`+a,-b`) applied to the policy's order.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 from importlib import resources
 from pathlib import Path
@@ -182,7 +184,7 @@ class MLASection(_Strict):
         seen = set()
         for name in order:
             if name in seen:
-                raise ValueError(f"backend '{name}' appears twice")
+                raise ValueError(f"backend {name!r} appears twice")
             seen.add(name)
         return order
 
@@ -223,13 +225,13 @@ class Policy(_Strict):
         for i, name in enumerate(self.mla.order):
             if name not in allowed:
                 raise PolicyError(
-                    f"{self.source}: mla.order[{i}]: unknown backend '{name}' "
+                    f"{self.source}: mla.order[{i}]: unknown backend {name!r} "
                     f"(known: {', '.join(sorted(allowed))})"
                 )
         for name in self.backend:
             if name not in allowed:
                 raise PolicyError(
-                    f"{self.source}: backend.{name}: unknown backend '{name}' "
+                    f"{self.source}: backend.{toml_key(name)}: unknown backend {name!r} "
                     f"(known: {', '.join(sorted(allowed))})"
                 )
 
@@ -246,13 +248,26 @@ class Policy(_Strict):
 _EMPTY_BACKEND_POLICY = BackendPolicy()
 
 
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def toml_key(key: Any) -> str:
+    """A key as TOML writes it: bare when it can be, else quoted (a newline in a key stays on one line)."""
+    key = str(key)
+    return key if _BARE_KEY.match(key) else json.dumps(key)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def _format_loc(loc: Sequence[Any]) -> str:
     text = ""
     for part in loc:
         if isinstance(part, int):
             text += f"[{part}]"
         else:
-            text += ("." if text else "") + str(part)
+            text += ("." if text else "") + toml_key(part)
     return text or "<top level>"
 
 
@@ -267,7 +282,7 @@ def _format_validation_error(source: str, err: ValidationError) -> str:
             msg = "required key is missing"
         elif isinstance(e.get("input"), (str, int, float, bool)) and not msg.startswith("Value error"):
             msg = f"{msg}, got {e['input']!r}"
-        msg = msg.replace("Value error, ", "")
+        msg = _one_line(msg.replace("Value error, ", ""))
         lines.append(f"{source}: {_format_loc(loc)}: {msg}")
     return "\n".join(lines)
 
@@ -387,9 +402,21 @@ def _option_error_lines(prefix: str, errors: Sequence[Mapping[str, Any]], model:
         where = f"{prefix}.{key}" if key else prefix
         if e["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown option (known: {known})")
-        else:
-            lines.append(f"{where}: {e['msg']}")
+        else:  # a plugin's validator may write several lines: one error, one line
+            lines.append(f"{where}: {_one_line(e['msg'].replace('Value error, ', ''))}")
     return lines
+
+
+def _validate_options_model(model: type, data: Mapping[str, Any], where: str) -> Any:
+    """model.model_validate(data); anything but a ValidationError is the plugin's bug, named as such."""
+    try:
+        return model.model_validate(dict(data))
+    except ValidationError:
+        raise
+    except Exception as exc:  # a validator raising TypeError, KeyError...: pydantic lets these through
+        raise PolicyError(f"{where}: the backend's options model {getattr(model, '__name__', model)} raised "
+                          f"{type(exc).__name__}: {_one_line(exc)} (a bug in the plugin; these options "
+                          "cannot be checked)") from None
 
 
 class ValidatedOptions:
@@ -423,18 +450,25 @@ def validate_backend_options(policy: Policy, name: str, model: type) -> Validate
     bpol = policy.backend_policy(name)
     errors: List[str] = []
     base = None
+    prefix = f"{policy.source}: backend.{toml_key(name)}"
     try:
-        base = model.model_validate(dict(bpol.options))
+        base = _validate_options_model(model, bpol.options, f"{prefix}.options")
     except ValidationError as err:
-        errors += _option_error_lines(f"{policy.source}: backend.{name}.options", err.errors(), model)
+        errors += _option_error_lines(f"{prefix}.options", err.errors(), model)
+    except PolicyError as err:
+        errors.append(str(err))
     per_rule = []
     for i, rule in enumerate(bpol.allow):
         try:
-            per_rule.append(model.model_validate({**bpol.options, **rule.options}))
+            per_rule.append(_validate_options_model(model, {**bpol.options, **rule.options},
+                                                    f"{prefix}.allow[{i}].options"))
         except ValidationError as err:
             if rule.options:  # errors of the base options are reported once, above
                 own = [e for e in err.errors() if e["loc"] and e["loc"][0] in rule.options]
-                errors += _option_error_lines(f"{policy.source}: backend.{name}.allow[{i}].options", own, model)
+                errors += _option_error_lines(f"{prefix}.allow[{i}].options", own, model)
+        except PolicyError as err:
+            if rule.options and str(err) not in errors:
+                errors.append(str(err))
     if errors:
         raise PolicyError("\n".join(errors))
     return ValidatedOptions(base, tuple(per_rule))

@@ -13,7 +13,11 @@ from typing import Literal, Optional, Tuple
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DType = Literal["bf16", "fp16", "fp32", "fp8_e4m3"]
-QDType = Literal["bf16", "fp16", "fp32"]
+QDType = Literal["bf16", "fp16", "fp32", "fp8_e4m3"]
+OutDType = Literal["bf16", "fp16", "fp32"]
+# where fp8 scales come from: fixed by the decoder, per run call as floats, or
+# per run call as 0-d device tensors (a captured graph stays valid when their value changes)
+ScaleInputs = Literal["static", "float", "tensor"]
 
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
@@ -98,11 +102,20 @@ class DecodeShape(BaseModel):
     page_size: int = Field(ge=1)
     q_dtype: QDType = "bf16"
     kv_dtype: DType = "bf16"
+    out_dtype: Optional[OutDType] = None  # None: q's dtype (bf16 for an fp8 query)
     kv_lora_rank: int = KV_LORA_RANK
     qk_rope_head_dim: int = QK_ROPE_HEAD_DIM
     causal: bool = True
     return_lse: bool = True
+    scale_inputs: ScaleInputs = "static"
     device: DeviceSpec = DeviceSpec()
+
+    @property
+    def output_dtype(self) -> str:
+        """The dtype out is written in."""
+        if self.out_dtype is not None:
+            return self.out_dtype
+        return "bf16" if self.q_dtype == "fp8_e4m3" else self.q_dtype
 
     @property
     def head_dim_qk(self) -> int:
@@ -111,8 +124,16 @@ class DecodeShape(BaseModel):
     def describe(self) -> str:
         return (
             f"H={self.num_heads} s_q={self.seq_len_q} page={self.page_size} "
-            f"q={self.q_dtype} kv={self.kv_dtype} {self.device}"
+            f"q={self.q_dtype} kv={self.kv_dtype}{self._extras()} {self.device}"
         )
+
+    def _extras(self) -> str:
+        extra = ""
+        if self.output_dtype != self.q_dtype:
+            extra += f" out={self.output_dtype}"
+        if self.scale_inputs != "static":
+            extra += f" scales={self.scale_inputs}"
+        return extra
 
 
 class DecodeProblem(DecodeShape):
@@ -145,5 +166,5 @@ class DecodeProblem(DecodeShape):
         return (
             f"H={self.num_heads} s_q={self.seq_len_q} B={self.batch_size} "
             f"kv_len={self.min_kv_len}..{self.max_kv_len} page={self.page_size} "
-            f"q={self.q_dtype} kv={self.kv_dtype} {self.device}"
+            f"q={self.q_dtype} kv={self.kv_dtype}{self._extras()} {self.device}"
         )

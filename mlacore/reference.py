@@ -63,6 +63,7 @@ def mla_decode_reference(
     lse: Optional[torch.Tensor] = None,
     kv_lora_rank: int = 512,
     compute_dtype: torch.dtype = torch.float64,
+    q_scale: float = 1.0,
 ):
     """The oracle: one request at a time, exact softmax, host lengths. Returns (out, lse).
 
@@ -81,7 +82,7 @@ def mla_decode_reference(
     for b in range(B):
         L = int(lens[b])
         limit = (L - s_q + 1 + query_of_row) if causal else torch.full_like(query_of_row, L)
-        qb = q[b].reshape(rows, D).to(compute_dtype)
+        qb = q[b].reshape(rows, D).to(compute_dtype) * q_scale
         n_pages = (L + page - 1) // page
         ids = page_table[b, :n_pages].to(device=kv_cache.device, dtype=torch.long)
         kv = _gather_pages(kv_cache, ids).reshape(-1, D)[:L].to(compute_dtype) * kv_scale
@@ -99,34 +100,48 @@ def mla_decode_reference(
     return out, lse
 
 
+def _scaled(t: torch.Tensor, scale: Any) -> torch.Tensor:
+    """t * scale for a float (skipped when 1.0) or a 0-d tensor (always applied: never read on the host)."""
+    if isinstance(scale, torch.Tensor):
+        return t * scale.to(device=t.device, dtype=t.dtype)
+    return t if scale == 1.0 else t * scale
+
+
 def mla_decode_paged(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    q: Any,
+    kv_cache: Any,
     page_table: torch.Tensor,
     kv_lens: torch.Tensor,
     pages_to_walk: int,
     sm_scale: float,
-    kv_scale: float,
+    kv_scale: Any,
     causal: bool,
     out: torch.Tensor,
     lse: Optional[torch.Tensor],
     kv_lora_rank: int = 512,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     compute_dtype: torch.dtype = torch.float32,
+    q_scale: Any = 1.0,
 ) -> None:
     """Batched decode with device lengths; writes out (and lse). No host work, no sync.
 
-    Walks `pages_to_walk` table columns (a host constant: the step's longest
-    request, or a CUDA-graph envelope). Slots past a request's length are
-    clamped to a valid page and zeroed before use, so NaN-poisoned or garbage
-    entries never reach the result.
+    q is a tensor [B, s_q, H, D] or a pair (q_nope, q_pe) with any strides;
+    kv_cache a tensor [P, page, D] or a pair (ckv, kpe). Scales are floats or
+    0-d device tensors. Walks `pages_to_walk` table columns (a host constant:
+    the step's longest request, or a CUDA-graph envelope). Slots past a
+    request's length are clamped to a valid page and zeroed before use, so
+    NaN-poisoned or garbage entries never reach the result.
     """
+    if isinstance(q, tuple):
+        q = torch.cat([q[0].to(compute_dtype), q[1].to(compute_dtype)], dim=-1)
+    split_kv = isinstance(kv_cache, tuple)
+    first = kv_cache[0] if split_kv else kv_cache
     B, s_q, H, D = q.shape
-    P, page = kv_cache.shape[0], kv_cache.shape[1]
+    P, page = first.shape[0], first.shape[1]
     rows = s_q * H
     dev = q.device
     lens = kv_lens.to(device=dev, dtype=torch.long)
-    qf = q.reshape(B, rows, D).to(compute_dtype)
+    qf = _scaled(q.reshape(B, rows, D).to(compute_dtype), q_scale)
     row_query = torch.arange(rows, device=dev) // H
     limit = (lens[:, None] - s_q + 1 + row_query[None, :]) if causal else lens[:, None].expand(B, rows)
     m = torch.full((B, rows), -math.inf, dtype=compute_dtype, device=dev)
@@ -135,12 +150,15 @@ def mla_decode_paged(
     chunk_pages = max(1, chunk_tokens // (B * page * max(1, rows // 64)))
     for p0 in range(0, pages_to_walk, chunk_pages):
         p1 = min(pages_to_walk, p0 + chunk_pages)
-        ids = page_table[:, p0:p1].to(device=kv_cache.device, dtype=torch.long).clamp(0, P - 1)
-        kv = _gather_pages(kv_cache, ids).to(device=dev).reshape(B, (p1 - p0) * page, D).to(compute_dtype)
+        ids = page_table[:, p0:p1].to(device=first.device, dtype=torch.long).clamp(0, P - 1)
+        if split_kv:
+            kv = torch.cat([_gather_pages(kv_cache[0], ids).to(compute_dtype),
+                            _gather_pages(kv_cache[1], ids).to(compute_dtype)], dim=-1)
+        else:
+            kv = _gather_pages(kv_cache, ids).to(compute_dtype)
+        kv = kv.to(device=dev).reshape(B, (p1 - p0) * page, D)
         pos = torch.arange(p0 * page, p1 * page, device=dev)
-        kv = torch.where((pos[None, :] < lens[:, None])[..., None], kv, 0.0)
-        if kv_scale != 1.0:
-            kv = kv * kv_scale
+        kv = _scaled(torch.where((pos[None, :] < lens[:, None])[..., None], kv, 0.0), kv_scale)
         s = torch.bmm(qf, kv.transpose(1, 2)) * sm_scale  # [B, rows, T]
         s = s.masked_fill(pos[None, None, :] >= limit[:, :, None], -math.inf)
         m_new = torch.maximum(m, s.amax(dim=2))
@@ -173,11 +191,12 @@ class ReferencePlanned(Planned):
         self.kv_lens, self.page_table, self.pages = kv_lens, page_table, pages
         self.config, self.chunk_tokens = config, chunk_tokens
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
-            lse: Optional[torch.Tensor]) -> None:
+    def run(self, q: Any, kv_cache: Any, out: torch.Tensor, lse: Optional[torch.Tensor],
+            kv_scale: Any = None, q_scale: Any = None) -> None:
         c = self.config
-        mla_decode_paged(q, kv_cache, self.page_table, self.kv_lens, self.pages, c.sm_scale, c.kv_scale,
-                         c.causal, out, lse, c.kv_lora_rank, self.chunk_tokens)
+        mla_decode_paged(q, kv_cache, self.page_table, self.kv_lens, self.pages, c.sm_scale,
+                         c.kv_scale if kv_scale is None else kv_scale, c.causal, out, lse, c.kv_lora_rank,
+                         self.chunk_tokens, q_scale=c.q_scale if q_scale is None else q_scale)
 
 
 class ReferenceSession(Session):
@@ -222,7 +241,8 @@ class ReferenceBackend(Backend):
     @hookimpl
     def info(self) -> BackendInfo:
         return BackendInfo(description="pure torch, fp32 compute, any shape; CPU and CUDA; the oracle",
-                           notes=("slow by design: the fallback when no kernel takes a shape",))
+                           notes=("slow by design: the fallback when no kernel takes a shape",),
+                           q_layouts=("packed", "split"), kv_layouts=("packed", "split"), strided_q=True)
 
     @hookimpl
     def can_implement(self, shape: DecodeShape, options: ReferenceOptions) -> List[str]:

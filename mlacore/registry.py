@@ -21,6 +21,7 @@ Environment:
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import logging
 import os
 import re
@@ -31,6 +32,7 @@ from importlib import metadata
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import pluggy
+from pydantic import ValidationError
 
 from .backend import (
     ENTRY_POINT_GROUP,
@@ -46,7 +48,7 @@ from .backend import (
     Session,
     SessionConfig,
 )
-from .errors import BackendError, BackendStatus
+from .errors import BackendError, BackendStatus, MLAInputError
 from .problem import DecodeShape
 
 log = logging.getLogger("mlacore")
@@ -68,8 +70,62 @@ HOOKS = HOOK_NAMES
 REQUIRED = ("can_implement", "open")
 
 
+# What a plugin's code may raise and the registry turns into a reason. SystemExit too: a
+# plugin calling sys.exit() in a hook must not end the engine or the CLI (Ctrl-C still does).
+PLUGIN_ERRORS = (Exception, SystemExit)
+
+# The values a backend hands back; positional arguments of these map to their field names.
+_CHECKED_TYPES = {cls.__name__: cls for cls in (Availability, BackendInfo, Limits)}
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """`text` on one line (whitespace runs, newlines included, become one space), at most `limit` chars."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _validation_line(err: ValidationError) -> str:
+    cls = _CHECKED_TYPES.get(err.title)
+    fields = [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+    parts = []
+    for e in err.errors():
+        loc = list(e["loc"])
+        if loc and isinstance(loc[0], int) and loc[0] < len(fields):
+            loc[0] = fields[loc[0]]  # Availability(False, "x"): loc (1,) is `reasons`
+        where = ".".join(str(p) for p in loc)
+        got = f", got {e['input']!r:.60}" if "input" in e and e["type"] != "missing" else ""
+        parts.append(f"{err.title}{'.' + where if where else ''}: {e['msg']}{got}")
+    return "; ".join(parts)
+
+
 def _error_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    """`Type: message` on one line (a pydantic error becomes `Class.field: msg, got value`)."""
+    text = _validation_line(exc) if isinstance(exc, ValidationError) else str(exc)
+    return one_line(f"{type(exc).__name__}: {text}")
+
+
+def _recheck(cls: type, got: Any) -> Any:
+    """A fresh, validated `cls` with got's fields: catches values written behind pydantic's back."""
+    return cls(**{f.name: getattr(got, f.name) for f in dataclasses.fields(cls)})
+
+
+def _options_problem(obj: Backend) -> Optional[str]:
+    """What is wrong with a backend's `Options` declaration (None: nothing)."""
+    model = getattr(obj, "Options", None)
+    if not (isinstance(model, type) and issubclass(model, BackendOptions)):
+        return (f"Options is {type(model).__name__} {one_line(repr(model), 60)}, expected a subclass of "
+                "mlacore.BackendOptions")
+    try:
+        default = model()
+    except PLUGIN_ERRORS as exc:
+        return (f"Options() raised {_error_line(exc)} (every option needs a default: a policy may "
+                "leave them all out)")
+    try:
+        hash(default)
+    except PLUGIN_ERRORS as exc:
+        return (f"Options instances are not hashable ({_error_line(exc)}); keep BackendOptions' "
+                "frozen=True, verdicts are cached per options")
+    return None
 
 
 def _truthy(value: Optional[str]) -> bool:
@@ -83,6 +139,18 @@ def canonical_dist(name: str) -> str:
 
 def _is_str_tuple(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+
+
+def _describe(value: Any) -> str:
+    """`type repr` of a value a plugin handed back, on one line, short."""
+    return f"{type(value).__name__} {one_line(repr(value), 60)}"
+
+
+class _RefuseAll(Limits):
+    """The limits of a backend that broke while answering `limits()`: no problem is within them."""
+
+    def reasons(self, problem: Any) -> List[str]:
+        return [self.why]
 
 
 @dataclass
@@ -126,6 +194,8 @@ class BackendHandle:
         if self.disabled_reason is not None:
             return BackendStatus.DISABLED
         avail = self.availability()  # may mark the backend broken
+        if self.load_error is None and self.loaded:
+            self.info()  # so may info(): a listing must never show a broken backend as available
         if self.load_error is not None:
             return BackendStatus.BROKEN
         return BackendStatus.AVAILABLE if avail.available else BackendStatus.UNAVAILABLE
@@ -154,13 +224,17 @@ class BackendHandle:
                 return Availability(False, (reason,))
         try:
             got = self._call("availability")
-        except Exception as exc:
+        except PLUGIN_ERRORS as exc:
             self.mark_broken(f"availability() raised {_error_line(exc)}", exc)
             return Availability(False, (self.load_error or "",))
         if not isinstance(got, Availability):
-            self.mark_broken(f"availability() returned {type(got).__name__}, expected Availability")
+            self.mark_broken(f"availability() returned {_describe(got)}, expected Availability")
             return Availability(False, (self.load_error or "",))
-        return got
+        try:
+            return _recheck(Availability, got)
+        except ValidationError as exc:
+            self.mark_broken(f"availability() returned an invalid Availability: {_error_line(exc)}", exc)
+            return Availability(False, (self.load_error or "",))
 
     def info(self) -> BackendInfo:
         if self._info is None:
@@ -168,12 +242,16 @@ class BackendHandle:
             if self.loaded:
                 try:
                     got = self._call("info")
-                    if isinstance(got, BackendInfo):
-                        info = got
-                    else:
-                        self.mark_broken(f"info() returned {type(got).__name__}, expected BackendInfo")
-                except Exception as exc:  # a plugin's bug must not escape
+                except PLUGIN_ERRORS as exc:  # a plugin's bug must not escape
+                    got = exc
                     self.mark_broken(f"info() raised {_error_line(exc)}", exc)
+                if isinstance(got, BackendInfo):
+                    try:
+                        info = _recheck(BackendInfo, got)
+                    except ValidationError as exc:
+                        self.mark_broken(f"info() returned an invalid BackendInfo: {_error_line(exc)}", exc)
+                elif not isinstance(got, BaseException):
+                    self.mark_broken(f"info() returned {_describe(got)}, expected BackendInfo")
             self._info = info
         return self._info
 
@@ -181,29 +259,35 @@ class BackendHandle:
         """Every reason the backend cannot take `shape`; a raising hook becomes a reason."""
         try:
             got = self._call("can_implement", shape=shape, options=options)
-        except Exception as exc:
+        except PLUGIN_ERRORS as exc:
             return (f"can_implement raised {_error_line(exc)}",)
         if not _is_str_tuple(got):
-            self.mark_broken(f"can_implement() returned {type(got).__name__} {got!r:.60}, "
-                             "expected a list of reason strings")
+            self.mark_broken(f"can_implement() returned {_describe(got)}, expected a list of reason strings")
             return (self.load_error or "",)
         return tuple(got)
 
     def limits(self, shape: DecodeShape, options: BackendOptions) -> Limits:
+        """The backend's limits for a shape class; a bad answer breaks the backend and refuses every problem."""
         try:
             got = self._call("limits", shape=shape, options=options)
-        except Exception as exc:
+        except PLUGIN_ERRORS as exc:
+            got = exc
             self.mark_broken(f"limits() raised {_error_line(exc)}", exc)
-            return NO_LIMITS
-        if not isinstance(got, Limits):
-            self.mark_broken(f"limits() returned {type(got).__name__}, expected Limits")
-            return NO_LIMITS
-        return got
+        if isinstance(got, Limits):
+            try:
+                return _recheck(Limits, got)
+            except ValidationError as exc:
+                self.mark_broken(f"limits() returned an invalid Limits: {_error_line(exc)}", exc)
+        elif not isinstance(got, BaseException):
+            self.mark_broken(f"limits() returned {_describe(got)}, expected Limits")
+        # never NO_LIMITS: the dispatcher asked because can_implement said yes, and must not
+        # choose a backend that just broke
+        return _RefuseAll(why=f"backend '{self.name}' is broken: {self.load_error}")
 
     def open(self, config: SessionConfig, options: BackendOptions) -> Session:
         try:
             got = self._call("open", config=config, options=options)
-        except Exception as exc:
+        except PLUGIN_ERRORS as exc:
             raise BackendError(f"backend '{self.name}' failed to open a session: {_error_line(exc)}") from exc
         if not isinstance(got, Session):
             raise BackendError(f"backend '{self.name}': open() returned {type(got).__name__}, expected a "
@@ -280,7 +364,7 @@ class BackendRegistry:
         if isinstance(target, type) and issubclass(target, Backend):
             try:
                 target = target()
-            except Exception as exc:
+            except PLUGIN_ERRORS as exc:
                 handle = BackendHandle(name=plugin_name, distribution=dist_name, version=version)
                 self._add(handle)
                 handle.mark_broken(f"constructing {target.__name__}() raised {_error_line(exc)}", exc)
@@ -292,7 +376,7 @@ class BackendRegistry:
         self._registered_now = []
         try:
             self.pm.register(target, name=f"plugin:{plugin_name}")
-        except Exception as exc:  # validation, or the plugin's register hook raised
+        except PLUGIN_ERRORS as exc:  # validation, or the plugin's register hook raised
             handle = self._backends.get(plugin_name) or BackendHandle(
                 name=plugin_name, distribution=dist_name, version=version)
             self._add(handle)
@@ -344,9 +428,13 @@ class BackendRegistry:
         if missing:
             handle.mark_broken(f"backend '{name}' does not implement {', '.join(missing)}")
             return handle
+        bad_options = _options_problem(obj)
+        if bad_options is not None:  # every dispatcher validates policy options with this model
+            handle.mark_broken(f"backend '{name}': {bad_options}")
+            return handle
         try:
             self.pm.register(obj, name=f"backend:{name}")
-        except Exception as exc:  # pluggy's validation names the bad hook
+        except PLUGIN_ERRORS as exc:  # pluggy's validation names the bad hook
             handle.mark_broken(f"backend '{name}' failed validation: {_error_line(exc)}", exc)
             return handle
         handle.obj = obj
@@ -382,10 +470,11 @@ class BackendRegistry:
             if not isinstance(backend, Backend):
                 raise TypeError(f"backend: expected a mlacore.Backend instance, got {type(backend).__name__}")
             if backend.name in self._backends:
-                raise ValueError(f"backend name '{backend.name}' is already registered")
+                raise MLAInputError(f"backend: the name '{backend.name}' is already registered "
+                                    f"(by distribution '{self._backends[backend.name].distribution}')")
             if backend.name in RESERVED_NAMES:
-                raise ValueError(f"backend name '{backend.name}' is reserved for distribution "
-                                 f"'{RESERVED_NAMES[backend.name]}'")
+                raise MLAInputError(f"backend: the name '{backend.name}' is reserved for distribution "
+                                    f"'{RESERVED_NAMES[backend.name]}'")
             return self._register_backend(backend, distribution, version, fallback_name=backend.name)
 
     # -- queries -------------------------------------------------------

@@ -7,6 +7,7 @@ host copies, so none of them synchronizes with the device.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -88,3 +89,98 @@ def check_lengths_and_table(kv_lens_host: torch.Tensor, table_host: torch.Tensor
         raise MLAInputError(f"page_table: page_table[{b}, {c}] = {int(table_host[b, c])} is out of range "
                             f"for a cache of {num_pages} pages")
     return max_id
+
+
+# -- run-time inputs: only reached when the fast combined check failed ----------------
+
+
+def _expect_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.dim() and t.stride(-1) != 1:
+        raise MLAInputError(f"{name}: expected a contiguous last dimension (stride 1), got strides "
+                            f"{tuple(t.stride())} for shape {tuple(t.shape)}")
+
+
+def explain_q(q: object, shape: Sequence[int], layout: str, dtype: torch.dtype, device: torch.device,
+              rope_dim: int) -> None:
+    """Raise the MLAInputError that says what is wrong with q (packed tensor or (q_nope, q_pe))."""
+    B, s_q, H, D = shape
+    latent = D - rope_dim
+    if layout == "split":
+        if not (isinstance(q, tuple) and len(q) == 2):
+            raise MLAInputError(f"q: this decoder has q_layout='split': expected a pair (q_nope [B, s_q, H, "
+                                f"{latent}], q_pe [B, s_q, H, {rope_dim}]), got {type(q).__name__}")
+        parts = (("q_nope", q[0], (B, s_q, H, latent)), ("q_pe", q[1], (B, s_q, H, rope_dim)))
+    else:
+        if isinstance(q, tuple):
+            raise MLAInputError(f"q: this decoder has q_layout='packed': expected one tensor [B, s_q, H, {D}], "
+                                "got a pair (build the decoder with q_layout='split' to pass (q_nope, q_pe))")
+        parts = (("q", q, (B, s_q, H, D)),)
+    for name, t, want in parts:
+        t = expect_tensor(name, t)
+        expect_rank(name, t, 4, f"[batch, seq_len_q, num_heads, {want[3]}]")
+        if tuple(t.shape) != tuple(want):
+            if t.shape[1] != s_q:
+                raise MLAInputError(f"{name}: seq_len_q={t.shape[1]} does not match the plan's seq_len_q={s_q}")
+            raise MLAInputError(f"{name}: expected shape {tuple(want)} [batch, seq_len_q, num_heads, {want[3]}], "
+                                f"got {tuple(t.shape)}")
+        expect_dtype(name, t, (dtype,))
+        expect_device(name, t, device)
+        _expect_last_dim_contiguous(name, t)
+
+
+def explain_cache(kv: object, layout: str, page_size: int, head_dim: int, rope_dim: int, dtype: torch.dtype,
+                  device: torch.device) -> None:
+    """Raise the MLAInputError that says what is wrong with kv_cache (packed or (ckv, kpe))."""
+    latent = head_dim - rope_dim
+    if layout == "split":
+        if not (isinstance(kv, tuple) and len(kv) == 2):
+            raise MLAInputError(f"kv_cache: this decoder has kv_layout='split': expected a pair (ckv [P, "
+                                f"{page_size}, {latent}], kpe [P, {page_size}, {rope_dim}]), got {type(kv).__name__}")
+        parts = (("ckv", kv[0], latent), ("kpe", kv[1], rope_dim))
+    else:
+        if isinstance(kv, tuple):
+            raise MLAInputError("kv_cache: this decoder has kv_layout='packed': expected one tensor, got a pair "
+                                "(build the decoder with kv_layout='split' to pass (ckv, kpe))")
+        parts = (("kv_cache", kv, head_dim),)
+    pages = None
+    for name, t, width in parts:
+        t = expect_tensor(name, t)
+        if t.dim() != 3 or t.shape[1] != page_size or t.shape[2] != width:
+            raise MLAInputError(f"{name}: expected shape (num_pages, {page_size}, {width}) [num_pages, page_size, "
+                                f"{width}], got {tuple(t.shape)}")
+        expect_dtype(name, t, (dtype,))
+        expect_device(name, t, device)
+        _expect_last_dim_contiguous(name, t)
+        if pages is not None and t.shape[0] != pages:
+            raise MLAInputError(f"{name}: expected {pages} pages like ckv, got {t.shape[0]}")
+        pages = t.shape[0]
+
+
+def check_output(name: str, t: object, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+    t = expect_tensor(name, t)
+    expect_shape(name, t, shape, "")
+    expect_dtype(name, t, (dtype,))
+    expect_device(name, t, device)
+    expect_contiguous(name, t)
+
+
+def check_run_scale(name: str, value: object, mode: str, device: torch.device) -> None:
+    """A per-call scale: a positive finite float ("float"), or a 0-d float32 tensor on the device ("tensor").
+
+    A tensor's value is never read on the host (that would synchronize, and a
+    captured graph must see its later values), so only its metadata is checked.
+    """
+    if mode == "float":
+        if type(value) not in (int, float) or not (value > 0 and math.isfinite(value)):
+            raise MLAInputError(f"{name}: expected a positive finite float (scale_inputs='float'), got {value!r}")
+    elif mode == "tensor":
+        if not isinstance(value, torch.Tensor):
+            raise MLAInputError(f"{name}: expected a 0-d float32 tensor on {device} (scale_inputs='tensor'), "
+                                f"got {type(value).__name__}")
+        if value.dim() != 0 or value.dtype != torch.float32:
+            raise MLAInputError(f"{name}: expected a 0-d float32 tensor, got shape {tuple(value.shape)} "
+                                f"dtype {str(value.dtype).replace('torch.', '')}")
+        expect_device(name, value, device)
+    else:
+        raise MLAInputError(f"{name}: this decoder has scale_inputs='static' (scales fixed at construction); "
+                            "build it with scale_inputs='float' or 'tensor' to pass one per run")

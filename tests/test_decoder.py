@@ -67,8 +67,11 @@ def test_bad_run_inputs_name_the_argument(setup):
     bad(lambda: dec.run(q[:2], cache, plan), "q: expected shape (3, 2, 16, 576)")
     bad(lambda: dec.run(q[..., :512], cache, plan), "q: expected shape")
     bad(lambda: dec.run(q[0], cache, plan), "q: expected 4 dims")
-    bad(lambda: dec.run(q.transpose(1, 2).contiguous().transpose(1, 2), cache, plan),
-        "q: expected a contiguous tensor")
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # engines' views: any strides, last dim contiguous
+    assert torch.equal(dec.run(strided, cache, plan)[0], dec.run(q, cache, plan)[0])
+    last_dim_strided = torch.empty(*q.shape, 2, dtype=q.dtype)[..., 0]
+    last_dim_strided.copy_(q)
+    bad(lambda: dec.run(last_dim_strided, cache, plan), "q: expected a contiguous last dimension")
     bad(lambda: dec.run("q", cache, plan), "q: expected a torch.Tensor, got str")
     bad(lambda: dec.run(q, cache.float(), plan), "kv_cache: expected dtype bfloat16, got float32")
     bad(lambda: dec.run(q, cache[:, :8], plan), "kv_cache: expected shape (num_pages, 16, 576)")
@@ -123,12 +126,12 @@ def test_bad_constructor_arguments():
     bad(lambda: reference_decoder(num_heads=0), "num_heads: expected an int >= 1, got 0")
     bad(lambda: reference_decoder(page_size=-4), "page_size: expected an int >= 1, got -4")
     bad(lambda: reference_decoder(num_heads=16.0), "num_heads: expected an int >= 1, got 16.0")
-    bad(lambda: reference_decoder(q_dtype=torch.int8), "q_dtype: expected bfloat16, float16 or float32")
+    bad(lambda: reference_decoder(q_dtype=torch.int8), "q_dtype: expected bfloat16, float16, float32 or float8_e4m3fn, got torch.int8")
     bad(lambda: reference_decoder(kv_dtype=torch.int8), "kv_dtype: expected")
     bad(lambda: reference_decoder(sm_scale=float("nan")), "sm_scale: expected a positive finite float")
     bad(lambda: reference_decoder(kv_scale=0.0), "kv_scale: expected a positive finite float")
     bad(lambda: reference_decoder(causal=1), "causal: expected True or False, got 1")
-    bad(lambda: reference_decoder(kv_dtype=torch.float8_e4m3fn), "kv_scale: an float8_e4m3fn cache needs its "
+    bad(lambda: reference_decoder(kv_dtype=torch.float8_e4m3fn), "kv_scale: an fp8 cache needs its "
         "dequantization scale")
     bad(lambda: reference_decoder(device="tpu"), "device: expected 'cpu', 'cuda' or 'cuda:N'")
 

@@ -100,6 +100,7 @@ def test_decisions_are_cached_and_reused_across_growing_lengths():
 FIELD_VARIANTS = {
     "num_heads": 128, "seq_len_q": 2, "page_size": 16, "q_dtype": "fp16", "kv_dtype": "fp8_e4m3",
     "kv_lora_rank": 256, "qk_rope_head_dim": 32, "causal": False, "return_lse": False,
+    "out_dtype": "fp32", "scale_inputs": "tensor",
     "device": DeviceSpec(type="cuda", capability=(10, 0)),
 }
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -323,9 +323,13 @@ def report_json(report: BenchReport) -> Dict[str, object]:
 
 def report_from_json(data: Dict[str, object]) -> BenchReport:
     rows = []
+    floats = {f.name for f in fields(BenchRow) if f.type in (float, "float")}
     for r in data["rows"]:
         r = dict(r)
         r["problem"] = DecodeProblem.model_validate(r["problem"])
+        for k in floats & set(r):
+            if r[k] is None:  # standard JSON writes NaN as null
+                r[k] = math.nan
         rows.append(BenchRow(**r))
     return BenchReport(rows, Ceilings(**data["ceilings"]), data["grid"], dict(data.get("fingerprint", {})),
                        str(data.get("date", "")))

@@ -1,50 +1,219 @@
 """The `mla` command: list, explain, check (bench and tune live in their own modules).
 
-User mistakes (a bad policy, an unknown backend, a bad flag) print one line
-starting with `mla: error:` and exit 2; no traceback.
+Conventions every command follows:
+
+* User mistakes (a bad policy, an unknown backend, a bad flag value) print
+  one line starting with `mla: error:` that names the flag or key, and exit 2;
+  no traceback.
+* `--json` means JSON on stdout, and nothing else there; files are written
+  with `-o/--output FILE`. JSON is standard: NaN and infinities are `null`.
+* Tables follow the terminal width (`COLUMNS`), never break a name, and are
+  plain text (no colour, ASCII rules) when stdout is not a terminal.
+* A closed pipe (`mla backends list --json | head -1`) ends the command
+  quietly with exit status 141, as a process killed by SIGPIPE.
+* `mla --help`, `mla --version` and usage errors import neither torch nor
+  rich, nor any plugin: this module imports the rest of mlacore lazily.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from typing import List, Optional, Sequence
-
-from rich.console import Console
-from rich.table import Table
-
-from ..dispatch import Dispatcher
-from ..errors import BackendStatus, MLAError
-from ..policy import effective_order, load_policy
-from ..problem import DecodeProblem, DeviceSpec
-from ..registry import get_registry
-
-AVAILABLE = BackendStatus.AVAILABLE
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head -1`
+
+CLI_EXTRA = "pip install 'mlacore[cli]'"
 
 
 class CLIError(Exception):
     """A user mistake: printed as one line, exit code 2."""
 
 
-def _console() -> Console:
-    console = Console(soft_wrap=True)
-    if not console.is_terminal:  # pipes and logs: wide rows beat wrapped cells
-        console = Console(width=max(160, int(os.environ.get("COLUMNS", "0") or 0)), soft_wrap=True)
+# -- output helpers ----------------------------------------------------------
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with NaN and infinities turned into None, so that json.dumps writes standard JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def json_text(value: Any) -> str:
+    return json.dumps(json_safe(value), indent=2, allow_nan=False)
+
+
+def print_json(value: Any) -> None:
+    sys.stdout.write(json_text(value) + "\n")
+
+
+def write_json_file(path: str, value: Any) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(json_text(value) + "\n")
+    except OSError as err:
+        raise CLIError(f"--output {path}: cannot write: {err.strerror or err}") from None
+
+
+def _rich():
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        raise CLIError(f"tables need the 'rich' package: {CLI_EXTRA} (or use --json)") from None
+
+
+def _width() -> Optional[int]:
+    raw = os.environ.get("COLUMNS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def _console():
+    """Terminal: colour, the terminal's width (COLUMNS wins). Pipe: plain text, COLUMNS or 200 wide."""
+    _rich()
+    from rich.console import Console
+
+    width = _width()
+    console = Console(width=width, highlight=False, emoji=False)
+    if not console.is_terminal:
+        console = Console(width=width or 200, highlight=False, emoji=False, color_system=None,
+                          force_terminal=False, force_jupyter=False)
     return console
 
 
-def _dispatcher(policy_path: Optional[str]) -> Dispatcher:
+class TableSpec:
+    """A table built from plain strings: name columns never wrap, text columns wrap between words."""
+
+    def __init__(self, title: Optional[str], columns: Sequence[Tuple[str, str]]) -> None:
+        self.title = title
+        self.columns = list(columns)  # (header, "name" | "text" | "num")
+        self.rows: List[Tuple[List[str], Optional[str]]] = []
+
+    def add(self, *cells: object, style: Optional[str] = None) -> None:
+        self.rows.append(([str(c) for c in cells], style))
+
+    def render(self, console=None, styles: Optional[Dict[int, Dict[str, str]]] = None) -> None:
+        """Print; `styles[col][value]` colours that cell on a terminal."""
+        from rich import box
+        from rich.table import Table
+        from rich.text import Text
+
+        console = console or _console()
+        plain = console.color_system is None
+        table = Table(title=self.title, box=box.ASCII if plain else box.HEAVY_HEAD, title_justify="left")
+        for i, (header, kind) in enumerate(self.columns):
+            if kind == "text":
+                table.add_column(header, overflow="fold", ratio=1, min_width=12)
+            else:  # a name or a number: one piece, never folded or cut
+                longest = max([len(header)] + [len(line) for r, _ in self.rows for line in r[i].splitlines()])
+                table.add_column(header, no_wrap=True, min_width=longest,
+                                 justify="right" if kind == "num" else "left")
+        styles = styles or {}
+        for cells, _ in self.rows:
+            row = []
+            for i, cell in enumerate(cells):
+                style = None if plain else styles.get(i, {}).get(cell)
+                row.append(Text(cell, style=style or ""))
+            table.add_row(*row)
+        console.print(table)
+
+
+def _say(text: str, style: Optional[str] = None) -> None:
+    """A line of prose around a table; plain when piped."""
+    console = _console()
+    from rich.text import Text
+
+    console.print(Text(text, style=(style or "") if console.color_system else ""))
+
+
+# -- lazily imported pieces of mlacore ---------------------------------------
+
+
+def _dispatcher(policy_path: Optional[str]):
+    from ..dispatch import Dispatcher
+    from ..policy import load_policy
+
     return Dispatcher(policy=load_policy(policy_path))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _options_text(options: Optional[Dict[str, Any]]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in (options or {}).items())
+
+
+# -- mla --version -------------------------------------------------------------
+
+
+def _dist_version(name: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_info() -> Dict[str, Any]:
+    """mlacore's version and every plugin distribution's, from installed metadata; imports no plugin."""
+    from importlib import metadata
+
+    import mlacore
+
+    plugins: Dict[str, Dict[str, Any]] = {}
+    for ep in sorted(metadata.entry_points(group="mlacore.backends"), key=lambda e: e.name):
+        dist = getattr(ep, "dist", None)
+        name = dist.metadata["Name"] if dist is not None else "?"
+        entry = plugins.setdefault(name, {"version": dist.version if dist is not None else "?", "entry_points": []})
+        if f"{ep.name} = {ep.value}" not in entry["entry_points"]:
+            entry["entry_points"].append(f"{ep.name} = {ep.value}")
+    libs = {n: v for n in ("torch", "pydantic", "pluggy", "flashinfer-python") if (v := _dist_version(n))}
+    return {
+        "mlacore": _dist_version("mlacore") or "unknown (not installed)",
+        "location": os.path.dirname(os.path.abspath(mlacore.__file__)),
+        "python": sys.version.split()[0],
+        "plugins": plugins,
+        "libraries": libs,
+    }
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        info = version_info()
+        lines = [f"mla (mlacore {info['mlacore']}) at {info['location']}, Python {info['python']}"]
+        if info["plugins"]:
+            lines.append("plugins (entry points in mlacore.backends):")
+            for dist, entry in info["plugins"].items():
+                lines.append(f"  {dist}-{entry['version']}: {'; '.join(entry['entry_points'])}")
+        if info["libraries"]:
+            lines.append("libraries: " + ", ".join(f"{n} {v}" for n, v in info["libraries"].items()))
+        sys.stdout.write("\n".join(lines) + "\n")
+        parser.exit(0)
 
 
 # -- mla backends list -------------------------------------------------
 
 
 def cmd_backends_list(args: argparse.Namespace) -> int:
+    from ..errors import BackendStatus
+    from ..policy import effective_order, load_policy
+    from ..registry import RESERVED_NAMES, get_registry
+
     registry = get_registry()
     policy = load_policy(args.policy)
     policy.check_names(registry.names())
@@ -55,44 +224,97 @@ def cmd_backends_list(args: argparse.Namespace) -> int:
         backend = registry.get(name)
         position = order.index(name) + 1 if name in order else None
         if backend is None:
-            rows.append(dict(name=name, distribution="-", version="-", status="not installed",
-                             reasons=[], notes=[], description="", position=position))
+            provider = RESERVED_NAMES.get(name)
+            reasons = [f"provided by the distribution {provider} (pip install {provider})"] if provider else []
+            rows.append(dict(name=name, distribution=provider or "-", version="-", status="not installed",
+                             reasons=reasons, notes=[], details={}, description="", position=position,
+                             traceback=None))
             continue
         status = backend.status
         info = backend.info() if backend.loaded else None
+        details = dict(backend.availability().details) if backend.loaded else {}
         rows.append(dict(
-            name=name, distribution=backend.distribution, version=backend.version, status=backend.status,
-            reasons=list(backend.reasons()) if status != AVAILABLE else [],
-            notes=list(info.notes) if info else [], description=info.description if info else "",
-            position=position,
+            name=name, distribution=backend.distribution, version=backend.version, status=str(status),
+            reasons=list(backend.reasons()) if status != BackendStatus.AVAILABLE else [],
+            notes=list(info.notes) if info else [], details=details,
+            description=info.description if info else "", position=position,
+            traceback=backend.load_traceback,
         ))
     if args.json:
-        print(json.dumps({"policy": policy.source, "order": order, "fallback": policy.mla.fallback,
-                          "backends": rows}, indent=2))
+        for r in rows:
+            if not args.traceback:
+                r.pop("traceback")
+        print_json({"policy": policy.source, "order": order, "fallback": policy.mla.fallback, "backends": rows})
         return 0
-    table = Table(title=f"MLA backends (policy: {policy.source}, fallback: {policy.mla.fallback})")
-    for col in ("#", "backend", "distribution", "version", "status", "reasons / notes"):
-        table.add_column(col, overflow="fold")
-    style = {"available": "green", "unavailable": "yellow", "broken": "red", "disabled": "dim"}
+    table = TableSpec(f"MLA backends (policy: {policy.source}, fallback: {policy.mla.fallback})",
+                      [("#", "num"), ("backend", "name"), ("distribution", "name"), ("version", "name"),
+                       ("status", "name"), ("details", "text"), ("reasons / notes", "text")])
     for r in rows:
         text = "; ".join(r["reasons"] + r["notes"]) or r["description"]
-        table.add_row(str(r["position"] or "-"), r["name"], r["distribution"], r["version"],
-                      f"[{style.get(r['status'], 'dim')}]{r['status']}[/]", text)
-    _console().print(table)
+        table.add(r["position"] or "-", r["name"], r["distribution"], r["version"], r["status"],
+                  ", ".join(f"{k} {v}" for k, v in r["details"].items()), text)
+    colors = {"available": "green", "unavailable": "yellow", "broken": "red", "refused": "red",
+              "disabled": "dim", "not installed": "dim"}
+    console = _console()
+    table.render(console, styles={4: colors})
+    broken = [r for r in rows if r["traceback"]]
+    if args.traceback:
+        for r in broken:
+            console.print(f"\n{r['name']} ({r['distribution']} {r['version']}): {r['status']}", markup=False)
+            console.print(r["traceback"].rstrip(), markup=False, highlight=False)
+    elif broken:
+        console.print(f"{len(broken)} broken: `mla backends list --traceback` shows why", markup=False)
     return 0
 
 
 # -- mla backends explain ----------------------------------------------
 
+# DecodeProblem field -> the flag that sets it
+FLAG_OF = {"num_heads": "--num-heads", "seq_len_q": "--seq-len-q", "batch_size": "--batch",
+           "max_kv_len": "--kv-len", "min_kv_len": "--min-kv-len", "page_size": "--page-size",
+           "q_dtype": "--q-dtype", "kv_dtype": "--kv-dtype", "device": "--device"}
 
-def _problem_from_args(args: argparse.Namespace) -> DecodeProblem:
-    if args.device == "cuda":
+
+def _check_problem_flags(args: argparse.Namespace) -> None:
+    for flag, value, least in (("--num-heads", args.num_heads, 1), ("--seq-len-q", args.seq_len_q, 1),
+                               ("--batch", args.batch, 1), ("--page-size", args.page_size, 1),
+                               ("--kv-len", args.kv_len, 0)):
+        if value < least:
+            raise CLIError(f"{flag}: must be at least {least}, got {value}")
+    if args.min_kv_len is not None:
+        if args.min_kv_len < 0:
+            raise CLIError(f"--min-kv-len: must be at least 0, got {args.min_kv_len}")
+        if args.min_kv_len > args.kv_len:
+            raise CLIError(f"--min-kv-len: {args.min_kv_len} is larger than --kv-len {args.kv_len}")
+
+
+def problem_error_line(err: Exception) -> str:
+    """A pydantic error about a DecodeProblem as one line naming the flag (the first error only)."""
+    errors = err.errors() if hasattr(err, "errors") else []
+    if not errors:
+        return str(err).strip().splitlines()[0]
+    e = errors[0]
+    loc = [p for p in e.get("loc", ()) if isinstance(p, str)]
+    msg = str(e.get("msg", "invalid value")).replace("Value error, ", "")
+    if loc and loc[0] in FLAG_OF:
+        got = e.get("input")
+        suffix = f", got {got!r}" if isinstance(got, (int, str, float)) else ""
+        return f"{FLAG_OF[loc[0]]}: {msg}{suffix}"
+    for field_name, flag in FLAG_OF.items():  # a model-level error: name the flags in its message
+        msg = msg.replace(f"{field_name}=", f"{flag} ")
+    return msg
+
+
+def _problem_from_args(args: argparse.Namespace):
+    from ..problem import DecodeProblem, DeviceSpec
+
+    _check_problem_flags(args)
+    device_type = args.device or ("cuda" if args.capability is not None or _cuda() else "cpu")
+    if device_type == "cuda":
         cap = args.capability
         if cap is None:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise CLIError("--device cuda needs a GPU here, or --capability MAJOR.MINOR to explain for one")
+            if not _cuda():
+                raise CLIError("--device cuda: no GPU here; pass --capability MAJOR.MINOR to explain for one")
             device = DeviceSpec.of("cuda")
         else:
             try:
@@ -109,38 +331,43 @@ def _problem_from_args(args: argparse.Namespace) -> DecodeProblem:
             page_size=args.page_size, q_dtype=args.q_dtype, kv_dtype=args.kv_dtype,
             causal=not args.non_causal, return_lse=not args.no_lse, device=device,
         )
-    except ValueError as err:
-        raise CLIError(str(err).strip()) from None
+    except ValueError as err:  # pydantic's ValidationError is a ValueError
+        raise CLIError(problem_error_line(err)) from None
 
 
 def cmd_backends_explain(args: argparse.Namespace) -> int:
-    dispatcher = _dispatcher(args.policy)
     problem = _problem_from_args(args)
+    dispatcher = _dispatcher(args.policy)
     decision = dispatcher.explain(problem)
+    options = decision.options_dict() if decision.backend else None
+
+    def verdict_options(v) -> Optional[Dict[str, Any]]:
+        return None if v.options is None else v.options.model_dump(mode="json")
+
     if args.json:
-        print(json.dumps({
-            "problem": problem.model_dump(mode="json"), "chosen": decision.backend,
+        print_json({
+            "problem": problem.model_dump(mode="json"), "policy": dispatcher.policy.source,
+            "order": list(dispatcher.order), "chosen": decision.backend, "options": options,
             "fallback_used": decision.fallback_used,
-            "verdicts": [{"backend": v.backend, "outcome": v.outcome, "reasons": list(v.reasons)}
-                         for v in decision.verdicts],
-        }, indent=2))
+            "verdicts": [{"backend": v.backend, "outcome": str(v.outcome), "reasons": list(v.reasons),
+                          "options": verdict_options(v)} for v in decision.verdicts],
+        })
         return 0 if decision.backend else 1
     console = _console()
-    console.print(f"problem: {problem.describe()}")
-    console.print(f"policy:  {dispatcher.policy.source}; order {dispatcher.order}")
-    table = Table()
-    for col in ("backend", "verdict", "reasons"):
-        table.add_column(col, overflow="fold")
+    console.print(f"problem: {problem.describe()}", markup=False)
+    console.print(f"policy:  {dispatcher.policy.source}; order {list(dispatcher.order)}", markup=False)
+    table = TableSpec(None, [("backend", "name"), ("verdict", "name"), ("options", "text"), ("reasons", "text")])
     for v in decision.verdicts:
-        color = "green" if v.accepts else "yellow"
-        table.add_row(v.backend, f"[{color}]{v.outcome}[/]", "\n".join(v.reasons))
-    console.print(table)
+        table.add(v.backend, str(v.outcome), _options_text(verdict_options(v)) if v.accepts else "",
+                  "\n".join(v.reasons))
+    table.render(console, styles={1: {"chosen": "bold green", "accepted": "green"}})
     if decision.backend is None:
-        console.print("[red]no backend takes this problem[/] (policy fallback is 'error' or the "
-                      "reference cannot take it)")
+        console.print("no backend takes this problem (policy fallback is 'error' or the reference cannot "
+                      "take it)", markup=False)
         return 1
     via = " (policy fallback)" if decision.fallback_used else ""
-    console.print(f"chosen: [bold]{decision.backend}[/]{via}")
+    console.print(f"chosen: {decision.backend}{via}", markup=False)
+    console.print(f"options: {_options_text(options) or '(none)'}", markup=False)
     return 0
 
 
@@ -148,16 +375,25 @@ def cmd_backends_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_check(args: argparse.Namespace) -> int:
+    from ..dispatch import Dispatcher
+    from ..policy import load_policy
+
     policy = load_policy(args.path)
     dispatcher = Dispatcher(policy=policy)  # validates names, options (typed, per rule) and the fallback
-    order = dispatcher.order
-    console = _console()
-    console.print(f"[green]ok[/]: {policy.source}")
-    console.print(f"effective order: {order}" + (
-        f"  (MLA_BACKENDS={os.environ['MLA_BACKENDS']!r})" if os.environ.get("MLA_BACKENDS") else ""))
-    for warning in _fingerprint_warnings(policy):
-        console.print(f"[yellow]warning[/]: {warning}")
-    console.print(json.dumps(policy.model_dump(mode="json", exclude_defaults=True), indent=2))
+    order = list(dispatcher.order)
+    warnings = _fingerprint_warnings(policy)
+    effective = policy.model_dump(mode="json", exclude_defaults=True)
+    if args.json:
+        print_json({"ok": True, "policy": policy.source, "order": order,
+                    "MLA_BACKENDS": os.environ.get("MLA_BACKENDS") or None, "warnings": warnings,
+                    "effective": effective})
+        return 0
+    lines = [f"ok: {policy.source}",
+             f"effective order: {order}" + (f"  (MLA_BACKENDS={os.environ['MLA_BACKENDS']!r})"
+                                            if os.environ.get("MLA_BACKENDS") else "")]
+    lines += [f"warning: {w}" for w in warnings]
+    lines.append(json_text(effective))
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 
@@ -174,16 +410,22 @@ def _fingerprint_warnings(policy) -> List[str]:
 
 def _available_backend(name: str):
     """The installed, available backend `name`, or a CLIError saying why not."""
+    from ..errors import BackendStatus
+    from ..registry import get_registry
+
     registry = get_registry()
     b = registry.get(name)
     if b is None:
         raise CLIError(f"--backend: '{name}' is not installed (installed: {', '.join(registry.names())})")
-    if b.status != AVAILABLE:
+    if b.status != BackendStatus.AVAILABLE:
         raise CLIError(f"--backend: '{name}' is {b.status}: {'; '.join(b.reasons())}")
     return b
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from ..errors import BackendStatus
+    from ..problem import DeviceSpec
+    from ..registry import get_registry
     from ..testing.compare import check_grid, run_checks
 
     registry = get_registry()
@@ -191,35 +433,41 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.backend:
         names = [_available_backend(name).name for name in args.backend]
     else:
-        names = [b.name for b in registry.backends() if b.status == AVAILABLE]
+        names = [b.name for b in registry.backends() if b.status == BackendStatus.AVAILABLE]
     spec = DeviceSpec.of(device)
     results = run_checks(names, check_grid(args.quick, spec), device=device, registry=registry)
-    table = Table(title=f"mla check on {spec} ({'quick' if args.quick else 'full'} grid)")
-    for col in ("backend", "problem", "result", "out rel err", "lse max err", "notes"):
-        table.add_column(col, overflow="fold")
-    failed = 0
-    for r in results:
-        if r.skipped:
-            result = "[dim]skip[/]"
-        elif r.passed:
-            result = "[green]pass[/]"
-        else:
-            result = "[red]FAIL[/]"
-            failed += 1
-        table.add_row(r.backend, r.problem.describe(), result,
-                      "" if r.skipped else f"{r.out_rel_err:.1e}", "" if r.skipped else f"{r.lse_max_err:.1e}",
-                      "; ".join(r.messages))
-    console = _console()
-    console.print(table)
+    failed = sum(1 for r in results if not r.skipped and not r.passed)
     ran = sum(1 for r in results if not r.skipped)
-    console.print(f"{ran - failed} passed, {failed} failed, {len(results) - ran} skipped")
-    return 1 if failed or ran == 0 else 0
+    code = 1 if failed or ran == 0 else 0
+    if args.json:
+        print_json({"device": str(spec), "grid": "quick" if args.quick else "full",
+                    "passed": ran - failed, "failed": failed, "skipped": len(results) - ran,
+                    "results": [{"backend": r.backend, "problem": r.problem.model_dump(mode="json"),
+                                 "result": "skip" if r.skipped else ("pass" if r.passed else "fail"),
+                                 "out_rel_err": None if r.skipped else r.out_rel_err,
+                                 "lse_max_err": None if r.skipped else r.lse_max_err,
+                                 "messages": list(r.messages)} for r in results]})
+        return code
+    table = TableSpec(f"mla check on {spec} ({'quick' if args.quick else 'full'} grid)",
+                      [("backend", "name"), ("problem", "text"), ("result", "name"), ("out rel err", "num"),
+                       ("lse max err", "num"), ("notes", "text")])
+    for r in results:
+        result = "skip" if r.skipped else ("pass" if r.passed else "FAIL")
+        table.add(r.backend, r.problem.describe(), result,
+                  "" if r.skipped else f"{r.out_rel_err:.1e}", "" if r.skipped else f"{r.lse_max_err:.1e}",
+                  "; ".join(r.messages))
+    console = _console()
+    table.render(console, styles={2: {"skip": "dim", "pass": "green", "FAIL": "bold red"}})
+    console.print(f"{ran - failed} passed, {failed} failed, {len(results) - ran} skipped", markup=False)
+    return code
 
 
 # -- mla bench / mla tune --------------------------------------------------------
 
 
 def _bench_specs(args: argparse.Namespace):
+    from ..errors import BackendStatus
+    from ..registry import get_registry
     from .bench import BackendSpec
 
     registry = get_registry()
@@ -236,33 +484,38 @@ def _bench_specs(args: argparse.Namespace):
                 lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
                 raise CLIError(f"--backend {spec.label}: " + "; ".join(lines)) from None
         return specs
-    return [BackendSpec(b.name) for b in registry.backends() if b.status == AVAILABLE]
+    return [BackendSpec(b.name) for b in registry.backends() if b.status == BackendStatus.AVAILABLE]
 
 
-def _run_bench_from_args(args: argparse.Namespace):
+def _run_bench(args: argparse.Namespace, grid_spec: str, specs=None):
+    from ..problem import DeviceSpec
     from .bench import run_bench
     from .grid import load_grid
 
     device = args.device or ("cuda" if _cuda() else "cpu")
-    grid = load_grid(args.grid)
+    grid = load_grid(grid_spec)
     problems = grid.problems(DeviceSpec.of(device))
-    specs = _bench_specs(args)
+    specs = _bench_specs(args) if specs is None else specs
     graph = device == "cuda" and not args.no_graph
-    return run_bench(problems, specs, device, graph, grid.describe(), progress=not args.no_progress,
+    return run_bench(problems, specs, device, graph, grid.describe(), progress=not args.no_progress and not args.json,
                      budget_s=args.budget)
 
 
+def _fmt(v: float, f: str) -> str:
+    return "" if v is None or v != v else format(v, f)  # NaN -> blank
+
+
 def _print_bench(report) -> None:
-    table = Table(title=f"mla bench: {report.grid}\nceilings: {report.ceilings.copy_gbps:.0f} GB/s copy, "
-                        f"{report.ceilings.matmul_tflops:.0f} TFLOP/s matmul ({report.ceilings.how})")
-    for col in ("backend", "problem", "status", "us", "GB/s", "TFLOP/s", "% bw", "% flops", "speed-up", "notes"):
-        table.add_column(col, overflow="fold")
-    fmt = lambda v, f: "" if v != v else format(v, f)  # noqa: E731  (NaN -> blank)
+    title = (f"mla bench: {report.grid}\nceilings: {report.ceilings.copy_gbps:.0f} GB/s copy, "
+             f"{report.ceilings.matmul_tflops:.0f} TFLOP/s matmul ({report.ceilings.how})")
+    table = TableSpec(title, [("backend", "name"), ("problem", "text"), ("status", "name"), ("us", "num"),
+                              ("GB/s", "num"), ("TFLOP/s", "num"), ("% bw", "num"), ("% flops", "num"),
+                              ("speed-up", "num"), ("notes", "text")])
     for r in report.rows:
-        table.add_row(r.backend, r.problem.describe(), r.status, fmt(r.time_us, ".1f"), fmt(r.gbps, ".0f"),
-                      fmt(r.tflops, ".1f"), fmt(r.pct_bw, ".0f"), fmt(r.pct_flops, ".0f"),
-                      fmt(r.speedup_vs_best_other, ".2f"), r.notes[:120])
-    _console().print(table)
+        table.add(r.backend, r.problem.describe(), r.status, _fmt(r.time_us, ".1f"), _fmt(r.gbps, ".0f"),
+                  _fmt(r.tflops, ".1f"), _fmt(r.pct_bw, ".0f"), _fmt(r.pct_flops, ".0f"),
+                  _fmt(r.speedup_vs_best_other, ".2f"), r.notes[:120])
+    table.render(styles={2: {"ok": "green", "wrong": "bold red", "error": "red", "skipped": "dim"}})
 
 
 def _write_outputs(report, args: argparse.Namespace) -> None:
@@ -270,9 +523,8 @@ def _write_outputs(report, args: argparse.Namespace) -> None:
 
     if args.csv:
         write_csv(report, args.csv)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report_json(report), fh, indent=1)
+    if args.output:
+        write_json_file(args.output, report_json(report))
     if getattr(args, "plot", None):
         try:
             plot(report, args.plot)
@@ -281,113 +533,184 @@ def _write_outputs(report, args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    report = _run_bench_from_args(args)
-    _print_bench(report)
+    from .bench import report_json
+
+    report = _run_bench(args, args.grid)
     _write_outputs(report, args)
+    if args.json:
+        print_json(report_json(report))
+    else:
+        _print_bench(report)
     wrong = [r for r in report.rows if r.status in ("wrong", "error")]
     return 1 if wrong else 0
+
+
+def _read_report(path: str, flag: str):
+    from .bench import report_from_json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return report_from_json(json.load(fh))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CLIError(f"{flag} {path}: cannot read measurements: {err}") from None
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .bench import report_from_json
-    from ..policy import builtin_policy_text
-    from .tune import TuneError, tune, write_atomically
+    try:
+        import tomlkit  # noqa: F401
+    except ImportError:
+        raise CLIError(f"mla tune writes policies with 'tomlkit': {CLI_EXTRA}") from None
+    from ..errors import PolicyError
+    from ..policy import builtin_policy_text, parse_policy_text
+    from .bench import BackendSpec
+    from .tune import TuneError, _cell, record_validation, tune, validate, write_atomically
 
     if args.from_json:
-        try:
-            with open(args.from_json) as fh:
-                report = report_from_json(json.load(fh))
-        except (OSError, ValueError, KeyError) as err:
-            raise CLIError(f"--from {args.from_json}: cannot read measurements: {err}") from None
+        report = _read_report(args.from_json, "--from")
     else:
-        report = _run_bench_from_args(args)
+        report = _run_bench(args, args.grid)
         _write_outputs(report, args)
     path = Path(args.write)
-    base = path.read_text() if path.is_file() else builtin_policy_text()
+    try:
+        base = path.read_text(encoding="utf-8") if path.is_file() else builtin_policy_text()
+    except OSError as err:
+        raise CLIError(f"--write {path}: cannot read: {err.strerror or err}") from None
     try:
         text, cells = tune(report, path, base)
     except TuneError as err:
         raise CLIError(str(err)) from None
-    best = {}
+
+    by_cell: Dict[tuple, Dict[str, Any]] = {}
     for r in report.rows:
-        if r.status == "ok":
-            key = (r.problem.describe(), r.backend)
-            best[key] = r.time_us
-    table = Table(title=f"mla tune -> {path}")
-    for col in ("cell", "fastest", "policy picks", "within"):
-        table.add_column(col)
-    worst = 0.0
-    by_cell = {}
-    for r in report.rows:
-        by_cell.setdefault(r.problem.describe(), {})[r.backend] = r
-    for desc, rows in sorted(by_cell.items()):
+        by_cell.setdefault(_cell(r.problem), {})[r.backend] = r
+    tuned_rows = []
+    for key, rows in sorted(by_cell.items(), key=lambda kv: str(kv[0])):
+        desc = next(iter(rows.values())).problem.describe()
         ok = {n: r.time_us for n, r in rows.items() if r.status == "ok"}
         if not ok:
-            table.add_row(desc, "-", "-", "no correct backend")
+            tuned_rows.append({"cell": desc, "fastest": None, "fastest_us": None, "routed": None, "regret": None})
             continue
         fastest = min(ok, key=lambda n: (ok[n], n))
-        cell = next(iter(rows.values())).problem
-        from .tune import _cell
+        routed = cells[key][1]
+        tuned_rows.append({"cell": desc, "fastest": fastest, "fastest_us": ok[fastest], "routed": routed,
+                           "regret": ok[routed] / ok[fastest] - 1.0})
+    worst = max([r["regret"] for r in tuned_rows if r["regret"] is not None], default=0.0)
+    try:
+        write_atomically(path, text)
+    except OSError as err:
+        raise CLIError(f"--write {path}: cannot write: {err.strerror or err}") from None
+    summary: Dict[str, Any] = {"policy": str(path), "cells": tuned_rows, "worst_regret": worst}
+    if not args.json:
+        table = TableSpec(f"mla tune -> {path}", [("cell", "text"), ("fastest", "name"), ("policy picks", "name"),
+                                                 ("within", "num")])
+        for r in tuned_rows:
+            if r["fastest"] is None:
+                table.add(r["cell"], "-", "-", "no correct backend")
+            else:
+                table.add(r["cell"], f"{r['fastest']} {r['fastest_us']:.1f} us", r["routed"],
+                          f"{100 * r['regret']:.1f}%")
+        table.render()
+        _say(f"wrote {path}: {len(cells)} cells, every one routed within {100 * worst:.1f}% of the fastest")
 
-        routed = cells[_cell(cell)][1]
-        gap = ok[routed] / ok[fastest] - 1.0
-        worst = max(worst, gap)
-        table.add_row(desc, f"{fastest} {ok[fastest]:.1f} us", routed, f"{100 * gap:.1f}%")
-    _console().print(table)
-    write_atomically(path, text)
-    _console().print(f"wrote {path}: {len(cells)} cells, every one routed within {100 * worst:.1f}% of the fastest")
+    if args.validate or args.validate_from:
+        # a separate pass, after the rules are written: the policy as written, on a second grid
+        if args.validate_from:
+            vreport = _read_report(args.validate_from, "--validate-from")
+        else:
+            specs = None if args.backend else [BackendSpec.parse(lbl) for lbl in sorted({r.backend for r in report.rows})]
+            vreport = _run_bench(args, args.validate, specs)
+            if args.validate_output:
+                from .bench import report_json
+
+                write_json_file(args.validate_output, report_json(vreport))
+        try:
+            policy = parse_policy_text(text, str(path))
+            result = validate(policy, vreport)
+            if not result.cells:
+                raise CLIError("--validate: no cell of the validation grid has a correct, timed arm")
+            record = result.summary(args.worst)
+            write_atomically(path, record_validation(text, record, str(path)))
+        except (TuneError, PolicyError) as err:
+            raise CLIError(str(err)) from None
+        summary["validation"] = {**record, "cells": [
+            {"cell": c.problem.describe(), "fastest": c.fastest, "fastest_us": c.fastest_us, "routed": c.routed,
+             "routed_us": c.routed_us, "regret": c.regret, "note": c.note} for c in result.cells],
+            "cell_count": len(result.cells)}
+        if not args.json:
+            _print_validation(result, args.worst, path)
+    if args.json:
+        print_json(summary)
     return 0
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+def _print_validation(result, worst_n: int, path) -> None:
+    table = TableSpec(f"mla tune --validate: {result.grid}\nthe {min(worst_n, len(result.cells))} worst of "
+                      f"{len(result.cells)} cells",
+                      [("cell", "text"), ("fastest", "name"), ("policy picks", "name"), ("regret", "num"),
+                       ("note", "text")])
+    for c in result.worst(worst_n):
+        table.add(c.problem.describe(), f"{c.fastest} {c.fastest_us:.1f} us",
+                  (c.routed or "-") + ("" if c.routed_us != c.routed_us else f" {c.routed_us:.1f} us"),
+                  "-" if c.regret is None else f"{100 * c.regret:.1f}%", c.note)
+    table.render()
+    mean, worst = result.mean_regret, result.worst_regret
+    line = (f"validation on {len(result.cells)} cells: mean regret {100 * (mean or 0):.2f}%, "
+            f"worst {100 * (worst or 0):.1f}%")
+    if result.failures:
+        line += f", {len(result.failures)} cells routed to no correct, timed arm"
+    _say(line + f"; recorded in {path} [tuned.validation]")
 
 
 # -- wiring ----------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; building it imports nothing beyond the standard library."""
     parser = argparse.ArgumentParser(prog="mla", description="Choose, explain and check MLA decode backends.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("-V", "--version", action=_VersionAction,
+                        help="mlacore's version and every installed plugin's, then exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     backends = sub.add_parser("backends", help="list installed backends, explain a choice")
-    bsub = backends.add_subparsers(dest="backends_command", required=True)
-    p = bsub.add_parser("list", help="every backend with its status and reasons")
-    p.add_argument("--json", action="store_true")
+    bsub = backends.add_subparsers(dest="backends_command", required=True, metavar="COMMAND")
+    p = bsub.add_parser("list", help="every backend with its status, details and reasons")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.add_argument("--traceback", action="store_true", help="show the import traceback of a broken plugin")
     p.add_argument("--policy", help="policy file (default: $MLA_POLICY, ./mla.toml, built-in)")
     p.set_defaults(func=cmd_backends_list)
 
-    p = bsub.add_parser("explain", help="every backend's verdict for one problem, and the choice")
+    p = bsub.add_parser("explain", help="every backend's verdict for one problem, the choice and its options")
     p.add_argument("--num-heads", type=int, required=True)
     p.add_argument("--seq-len-q", type=int, default=1)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--kv-len", type=int, default=4096, help="largest kv length in the batch")
     p.add_argument("--min-kv-len", type=int, default=None, help="smallest kv length (default: --kv-len)")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8_e4m3"])
     p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8_e4m3"])
-    p.add_argument("--device", default="cuda" if _cuda_quiet() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="default: cuda with --capability or a visible GPU, else cpu")
     p.add_argument("--capability", help="compute capability to explain for, e.g. 9.0 (default: this GPU)")
     p.add_argument("--non-causal", action="store_true")
     p.add_argument("--no-lse", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.add_argument("--policy")
     p.set_defaults(func=cmd_backends_explain)
 
     pol = sub.add_parser("policy", help="validate a policy file")
-    psub = pol.add_subparsers(dest="policy_command", required=True)
+    psub = pol.add_subparsers(dest="policy_command", required=True, metavar="COMMAND")
     p = psub.add_parser("check", help="validate and print the effective policy")
     p.add_argument("path", nargs="?", default=None)
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.set_defaults(func=cmd_policy_check)
 
     p = sub.add_parser("check", help="correctness of each available backend against the fp64 reference")
     p.add_argument("--backend", action="append", help="check only this backend (repeatable)")
     p.add_argument("--quick", action="store_true", help="a smaller grid")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.set_defaults(func=cmd_check)
 
     def bench_args(p: argparse.ArgumentParser) -> None:
@@ -396,9 +719,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", choices=["cpu", "cuda"], default=None)
         p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replay")
         p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per backend and cell")
-        p.add_argument("--csv", help="write every row to this CSV file")
-        p.add_argument("--json", help="write the full report (input of `mla tune --from`) to this file")
-        p.add_argument("--plot", help="draw time against kv length to this PNG (needs matplotlib)")
+        p.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
+        p.add_argument("-o", "--output", metavar="FILE",
+                       help="write the measurements as JSON (the input of `mla tune --from`)")
+        p.add_argument("--csv", metavar="FILE", help="write every row to this CSV file")
+        p.add_argument("--plot", metavar="FILE", help="draw time against kv length to this PNG (needs matplotlib)")
         p.add_argument("--no-progress", action="store_true")
 
     p = sub.add_parser("bench", help="time every backend side by side over a grid")
@@ -407,25 +732,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="measure a grid and write allow rules that route each cell to its winner")
     bench_args(p)
-    p.add_argument("--write", required=True, help="policy file to write or merge into (atomically)")
-    p.add_argument("--from", dest="from_json", help="use measurements from `mla bench --json` instead of measuring")
+    p.add_argument("--write", required=True, metavar="FILE",
+                   help="policy file to write or merge into (atomically; keeps its mode and symlink)")
+    p.add_argument("--from", dest="from_json", metavar="FILE",
+                   help="use measurements from `mla bench -o FILE` instead of measuring")
+    p.add_argument("--validate", metavar="GRID",
+                   help="after writing, time the written policy against every arm on this second grid "
+                        "and record mean and worst regret in [tuned.validation]")
+    p.add_argument("--validate-from", metavar="FILE",
+                   help="validate on measurements from `mla bench -o FILE` instead of measuring")
+    p.add_argument("--validate-output", metavar="FILE", help="write the validation measurements as JSON")
+    p.add_argument("--worst", type=int, default=5, help="how many of the worst validation cells to show and record")
     p.set_defaults(func=cmd_tune)
     return parser
 
 
-def _cuda_quiet() -> bool:
-    # explain's default device; importing torch is already paid by the core
+def _quiet_broken_pipe() -> int:
+    # the reader went away (`| head`): stop writing, and keep the interpreter's final flush quiet
     try:
-        return _cuda()
-    except Exception:
-        return False
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        args = parser.parse_args(argv)
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+    from ..errors import MLAError
+
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except (CLIError, MLAError) as err:
         for line in str(err).splitlines() or [""]:
             print(f"mla: error: {line}", file=sys.stderr)

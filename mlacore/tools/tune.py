@@ -9,7 +9,15 @@ picks the fastest correct backend measured for every cell of the grid:
   (batch, kv length) per (heads, s_q, dtypes, page size) group, grown as far
   as they can without touching a cell that a later backend must keep
   (where this backend is slower, or wrong); then rules that differ in one
-  set-valued field are merged.
+  set-valued field are merged;
+* a rule holds where it was measured: between grid points its bounds sit
+  at the geometric midpoint to the next point, where the winner changes
+  hands; past the edge of the grid on an axis it reaches only where its arm
+  wins that whole edge; head counts, dtypes and page sizes not measured are
+  left to the default arm.
+
+`validate` times the written policy against every arm on a second grid
+(`mla tune --validate GRID`): regret per cell, mean and worst.
 
 The result is checked against the dispatcher's own rule matching before it
 is written. Timing never enters decisions at run time: the file does.
@@ -17,9 +25,13 @@ is written. Timing never enters decisions at run time: the file does.
 
 from __future__ import annotations
 
+import math
 import os
+import stat
 import tempfile
+import statistics
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -82,9 +94,32 @@ def _rectangles(win: set, keep_off: set, b_vals: List[int], l_vals: List[int]) -
     return rects
 
 
-def _bounds(lo_i: int, hi_i: int, vals: List[int]) -> Tuple[Optional[int], Optional[int]]:
-    lo = vals[lo_i] if lo_i > 0 else None
-    hi = vals[hi_i + 1] - 1 if hi_i + 1 < len(vals) else None
+def split_point(lo: int, hi: int) -> int:
+    """The largest value that still belongs with `lo` when `hi` is the next grid point: their geometric midpoint.
+
+    Decode time grows about linearly in batch and kv length, so a winner
+    changes hands halfway on a log scale, not at the last point measured.
+    """
+    return max(lo, math.isqrt(lo * hi))
+
+
+def _bounds(lo_i: int, hi_i: int, vals: List[int], open_lo: bool = False,
+            open_hi: bool = False) -> Tuple[Optional[int], Optional[int]]:
+    """Bounds of a rule covering grid points vals[lo_i..hi_i].
+
+    Between grid points the bound sits at the geometric midpoint to the next
+    point outside the rule. At the edge of the measured region the rule stops
+    at the last point measured, unless `open_lo`/`open_hi` says that the same
+    arm wins the whole edge, so reaching past it is a measured trend.
+    """
+    if lo_i > 0:
+        lo: Optional[int] = split_point(vals[lo_i - 1], vals[lo_i]) + 1
+    else:
+        lo = None if open_lo else vals[0]
+    if hi_i + 1 < len(vals):
+        hi: Optional[int] = split_point(vals[hi_i], vals[hi_i + 1])
+    else:
+        hi = None if open_hi else vals[-1]
     return lo, hi
 
 
@@ -146,13 +181,20 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
             keep_off -= mine
             b_vals = sorted({c[5] for c in members})
             l_vals = sorted({c[6] for c in members})
+            at = {(c[5], c[6]): win[c] for c in members}
             for bi0, bi1, li0, li1 in _rectangles(mine, keep_off, b_vals, l_vals):
                 rule = dict(zip(CAT_FIELDS, ([v] for v in cat)))
-                lo, hi = _bounds(bi0, bi1, b_vals)
+                # reach past the grid on an axis only where this arm wins that whole edge of the group
+                edge = lambda pts: all(at.get(pt) == label for pt in pts)  # noqa: E731
+                lo, hi = _bounds(bi0, bi1, b_vals, edge((b_vals[0], n) for n in l_vals),
+                                 edge((b_vals[-1], n) for n in l_vals))
                 rule.update(min_batch=lo, max_batch=hi)
-                lo, hi = _bounds(li0, li1, l_vals)
+                lo, hi = _bounds(li0, li1, l_vals, edge((b, l_vals[0]) for b in b_vals),
+                                 edge((b, l_vals[-1]) for b in b_vals))
                 rule.update(min_kv_len=lo, max_kv_len=hi)
-                rule = {k: v for k, v in rule.items() if v is not None}
+                # min_batch = 1 and min_kv_len = 0 say nothing: leave them out
+                rule = {k: v for k, v in rule.items()
+                        if v is not None and (k, v) not in (("min_batch", 1), ("min_kv_len", 0))}
                 if options:
                     rule["options"] = options
                 out.append(rule)
@@ -161,7 +203,11 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
 
 
 def _merge(rules: List[dict], report: BenchReport) -> List[dict]:
-    """Union rules that differ in one set-valued field; drop sets that name every grid value."""
+    """Union rules that differ in one set-valued field.
+
+    Sets stay even where they name every value of the grid: a rule says
+    nothing about head counts, dtypes or page sizes that were not measured.
+    """
     changed = True
     rules = [dict(r) for r in rules]
     while changed:
@@ -178,30 +224,42 @@ def _merge(rules: List[dict], report: BenchReport) -> List[dict]:
                     break
             if changed:
                 break
-    every = {k: {getattr(r.problem, k) for r in report.rows} for k in CAT_FIELDS}
-    for r in rules:
-        for k in CAT_FIELDS:
-            if k in r and set(r[k]) == every[k]:
-                del r[k]
     return rules
 
 
-def routes(order: Sequence[str], rules: Dict[str, List[dict]], report: BenchReport,
-           base_policy_text: Optional[str] = None) -> Dict[tuple, Optional[str]]:
-    """The arm the written policy picks per cell, using the dispatcher's own rule code.
+def _arm_options(report: BenchReport) -> Dict[str, Tuple[str, Dict[str, object]]]:
+    return {lbl: _arm(lbl) for lbl in sorted({r.backend for r in report.rows})}
 
-    A backend is passed over where its measured arm could not take the cell
-    (can_implement said no), exactly as the dispatcher would.
+
+def _label_for(name: str, options: Dict[str, object], arms: Dict[str, Tuple[str, Dict[str, object]]]) -> Optional[str]:
+    """The measured arm that runs backend `name` with `options`: the exact one, else the closest subset."""
+    best: Optional[Tuple[int, str]] = None
+    for label, (arm_name, arm_opts) in arms.items():
+        if arm_name != name:
+            continue
+        if arm_opts == options:
+            return label
+        if all(options.get(k, _MISSING) == v for k, v in arm_opts.items()):
+            cand = (len(arm_opts), label)
+            if best is None or cand[0] > best[0]:
+                best = cand
+    return None if best is None else best[1]
+
+
+_MISSING = object()
+
+
+def route_cells(order: Sequence[str], policy, report: BenchReport,
+                deny: Optional[Dict[str, tuple]] = None) -> Dict[tuple, Optional[str]]:
+    """The measured arm `policy` picks per cell of `report`, using the dispatcher's own rule code.
+
+    Walks `order` as the dispatcher does: a backend is passed over where a
+    deny rule matches, where no allow rule matches, or where its arm could
+    not take the cell (the bench skipped it: can_implement said no).
     """
-    data = {"mla": {"order": list(order)},
-            "backend": {n: {"allow": rs} for n, rs in rules.items()}}
-    policy = parse_policy(data, "<tune>")
-    deny: Dict[str, tuple] = {}
-    if base_policy_text is not None:
-        deny = {n: bp.deny for n, bp in parse_policy_text(base_policy_text).backend.items()}
     stat = statuses(report)
-    labels = {(spec.name, tuple(sorted(spec.options))): lbl
-              for lbl in {r.backend for r in report.rows} for spec in [BackendSpec.parse(lbl)]}
+    arms = _arm_options(report)
+    deny = {n: bp.deny for n, bp in policy.backend.items()} if deny is None else deny
     picks: Dict[tuple, Optional[str]] = {}
     for r in report.rows:
         cell = _cell(r.problem)
@@ -212,11 +270,11 @@ def routes(order: Sequence[str], rules: Dict[str, List[dict]], report: BenchRepo
             bp = policy.backend_policy(name)
             if any(not rule.mismatches(r.problem) for rule in deny.get(name, ())):
                 continue
+            if bp.allow and bp.rejections(r.problem):
+                continue
             chosen = None
-            for options in bp.option_sets(r.problem) if bp.allow else [{}]:
-                if bp.allow and bp.rejections(r.problem):
-                    break
-                label = labels.get((name, tuple(sorted(options.items()))))
+            for options in bp.option_sets(r.problem):
+                label = _label_for(name, options, arms)
                 if label is not None and stat.get((cell, label)) not in (SKIPPED, None):
                     chosen = label
                     break
@@ -224,6 +282,134 @@ def routes(order: Sequence[str], rules: Dict[str, List[dict]], report: BenchRepo
                 picks[cell] = chosen
                 break
     return picks
+
+
+def routes(order: Sequence[str], rules: Dict[str, List[dict]], report: BenchReport,
+           base_policy_text: Optional[str] = None) -> Dict[tuple, Optional[str]]:
+    """The arm the rules `build_rules` made pick per cell (with the deny rules of the base policy)."""
+    data = {"mla": {"order": list(order)},
+            "backend": {n: {"allow": rs} for n, rs in rules.items()}}
+    policy = parse_policy(data, "<tune>")
+    deny: Dict[str, tuple] = {}
+    if base_policy_text is not None:
+        deny = {n: bp.deny for n, bp in parse_policy_text(base_policy_text).backend.items()}
+    return route_cells(order, policy, report, deny)
+
+
+# -- validation ----------------------------------------------------------------------
+
+
+@dataclass
+class CellRegret:
+    problem: DecodeProblem
+    fastest: str
+    fastest_us: float
+    routed: Optional[str]
+    routed_us: float = math.nan
+    regret: Optional[float] = None  # routed / fastest - 1; None: the routed arm has no correct time here
+    note: str = ""
+
+
+@dataclass
+class Validation:
+    """How the written policy does on a second grid: regret of its pick against the fastest arm per cell."""
+
+    grid: str
+    date: str
+    gpu: str
+    cells: List[CellRegret] = field(default_factory=list)
+
+    @property
+    def failures(self) -> List[CellRegret]:
+        return [c for c in self.cells if c.regret is None]
+
+    @property
+    def mean_regret(self) -> Optional[float]:
+        vals = [c.regret for c in self.cells if c.regret is not None]
+        return statistics.fmean(vals) if vals else None
+
+    @property
+    def worst_regret(self) -> Optional[float]:
+        vals = [c.regret for c in self.cells if c.regret is not None]
+        return max(vals) if vals else None
+
+    def worst(self, n: int = 5) -> List[CellRegret]:
+        """Cells without a correct routed time first, then by regret, largest first."""
+        key = lambda c: (c.regret is not None, -(c.regret or 0.0), c.problem.describe())  # noqa: E731
+        return sorted(self.cells, key=key)[:n]
+
+    def summary(self, n: int = 5) -> Dict[str, object]:
+        """What the tuned file records in [tuned.validation] (TOML: no nulls, regrets as fractions)."""
+        out: Dict[str, object] = {"grid": self.grid, "date": self.date, "gpu": self.gpu, "cells": len(self.cells)}
+        if self.mean_regret is not None:
+            out["mean_regret"] = round(self.mean_regret, 4)
+            out["worst_regret"] = round(self.worst_regret, 4)
+        out["failed_cells"] = len(self.failures)
+        worst = []
+        for c in self.worst(n):
+            entry: Dict[str, object] = {"cell": c.problem.describe(), "routed": c.routed or "-",
+                                        "fastest": c.fastest}
+            if c.regret is not None:
+                entry["regret"] = round(c.regret, 4)
+            if c.note:
+                entry["note"] = c.note
+            worst.append(entry)
+        out["worst"] = worst
+        return out
+
+
+def validate(policy, report: BenchReport, order: Optional[Sequence[str]] = None) -> Validation:
+    """Regret of `policy`'s pick per cell of `report` (measurements on a second grid, every arm timed)."""
+    if order is None:
+        order = [n for n in policy.mla.order if policy.backend_policy(n).enabled]
+    picks = route_cells(order, policy, report)
+    rows: Dict[tuple, Dict[str, object]] = defaultdict(dict)
+    problems: Dict[tuple, DecodeProblem] = {}
+    for r in report.rows:
+        rows[_cell(r.problem)][r.backend] = r
+        problems.setdefault(_cell(r.problem), r.problem)
+    fp = report.fingerprint or {}
+    out = Validation(grid=report.grid, date=report.date, gpu=str(fp.get("gpu", "")))
+    for cell in sorted(rows, key=str):
+        ok = {lbl: r.time_us for lbl, r in rows[cell].items() if r.status == OK}
+        if not ok:
+            continue
+        fastest = min(ok, key=lambda lbl: (ok[lbl], lbl))
+        routed = picks.get(cell)
+        entry = CellRegret(problems[cell], fastest, ok[fastest], routed)
+        if routed is None:
+            entry.note = "the policy routes this cell to no measured arm"
+        elif routed in ok:
+            entry.routed_us = ok[routed]
+            entry.regret = max(0.0, ok[routed] / ok[fastest] - 1.0)
+        else:
+            entry.note = f"the routed arm is {rows[cell][routed].status} here"
+        out.cells.append(entry)
+    return out
+
+
+def record_validation(text: str, summary: Dict[str, object], source: str = "<tune>") -> str:
+    """`text` (a tuned policy) with [tuned.validation] set to `summary`, comments and all kept."""
+    import tomlkit
+
+    doc = tomlkit.parse(text)
+    if "tuned" not in doc:
+        raise TuneError(f"{source}: has no [tuned] section to record the validation in")
+    table = tomlkit.table()
+    for k, v in summary.items():
+        if k == "worst":
+            aot = tomlkit.aot()
+            for entry in v:
+                t = tomlkit.table()
+                t.update(entry)
+                aot.append(t)
+            table[k] = aot
+        else:
+            table[k] = v
+    doc["tuned"]["validation"] = table
+    new = tomlkit.dumps(doc)
+    parse_policy_text(new, source)  # what we write must load
+    return new
 
 
 def tune(report: BenchReport, policy_path: Path, base_text: str) -> Tuple[str, Dict[tuple, Tuple[str, str]]]:
@@ -278,13 +464,40 @@ def tune(report: BenchReport, policy_path: Path, base_text: str) -> Tuple[str, D
 
 
 def write_atomically(path: Path, text: str) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent or "."))
+    """Replace `path` with `text` so that a reader sees the old file or the new one, never half of one.
+
+    A symlink is written through (its target is replaced, the link stays);
+    the file keeps its permission bits (new files get the umask's); the data
+    is fsynced before the rename and the directory after it.
+    """
+    target = Path(os.path.realpath(path))
     try:
-        with os.fdopen(fd, "w") as fh:
+        mode: Optional[int] = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = None
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=str(target.parent))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
-        os.replace(tmp, path)
+            fh.flush()
+            if mode is None:
+                umask = os.umask(0)
+                os.umask(umask)
+                mode = 0o666 & ~umask
+            os.fchmod(fh.fileno(), mode)
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    try:
+        dir_fd = os.open(str(target.parent), os.O_RDONLY)
+    except OSError:  # some platforms cannot open a directory; the rename is done either way
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)

@@ -72,6 +72,7 @@ class FlashInferBackend(Backend):
         return BackendInfo(
             description="FlashInfer MLA decode: fa3 (sm_90, bf16/fp16, fp8 KV), fa2 (sm_80+), trtllm-gen (sm_100/103)",
             notes=("fa2/fa3 checked on an H200 (sm_90); trtllm-gen: not verified on hardware",),
+            q_layouts=("packed", "split"), kv_layouts=("packed", "split"), strided_q=False,
         )
 
     @hookimpl
@@ -143,17 +144,25 @@ class FAPlanned(Planned):
     def __init__(self, slot: _Slot, generation: int, rows: int, num_heads: int, scales: Dict[str, float]) -> None:
         self.slot, self.generation, self.rows, self.num_heads, self.scales = slot, generation, rows, num_heads, scales
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor]) -> None:
+    def run(self, q: Any, kv_cache: Any, out: torch.Tensor, lse: Optional[torch.Tensor],
+            kv_scale: Any = None, q_scale: Any = None) -> None:
         if self.slot.generation != self.generation:
             raise RuntimeError("this plan was replaced by a later plan() of the same session (FlashInfer keeps "
                                "one schedule per wrapper); run the newest plan")
         rows, heads = self.rows, self.num_heads
         has_lse = lse is not None
+        if isinstance(q, tuple):  # split layout: (q_nope, q_pe), contiguous (the decoder guarantees it)
+            query: Any = (q[0].view(rows, heads, q[0].shape[-1]), q[1].view(rows, heads, q[1].shape[-1]))
+        else:
+            query = q.view(rows, heads, q.shape[-1])
+        scales = self.scales
+        if kv_scale is not None:  # scale_inputs="float": this layer's fp8 cache scale
+            scales = {"ckv_scale": kv_scale, "kpe_scale": kv_scale}
         self.slot.wrapper.run(
-            query=q.view(rows, heads, q.shape[-1]), kv_cache=kv_cache,
+            query=query, kv_cache=kv_cache,
             out=out.view(rows, heads, out.shape[-1]),
             lse=lse.view(rows, heads) if has_lse else None,
-            return_lse=has_lse, return_lse_base_on_e=has_lse, **self.scales,
+            return_lse=has_lse, return_lse_base_on_e=has_lse, **scales,
         )
 
 
@@ -245,7 +254,7 @@ class FlashInferSession(Session):
             head_dim_kpe=problem.qk_rope_head_dim, page_size=problem.page_size, causal=problem.causal,
             sm_scale=self.config.sm_scale, q_data_type=torch_dtype(problem.q_dtype),
             kv_data_type=torch_dtype(problem.kv_dtype),
-            query_layout="packed", kv_cache_layout="packed",
+            query_layout=self.config.q_layout, kv_cache_layout=self.config.kv_layout,
             lse_mode="basee" if problem.return_lse else "none",
         )
         slot.generation += 1

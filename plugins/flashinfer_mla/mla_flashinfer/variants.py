@@ -79,6 +79,13 @@ def reasons(problem: Any, options: Any,
         return [f"{dev}: no FlashInfer MLA kernel for this architecture (needs sm_80 or newer)"]
     if problem.q_dtype not in ("bf16", "fp16"):
         out.append(f"q_dtype={problem.q_dtype} not in {{bf16, fp16}}")
+    out_dtype = getattr(problem, "output_dtype", problem.q_dtype)
+    if out_dtype != problem.q_dtype and problem.q_dtype in ("bf16", "fp16"):
+        out.append(f"out_dtype={out_dtype}: FlashInfer writes out in q's dtype ({problem.q_dtype})")
+    scale_inputs = getattr(problem, "scale_inputs", "static")
+    if scale_inputs == "tensor" and problem.kv_dtype == "fp8_e4m3":
+        out.append("scale_inputs=tensor: FlashInfer's fp8 path takes the rope scale (kpe_scale) as a host float; "
+                   "a device tensor would need a host sync per layer")
     ckv, kpe = problem.kv_lora_rank, problem.qk_rope_head_dim
     fp8 = problem.kv_dtype == "fp8_e4m3"
 
