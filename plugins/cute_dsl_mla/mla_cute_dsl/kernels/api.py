@@ -143,6 +143,12 @@ def get_combine_kernel(q_name: str):
         return fn
 
 
+def _cu_stream(handle: int):
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(handle)
+
+
 def check_inputs(q, kv_cache, page_table, kv_lens, out, lse):
     """Shape/dtype checks (cheap, host-only metadata)."""
     if q.dim() != 4 or q.shape[-1] != D_QK:
@@ -195,7 +201,7 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     o3 = out.view(B, R, D_V)
     l2 = lse.view(B, R)
     s = float(sm_scale) * float(kv_scale)
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
     partial(q3, kv_cache, page_table, kv_lens, o3, l2, schedule.work_info, o_part, lse_part,
             s * LOG2_E, s, float(kv_scale), s_q, H, stream)
     combine(o3, l2, schedule.split_info, o_part, lse_part, stream)
