@@ -62,7 +62,7 @@ def specializations():
     out = []
     for q in ("bf16", "fp16"):
         for kv in (q, "fp8_e4m3"):
-            for bm in (16, 32, 64):
+            for bm in (16, 32):
                 out.append((q, kv, bm))
     return out
 
@@ -133,7 +133,7 @@ def get_combine_kernel(q_name: str):
             return fn
         import cutlass.cute as cute
 
-        from .sm90_decode import MLACombine
+        from .combine import MLACombine
 
         t0 = time.perf_counter()
         fn = cute.compile(MLACombine(_cutlass_dtype(q_name)), *_fake_args_combine(q_name),

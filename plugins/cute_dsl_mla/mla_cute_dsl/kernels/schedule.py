@@ -32,11 +32,7 @@ D_V = 512
 
 def block_m_for(rows: int) -> int:
     """MMA M tile (packed query rows per CTA) for s_q * H rows."""
-    if rows <= 16:
-        return 16
-    if rows <= 32:
-        return 32
-    return 64
+    return 16 if rows <= 16 else 32
 
 
 def capacity_for(max_batch: int, num_sms: int, ctas_per_sm: int = 1) -> int:
@@ -82,7 +78,25 @@ def plan_items(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int
     total = sum(nblocks)
     if total == 0:
         return [], [(0, 0) for _ in nblocks], 0
-    bps = max(min_blocks_per_split, -(-(total * m_blocks) // target))
+    base = max(min_blocks_per_split, -(-(total * m_blocks) // target))
+    # wave-aware choice: estimated makespan = waves * largest item (+ a small
+    # cost per split item for the combine); never below `base`, which bounds
+    # the buffer sizes (capacity_for / slots_for).
+    best = None
+    step = max(1, base // 32)
+    for bps_c in range(base, 2 * base + 1, step):
+        n_items = 0
+        largest = 0
+        for nb in nblocks:
+            if nb:
+                k = -(-nb // bps_c)
+                n_items += k
+                largest = max(largest, -(-nb // k))
+        waves = -(-(n_items * m_blocks) // target)
+        cost = waves * largest + 0.05 * n_items * m_blocks / target
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, bps_c)
+    bps = best[1]
     items = []
     split = []
     next_slot = 0

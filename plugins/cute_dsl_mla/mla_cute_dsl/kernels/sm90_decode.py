@@ -1,32 +1,32 @@
-"""SM90 MLA decode, split-KV partial kernel and combine kernel, in CuTe DSL.
+"""SM90 MLA decode, split-KV partial kernel (v2), in CuTe DSL.
 
-Design (v1, correctness first):
+Design:
 
-* One CTA handles one (work item, m-block).  A work item is a contiguous
+* One CTA handles one (m-block, work item).  A work item is a contiguous
   range of 64-token KV blocks of one request (the split-KV schedule, see
-  ``schedule.py``); an m-block is ``BLOCK_M`` of the request's ``s_q * H``
-  packed query rows (row r = query index ``r // H``, head ``r % H``).
-* Warp-level ``mma.sync`` m16n8k16 (``warp.MmaF16BF16Op``), ldmatrix from
-  swizzled shared memory, cp.async loads, double-buffered KV tiles.
-* The CTA has ``2 * BLOCK_M / 16`` warps: warp group g (0/1) owns output
-  columns of one half of the 512-wide V (interleaved by 8 columns through
-  the tiled MMA); both groups compute the full S = Q K^T (redundant QK, the
-  price of keeping the 64x512 fp32 accumulator in registers).
+  ``schedule.py``); an m-block is ``BLOCK_M`` (16 or 32) of the request's
+  ``s_q * H`` packed query rows (row r = query index ``r // H``, head
+  ``r % H``).  Rows past ``s_q * H`` are zero-filled in shared memory and
+  never written.
+* Warp-level ``mma.sync`` m16n8k16, ldmatrix from 128B-swizzled shared
+  memory, cp.async loads into a multi-stage ring.
+* Warps form an (M/16) x 4 grid.  For S = Q K^T warp (i, j) computes rows
+  16i.. against a quarter of the 64 KV columns; row maxima are exchanged
+  through shared memory, P goes to shared memory, and for O += P V warp
+  (i, j) owns a quarter of the 512 output columns.  No MMA is done twice.
 * V is read from the K tile's shared memory (first 512 columns).
-* fp8 KV: the tile is cp.async'ed as fp8 into a staging buffer, converted to
-  the MMA dtype in shared memory (rows past the request's length zeroed),
-  the scale folded into the softmax scale and into the output.
-* A 64-token KV block never crosses a page (page_size % 64 == 0), so a tile
-  is one contiguous [64, 576] slab of the cache: the paged gather is one
-  page-table read per tile.
+* fp8 KV: tiles are cp.async'ed as fp8 into a ring of staging buffers
+  (3 deep), converted with ``cvt.rn.f16x2.e4m3x2`` into an fp16 tile (rows
+  past kv_len zeroed), and the MMAs run in fp16 (q is converted to fp16 on
+  load; e4m3 values are exact in fp16).  The scale is folded into the
+  softmax scale and into the output.
+* A 64-token block never crosses a page (page_size % 64 == 0), so a tile is
+  one contiguous [64, 576] slab: one page-table read per tile.
 * Rows of the last tile past kv_len are zero-filled in shared memory, so
-  NaN in page tails never reaches P @ V; masked scores are selected to
-  -inf, never added.
+  NaN in page tails never reaches P @ V; masked scores are selected to -inf.
 """
 
 from __future__ import annotations
-
-import math
 
 import cutlass
 import cutlass.cute as cute
@@ -35,7 +35,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 D_QK = 576
 D_V = 512
 BLOCK_N = 64
-LOG2_E = 1.4426950408889634
+NW_N = 4  # warps along N (kv columns for S, output columns for O)
 
 
 def _acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
@@ -64,22 +64,29 @@ class MLADecodePartial:
     """Split-KV partial kernel: one specialization per (q dtype, kv dtype, BLOCK_M)."""
 
     def __init__(self, q_dtype, kv_dtype, block_m: int):
-        assert block_m in (16, 32, 64)
+        assert block_m in (16, 32)
         self.q_dtype = q_dtype
         self.kv_dtype = kv_dtype
         self.is_fp8 = kv_dtype is not q_dtype
         if self.is_fp8:
             assert kv_dtype is cutlass.Float8E4M3FN
+        # MMA operand type: q dtype, or fp16 for fp8 KV (exact e4m3 -> f16 cvt)
+        self.mma_dtype = cutlass.Float16 if self.is_fp8 else q_dtype
         self.block_m = block_m
         self.m_warps = block_m // 16
-        self.num_threads = self.m_warps * 2 * 32
-        self.kv_stages = 1 if self.is_fp8 else 2
+        self.num_warps = self.m_warps * NW_N
+        self.num_threads = self.num_warps * 32
+        # bf16/fp16 KV: ring of `stages` tiles in sK. fp8: ring of raw stages, one sK.
+        self.stages = 2
+        self.raw_stages = 3 if self.is_fp8 else 0
+        self.k_bufs = 1 if self.is_fp8 else self.stages
+        self.ring = self.raw_stages if self.is_fp8 else self.stages
 
     def smem_bytes(self) -> int:
-        b = self.block_m * D_QK * 2 + self.kv_stages * BLOCK_N * D_QK * 2
-        if self.is_fp8:
-            b += 2 * BLOCK_N * D_QK
-        return b + 3 * 1024
+        b = self.block_m * D_QK * 2 + self.k_bufs * BLOCK_N * D_QK * 2
+        b += self.raw_stages * BLOCK_N * D_QK
+        b += self.block_m * BLOCK_N * 2 + self.block_m * NW_N * 4
+        return b + 5 * 1024
 
     @cute.jit
     def __call__(
@@ -100,71 +107,81 @@ class MLADecodePartial:
         num_heads: cutlass.Int32,
         stream,
     ):
-        qt = self.q_dtype
-        # ---- shared memory layouts (64-element rows, 128B swizzle) ----
+        mt = self.mma_dtype
         atom = cute.make_composed_layout(
             cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
         )
         sQ_layout = cute.tile_to_shape(atom, (self.block_m, D_QK), (0, 1))
-        sK_layout = cute.tile_to_shape(atom, (BLOCK_N, D_QK, self.kv_stages), (0, 1, 2))
+        sK_layout = cute.tile_to_shape(atom, (BLOCK_N, D_QK, self.k_bufs), (0, 1, 2))
+        sP_layout = cute.tile_to_shape(atom, (self.block_m, BLOCK_N), (0, 1))
+        n_raw = self.raw_stages if self.is_fp8 else 1
         sKraw_layout = cute.make_layout(
-            (BLOCK_N, D_QK, 2), stride=(D_QK, 1, BLOCK_N * D_QK)
+            (BLOCK_N, D_QK, n_raw), stride=(D_QK, 1, BLOCK_N * D_QK)
         )
-        raw_elems = cute.cosize(sKraw_layout) if self.is_fp8 else 8
+        raw_elems = cute.cosize(sKraw_layout) if self.is_fp8 else 16
+        sRed_layout = cute.make_layout((self.block_m, NW_N), stride=(NW_N, 1))
 
         @cute.struct
         class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[qt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[qt, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
             sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
 
         nt = self.num_threads
-        # ---- gmem -> smem copies (cp.async, 16B) ----
-        cp16 = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), qt, num_bits_per_copy=128
-        )
         g2s = cute.make_tiled_copy_tv(
-            cp16, cute.make_layout((nt // 8, 8), stride=(8, 1)), cute.make_layout((1, 8))
-        )
-        cp16_raw = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            self.kv_dtype,
-            num_bits_per_copy=128,
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), mt, num_bits_per_copy=128
+            ),
+            cute.make_layout((nt // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 8)),
         )
         g2s_raw = cute.make_tiled_copy_tv(
-            cp16_raw, cute.make_layout((nt // 4, 4), stride=(4, 1)), cute.make_layout((1, 16))
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                self.kv_dtype,
+                num_bits_per_copy=128,
+            ),
+            cute.make_layout((nt // 4, 4), stride=(4, 1)),
+            cute.make_layout((1, 16)),
         )
-        # fp8 staging -> registers (8 x fp8 = 64 bits) and registers -> sK (8 x bf16)
+        # q (gmem, q dtype) -> registers, for the converting Q load of the fp8 path
+        g2r_q = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.q_dtype, num_bits_per_copy=128),
+            cute.make_layout((nt // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 8)),
+        )
+        # fp8 staging -> registers (8 x fp8) and registers -> smem (8 x 16-bit)
         s2r_raw = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.kv_dtype, num_bits_per_copy=64),
             cute.make_layout((nt // 8, 8), stride=(8, 1)),
             cute.make_layout((1, 8)),
         )
-        r2s_cvt = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), qt, num_bits_per_copy=128),
+        r2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt, num_bits_per_copy=128),
             cute.make_layout((nt // 8, 8), stride=(8, 1)),
             cute.make_layout((1, 8)),
         )
 
-        # ---- MMAs ----
-        mma_atom = warp.MmaF16BF16Op(qt, cutlass.Float32, (16, 8, 16))
+        mma_atom = warp.MmaF16BF16Op(mt, cutlass.Float32, (16, 8, 16))
         mma_s = cute.make_tiled_mma(
-            mma_atom, (self.m_warps, 1, 1), permutation_mnk=(self.block_m, 16, 16)
+            mma_atom, (self.m_warps, NW_N, 1), permutation_mnk=(self.block_m, 16 * NW_N, 16)
         )
         mma_o = cute.make_tiled_mma(
-            mma_atom, (self.m_warps, 2, 1), permutation_mnk=(self.block_m, 32, 16)
+            mma_atom, (self.m_warps, NW_N, 1), permutation_mnk=(self.block_m, 16 * NW_N, 16)
         )
 
         grid = (
-            cute.size(mWork.shape[0]),
             cute.ceil_div(cute.size(mQ.shape[1]), self.block_m),
+            cute.size(mWork.shape[0]),
             1,
         )
         self.kernel(
             mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
-            sQ_layout, sK_layout, sKraw_layout,
-            g2s, g2s_raw, s2r_raw, r2s_cvt, mma_s, mma_o, SharedStorage,
+            sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+            g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
         ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
 
     @cute.jit
@@ -174,12 +191,12 @@ class MLADecodePartial:
         stage: cutlass.Int32, blocks_per_page: cutlass.Int32, kv_len: cutlass.Int32,
         tKcK: cute.Tensor, tKsK: cute.Tensor, tRsR: cute.Tensor,
     ):
-        """cp.async one 64-token KV tile (block n of request b) into stage."""
+        """cp.async one 64-token KV tile (block n of request b) into ring slot `stage`."""
         page = mPT[b, n // blocks_per_page]
         gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
         if cutlass.const_expr(self.is_fp8):
-            tRgR = thr_g2s_raw.partition_S(gK)
-            cute.copy(g2s_raw, tRgR, tRsR[None, None, None, stage])
+            # whole tile (rows past kv_len stay inside the page; zeroed at conversion)
+            cute.copy(g2s_raw, thr_g2s_raw.partition_S(gK), tRsR[None, None, None, stage])
         else:
             tKgK = thr_g2s.partition_S(gK)
             valid = kv_len - n * BLOCK_N
@@ -198,17 +215,17 @@ class MLADecodePartial:
         scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
         s_q: cutlass.Int32, num_heads: cutlass.Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sKraw_layout: cute.Layout,
-        g2s: cute.TiledCopy, g2s_raw: cute.TiledCopy, s2r_raw: cute.TiledCopy,
-        r2s_cvt: cute.TiledCopy,
+        sP_layout: cute.ComposedLayout, sKraw_layout: cute.Layout, sRed_layout: cute.Layout,
+        g2s: cute.TiledCopy, g2s_raw: cute.TiledCopy, g2r_q: cute.TiledCopy,
+        s2r_raw: cute.TiledCopy, r2s: cute.TiledCopy,
         mma_s: cute.TiledMma, mma_o: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        qt = self.q_dtype
+        mt = self.mma_dtype
         tidx, _, _ = cute.arch.thread_idx()
-        wi, m_block, _ = cute.arch.block_idx()
-        gthreads = self.m_warps * 32
-        tg = tidx % gthreads  # thread index inside its warp group (S mma)
+        m_block, wi, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp_n = (tidx // 32) // self.m_warps  # atom layout (m_warps, NW_N, 1), column-major
 
         b = mWork[wi, 0]
         if b >= 0:
@@ -217,8 +234,7 @@ class MLADecodePartial:
             slot = mWork[wi, 3]
             kv_len = mLens[b]
             R = mQ.shape[1]
-            page_size = mKV.shape[1]
-            blocks_per_page = page_size // BLOCK_N
+            blocks_per_page = mKV.shape[1] // BLOCK_N
             n_start = kv_start // BLOCK_N
             n_end = (kv_end + BLOCK_N - 1) // BLOCK_N
 
@@ -227,12 +243,12 @@ class MLADecodePartial:
             sQ = storage.sQ.get_tensor(sQ_layout)
             sK = storage.sK.get_tensor(sK_layout)
             sKraw = storage.sKraw.get_tensor(sKraw_layout)
-            # V^T view: (512, 64, stages) -> element (n, d, s) of sK
+            sP = storage.sP.get_tensor(sP_layout)
+            sRed = storage.sRed.get_tensor(sRed_layout)
+            # V^T view: (512, 64, bufs) -> element (n, d, s) of sK
             sVt = cute.composition(
                 sK,
-                cute.make_layout(
-                    (D_V, BLOCK_N, self.kv_stages), stride=(BLOCK_N, 1, BLOCK_N * D_QK)
-                ),
+                cute.make_layout((D_V, BLOCK_N, self.k_bufs), stride=(BLOCK_N, 1, BLOCK_N * D_QK)),
             )
 
             # ---------------- Q: gmem -> smem (rows >= R zero) ----------------
@@ -241,50 +257,73 @@ class MLADecodePartial:
             cQ = cute.local_tile(
                 cute.make_identity_tensor((mQ.shape[1], D_QK)), (self.block_m, D_QK), (m_block, 0)
             )
-            tQgQ = thr_g2s.partition_S(gQ)
-            tQsQ = thr_g2s.partition_D(sQ)
-            tQcQ = thr_g2s.partition_S(cQ)
-            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-                if cute.elem_less(tQcQ[0, m, 0][0], R):
-                    cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
-                else:
-                    tQsQ[None, m, None].fill(0)
+            if cutlass.const_expr(self.is_fp8):
+                thr_q = g2r_q.get_slice(tidx)
+                tQgQ = thr_q.partition_S(gQ)
+                tQcQ = thr_q.partition_S(cQ)
+                thr_r2s = r2s.get_slice(tidx)
+                tQsQ = thr_r2s.partition_D(sQ)
+                rQ = cute.make_rmem_tensor_like(tQgQ)
+                rQ.fill(0)
+                for m in cutlass.range_constexpr(cute.size(tQgQ.shape[1])):
+                    if tQcQ[0, m, 0][0] < R:
+                        cute.copy(g2r_q, tQgQ[None, m, None], rQ[None, m, None])
+                rQm = cute.make_rmem_tensor_like(tQsQ, mt)
+                rQm.store(rQ.load().to(mt))
+                cute.copy(r2s, rQm, tQsQ)
+            else:
+                tQgQ = thr_g2s.partition_S(gQ)
+                tQsQ = thr_g2s.partition_D(sQ)
+                tQcQ = thr_g2s.partition_S(cQ)
+                for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+                    if tQcQ[0, m, 0][0] < R:
+                        cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
+                    else:
+                        tQsQ[None, m, None].fill(0)
 
-            # identity of one KV tile, for row predicates
             cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
             tKcK = thr_g2s.partition_S(cKV)
-            tKsK = thr_g2s.partition_D(sK)  # (CPY, N, K, stages)
+            tKsK = thr_g2s.partition_D(sK)  # (CPY, N, K, bufs)
             thr_g2s_raw = g2s_raw.get_slice(tidx)
-            tRsR = thr_g2s_raw.partition_D(sKraw)
+            tRsR = thr_g2s_raw.partition_D(sKraw)  # (CPY, N, K, raw stages)
 
-            if n_start < n_end:
-                self.load_tile(g2s, g2s_raw, thr_g2s, thr_g2s_raw, mKV, mPT, b, n_start, 0, blocks_per_page, kv_len, tKcK, tKsK, tRsR)
-            cute.arch.cp_async_commit_group()
+            # prologue: tiles n_start .. n_start + ring - 2, one commit group each
+            for p in cutlass.range_constexpr(self.ring - 1):
+                if n_start + p < n_end:
+                    self.load_tile(g2s, g2s_raw, thr_g2s, thr_g2s_raw, mKV, mPT, b, n_start + p, p,
+                                   blocks_per_page, kv_len, tKcK, tKsK, tRsR)
+                cute.arch.cp_async_commit_group()
 
             # ---------------- MMA partitions ----------------
-            thr_s = mma_s.get_slice(tg)
+            thr_s = mma_s.get_slice(tidx)
             thr_o = mma_o.get_slice(tidx)
             tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
             tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK[None, None, 0]))
+            tOrP = thr_o.make_fragment_A(thr_o.partition_A(sP))
             tOrV = thr_o.make_fragment_B(thr_o.partition_B(sVt[None, None, 0]))
-            acc_O = cute.make_rmem_tensor(
-                thr_o.partition_shape_C((self.block_m, D_V)), cutlass.Float32
-            )
+            acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((self.block_m, D_V)), cutlass.Float32)
             acc_O.fill(0.0)
 
-            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), qt)
-            ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), qt)
-            s2r_Q = cute.make_tiled_copy_A(ldsm, mma_s).get_slice(tg)
-            s2r_K = cute.make_tiled_copy_B(ldsm, mma_s).get_slice(tg)
+            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), mt)
+            ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), mt)
+            s2r_Q = cute.make_tiled_copy_A(ldsm, mma_s).get_slice(tidx)
+            s2r_K = cute.make_tiled_copy_B(ldsm, mma_s).get_slice(tidx)
+            s2r_P = cute.make_tiled_copy_A(ldsm, mma_o).get_slice(tidx)
             s2r_V = cute.make_tiled_copy_B(ldsm_t, mma_o).get_slice(tidx)
             tSsQ = s2r_Q.partition_S(sQ)
             tSrQ_v = s2r_Q.retile(tSrQ)
-            tSsK = s2r_K.partition_S(sK)  # (CPY, N, K, stages)
+            tSsK = s2r_K.partition_S(sK)  # (CPY, N, K, bufs)
             tSrK_v = s2r_K.retile(tSrK)
-            tOsV = s2r_V.partition_S(sVt)  # (CPY, N, K, stages)
+            tOsP = s2r_P.partition_S(sP)
+            tOrP_v = s2r_P.retile(tOrP)
+            tOsV = s2r_V.partition_S(sVt)  # (CPY, N, K, bufs)
             tOrV_v = s2r_V.retile(tOrV)
+            # P registers -> sP
+            r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
+            thr_r2s_P = r2s_P.get_slice(tidx)
+            tPsP = thr_r2s_P.partition_D(sP)
 
-            # per-thread row bookkeeping (rows of this thread in the S tile)
+            # rows of this thread (same rows in the S and O partitions)
             cS = cute.make_identity_tensor((self.block_m, BLOCK_N))
             tScS = _acc_mn_view(thr_s.partition_C(cS))
             n_rows = cute.size(tScS.shape[0])
@@ -299,37 +338,40 @@ class MLADecodePartial:
 
             # fp8 conversion partitions
             thr_s2r_raw = s2r_raw.get_slice(tidx)
-            thr_r2s = r2s_cvt.get_slice(tidx)
+            thr_r2s = r2s.get_slice(tidx)
             tCsR = thr_s2r_raw.partition_S(sKraw)
             tCsK = thr_r2s.partition_D(sK)
             tCcK = thr_r2s.partition_D(cKV)
 
             acc_O_mn = _acc_mn_view(acc_O)
+            is_quad_leader = lane % 4 == 0
 
             for n in cutlass.range(n_start, n_end, 1):
                 it = n - n_start
-                stage = it % 2
-                kst = 0 if cutlass.const_expr(self.is_fp8) else stage
-                cute.arch.cp_async_wait_group(0)
+                slot_r = it % self.ring
+                kst = 0 if cutlass.const_expr(self.is_fp8) else slot_r
+                cute.arch.cp_async_wait_group(self.ring - 2)
                 cute.arch.barrier()
-                if n + 1 < n_end:
-                    self.load_tile(g2s, g2s_raw, thr_g2s, thr_g2s_raw, mKV, mPT, b, n + 1, 1 - stage, blocks_per_page, kv_len, tKcK, tKsK, tRsR)
+                if n + self.ring - 1 < n_end:
+                    self.load_tile(g2s, g2s_raw, thr_g2s, thr_g2s_raw, mKV, mPT, b,
+                                   n + self.ring - 1, (it + self.ring - 1) % self.ring,
+                                   blocks_per_page, kv_len, tKcK, tKsK, tRsR)
                 cute.arch.cp_async_commit_group()
 
                 if cutlass.const_expr(self.is_fp8):
-                    # staging[stage] (fp8) -> sK (q dtype), rows past kv_len zeroed
+                    # raw[slot] (fp8) -> sK (fp16), rows past kv_len zeroed
                     valid = kv_len - n * BLOCK_N
                     rF8 = cute.make_rmem_tensor_like(tCsR[None, None, None, 0])
-                    cute.copy(s2r_raw, tCsR[None, None, None, stage], rF8)
-                    rQT = cute.make_rmem_tensor_like(tCsK[None, None, None, 0], qt)
-                    rQT.store(rF8.load().to(qt))
-                    for m in cutlass.range_constexpr(cute.size(rQT.shape[1])):
+                    cute.copy(s2r_raw, tCsR[None, None, None, slot_r], rF8)
+                    rH = cute.make_rmem_tensor_like(tCsK[None, None, None, 0], mt)
+                    rH.store(rF8.load().to(mt))
+                    for m in cutlass.range_constexpr(cute.size(rH.shape[1])):
                         if tCcK[0, m, 0][0] >= valid:
-                            rQT[None, m, None].fill(0)
-                    cute.copy(r2s_cvt, rQT, tCsK[None, None, None, 0])
+                            rH[None, m, None].fill(0)
+                    cute.copy(r2s, rH, tCsK[None, None, None, 0])
                     cute.arch.barrier()
 
-                # ---------------- S = Q K^T ----------------
+                # ---------------- S = Q K^T (this warp's 16 kv columns) ----------------
                 acc_S = cute.make_rmem_tensor(
                     thr_s.partition_shape_C((self.block_m, BLOCK_N)), cutlass.Float32
                 )
@@ -343,21 +385,32 @@ class MLADecodePartial:
                         cute.copy(s2r_K, tSsK[None, None, k + 1, kst], tSrK_v[None, None, k + 1])
                     cute.gemm(mma_s, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
 
-                # ---------------- mask + online softmax ----------------
+                # ---------------- mask, local row max -> sRed ----------------
                 acc_S_mn = _acc_mn_view(acc_S)
                 for r in cutlass.range_constexpr(n_rows):
                     lim = row_lim[r] - n * BLOCK_N
                     for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
                         if tScS[0, c][1] >= lim:
                             acc_S_mn[r, c] = -cutlass.Float32.inf
-                    s_row = acc_S_mn[r, None].load()
-                    m_cur = s_row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
-                    m_cur = _quad_max(m_cur)
+                    m_loc = _quad_max(
+                        acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+                    )
+                    if is_quad_leader:
+                        sRed[tScS[r, 0][0], warp_n] = m_loc
+                cute.arch.barrier()
+
+                # ---------------- online softmax, P -> sP ----------------
+                for r in cutlass.range_constexpr(n_rows):
+                    row = tScS[r, 0][0]
+                    m_cur = cute.arch.fmax(
+                        cute.arch.fmax(sRed[row, 0], sRed[row, 1]),
+                        cute.arch.fmax(sRed[row, 2], sRed[row, 3]),
+                    )
                     m_prev = row_max[r]
                     m_new = cute.arch.fmax(m_prev, m_cur)
                     m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
                     p_row = cute.math.exp2(
-                        s_row * scale_log2 - m_use * scale_log2, fastmath=True
+                        acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
                     )
                     corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
                     row_sum[r] = row_sum[r] * corr + p_row.reduce(
@@ -366,37 +419,35 @@ class MLADecodePartial:
                     row_max[r] = m_new
                     acc_S_mn[r, None] = p_row
                     acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+                rP = cute.make_fragment_like(acc_S, mt)
+                rP.store(acc_S.load().to(mt))
+                cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
+                cute.arch.barrier()
 
-                # ---------------- O += P V ----------------
-                rP = cute.make_fragment_like(acc_S, qt)
-                rP.store(acc_S.load().to(qt))
-                lP = cute.logical_divide(rP.layout, (None, None, 2))
-                tOrP = cute.make_tensor(
-                    rP.iterator,
-                    cute.make_layout(
-                        ((lP.shape[0], lP.shape[2][0]), lP.shape[1], lP.shape[2][1]),
-                        stride=((lP.stride[0], lP.stride[2][0]), lP.stride[1], lP.stride[2][1]),
-                    ),
-                )
-                nkv = cute.size(tOrP.shape[2])
+                # ---------------- O += P V (this warp's quarter of the 512 columns) --------
+                nkv = cute.size(tOsP.shape[2])
+                cute.copy(s2r_P, tOsP[None, None, 0], tOrP_v[None, None, 0])
                 cute.copy(s2r_V, tOsV[None, None, 0, kst], tOrV_v[None, None, 0])
                 for k in cutlass.range_constexpr(nkv):
                     if cutlass.const_expr(k + 1 < nkv):
+                        cute.copy(s2r_P, tOsP[None, None, k + 1], tOrP_v[None, None, k + 1])
                         cute.copy(s2r_V, tOsV[None, None, k + 1, kst], tOrV_v[None, None, k + 1])
                     cute.gemm(mma_o, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
 
             cute.arch.cp_async_wait_group(0)
 
-            # ---------------- epilogue ----------------
-            cO = cute.make_identity_tensor((self.block_m, D_V))
-            tOcO = _acc_mn_view(thr_o.partition_C(cO))
-            lse_writer = tidx < gthreads
-            if tidx % 4 != 0:
-                lse_writer = False
+            # ---------------- epilogue: row sums across the NW_N warps ----------------
+            cute.arch.barrier()
+            for r in cutlass.range_constexpr(n_rows):
+                s_loc = _quad_sum(row_sum[r])
+                if is_quad_leader:
+                    sRed[tScS[r, 0][0], warp_n] = s_loc
+            cute.arch.barrier()
             row_scale = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             row_lse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
             for r in cutlass.range_constexpr(n_rows):
-                s = _quad_sum(row_sum[r])
+                row = tScS[r, 0][0]
+                s = (sRed[row, 0] + sRed[row, 1]) + (sRed[row, 2] + sRed[row, 3])
                 ok = s > 0.0
                 row_scale[r] = v_scale / s if ok else 0.0
                 row_lse[r] = (
@@ -404,13 +455,18 @@ class MLADecodePartial:
                     if ok
                     else -cutlass.Float32.inf
                 )
+            lse_writer = warp_n == 0
+            if lane % 4 != 0:
+                lse_writer = False
+            cO = cute.make_identity_tensor((self.block_m, D_V))
+            tOcO = _acc_mn_view(thr_o.partition_C(cO))
             if slot < 0:
                 gO = cute.local_tile(mO[b, None, None], (self.block_m, D_V), (m_block, 0))
                 tOgO = _acc_mn_view(thr_o.partition_C(gO))
                 for r in cutlass.range_constexpr(n_rows):
                     grow = m_block * self.block_m + tOcO[r, 0][0]
                     if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(qt))
+                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
                         if lse_writer:
                             mLSE[b, grow] = row_lse[r]
             else:
@@ -422,69 +478,3 @@ class MLADecodePartial:
                         tOgO[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
                         if lse_writer:
                             mLSEp[slot, grow] = row_lse[r]
-
-
-class MLACombine:
-    """Merge split-KV partials: out = sum_i w_i o_i, lse = log sum_i exp(lse_i)."""
-
-    ROWS_PER_CTA = 4
-
-    def __init__(self, q_dtype):
-        self.q_dtype = q_dtype
-
-    @cute.jit
-    def __call__(
-        self,
-        mO: cute.Tensor,  # (B, R, 512) q dtype
-        mLSE: cute.Tensor,  # (B, R) fp32
-        mSplit: cute.Tensor,  # (max_batch, 2) int32: first slot, count
-        mOp: cute.Tensor,  # (slots, R, 512) fp32
-        mLSEp: cute.Tensor,  # (slots, R) fp32
-        stream,
-    ):
-        grid = (
-            cute.size(mO.shape[0]),
-            cute.ceil_div(cute.size(mO.shape[1]), self.ROWS_PER_CTA),
-            1,
-        )
-        self.kernel(mO, mLSE, mSplit, mOp, mLSEp).launch(
-            grid=grid, block=[32 * self.ROWS_PER_CTA, 1, 1], stream=stream
-        )
-
-    @cute.kernel
-    def kernel(
-        self,
-        mO: cute.Tensor, mLSE: cute.Tensor, mSplit: cute.Tensor,
-        mOp: cute.Tensor, mLSEp: cute.Tensor,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        b, rb, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        row = rb * self.ROWS_PER_CTA + tidx // 32
-        first = mSplit[b, 0]
-        cnt = mSplit[b, 1]
-        R = mO.shape[1]
-        if cnt != 1 and row < R:
-            m = -cutlass.Float32.inf
-            for i in cutlass.range(0, cnt, 1):
-                m = cute.arch.fmax(m, mLSEp[first + i, row])
-            acc = cute.make_rmem_tensor((16,), cutlass.Float32)
-            acc.fill(0.0)
-            ssum = cutlass.Float32(0.0)
-            if m != -cutlass.Float32.inf:
-                for i in cutlass.range(0, cnt, 1):
-                    w = cute.math.exp(mLSEp[first + i, row] - m, fastmath=False)
-                    ssum = ssum + w
-                    for j in cutlass.range_constexpr(4):
-                        for e in cutlass.range_constexpr(4):
-                            acc[j * 4 + e] = acc[j * 4 + e] + w * mOp[
-                                first + i, row, j * 128 + lane * 4 + e
-                            ]
-            inv = 1.0 / ssum if ssum > 0.0 else 0.0
-            for j in cutlass.range_constexpr(4):
-                for e in cutlass.range_constexpr(4):
-                    mO[b, row, j * 128 + lane * 4 + e] = (acc[j * 4 + e] * inv).to(self.q_dtype)
-            if lane == 0:
-                mLSE[b, row] = (
-                    m + cute.math.log(ssum, fastmath=False) if ssum > 0.0 else -cutlass.Float32.inf
-                )
