@@ -62,7 +62,7 @@ def specializations():
     out = []
     for q in ("bf16", "fp16"):
         for kv in (q, "fp8_e4m3"):
-            for bm in (16, 32):
+            for bm in (16, 32, 64):
                 out.append((q, kv, bm))
     return out
 

@@ -39,6 +39,8 @@ class MLACombine:
         mO: cute.Tensor, mLSE: cute.Tensor, mSplit: cute.Tensor,
         mOp: cute.Tensor, mLSEp: cute.Tensor,
     ):
+        """One warp per query row: lanes reduce the split LSEs in parallel, then
+        every lane accumulates 16 of the 512 columns over the splits."""
         tidx, _, _ = cute.arch.thread_idx()
         b, rb, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -48,25 +50,33 @@ class MLACombine:
         R = mO.shape[1]
         if cnt != 1 and row < R:
             m = -cutlass.Float32.inf
-            for i in cutlass.range(0, cnt, 1):
+            for i in cutlass.range(lane, cnt, 32):
                 m = cute.arch.fmax(m, mLSEp[first + i, row])
+            for off in cutlass.range_constexpr(5):
+                m = cute.arch.fmax(
+                    m, cute.arch.shuffle_sync_bfly(m, offset=16 >> off, mask=-1, mask_and_clamp=31)
+                )
+            m_use = 0.0 if m == -cutlass.Float32.inf else m
+            ssum = cutlass.Float32(0.0)
+            for i in cutlass.range(lane, cnt, 32):
+                ssum = ssum + cute.math.exp(mLSEp[first + i, row] - m_use, fastmath=False)
+            for off in cutlass.range_constexpr(5):
+                ssum = ssum + cute.arch.shuffle_sync_bfly(
+                    ssum, offset=16 >> off, mask=-1, mask_and_clamp=31
+                )
             acc = cute.make_rmem_tensor((16,), cutlass.Float32)
             acc.fill(0.0)
-            ssum = cutlass.Float32(0.0)
-            if m != -cutlass.Float32.inf:
-                for i in cutlass.range(0, cnt, 1):
-                    w = cute.math.exp(mLSEp[first + i, row] - m, fastmath=False)
-                    ssum = ssum + w
-                    for j in cutlass.range_constexpr(4):
-                        for e in cutlass.range_constexpr(4):
-                            acc[j * 4 + e] = acc[j * 4 + e] + w * mOp[
-                                first + i, row, j * 128 + lane * 4 + e
-                            ]
+            if ssum > 0.0:
+                for i in cutlass.range(0, cnt, 1, unroll=4):
+                    w = cute.math.exp(mLSEp[first + i, row] - m_use, fastmath=False)
+                    for j in cutlass.range_constexpr(16):
+                        acc[j] = acc[j] + w * mOp[first + i, row, j * 32 + lane]
             inv = 1.0 / ssum if ssum > 0.0 else 0.0
-            for j in cutlass.range_constexpr(4):
-                for e in cutlass.range_constexpr(4):
-                    mO[b, row, j * 128 + lane * 4 + e] = (acc[j * 4 + e] * inv).to(self.q_dtype)
+            for j in cutlass.range_constexpr(16):
+                mO[b, row, j * 32 + lane] = (acc[j] * inv).to(self.q_dtype)
             if lane == 0:
                 mLSE[b, row] = (
-                    m + cute.math.log(ssum, fastmath=False) if ssum > 0.0 else -cutlass.Float32.inf
+                    m_use + cute.math.log(ssum, fastmath=False)
+                    if ssum > 0.0
+                    else -cutlass.Float32.inf
                 )

@@ -32,7 +32,9 @@ D_V = 512
 
 def block_m_for(rows: int) -> int:
     """MMA M tile (packed query rows per CTA) for s_q * H rows."""
-    return 16 if rows <= 16 else 32
+    if rows <= 16:
+        return 16
+    return 32 if rows <= 32 else 64
 
 
 def capacity_for(max_batch: int, num_sms: int, ctas_per_sm: int = 1) -> int:

@@ -36,6 +36,7 @@ D_QK = 576
 D_V = 512
 BLOCK_N = 64
 NW_N = 4  # warps along N (kv columns for S, output columns for O)
+N_ACC = 4  # independent S accumulators per warp
 
 
 def _acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
@@ -64,7 +65,7 @@ class MLADecodePartial:
     """Split-KV partial kernel: one specialization per (q dtype, kv dtype, BLOCK_M)."""
 
     def __init__(self, q_dtype, kv_dtype, block_m: int):
-        assert block_m in (16, 32)
+        assert block_m in (16, 32, 64)
         self.q_dtype = q_dtype
         self.kv_dtype = kv_dtype
         self.is_fp8 = kv_dtype is not q_dtype
@@ -73,20 +74,30 @@ class MLADecodePartial:
         # MMA operand type: q dtype, or fp16 for fp8 KV (exact e4m3 -> f16 cvt)
         self.mma_dtype = cutlass.Float16 if self.is_fp8 else q_dtype
         self.block_m = block_m
-        self.m_warps = block_m // 16
+        # (warps along M, 16-row MMA atoms per warp): a warp with 2 atoms reuses
+        # every K/V fragment it loads for 32 rows
+        self.m_warps, self.m_per_warp = {16: (1, 1), 32: (2, 1), 64: (2, 2)}[block_m]
+        self.n_acc = N_ACC if self.m_per_warp == 1 else 2
         self.num_warps = self.m_warps * NW_N
         self.num_threads = self.num_warps * 32
         # bf16/fp16 KV: ring of `stages` tiles in sK. fp8: ring of raw stages, one sK.
         self.stages = 2
-        self.raw_stages = 3 if self.is_fp8 else 0
+        self.raw_stages = (3 if block_m <= 32 else 2) if self.is_fp8 else 0
         self.k_bufs = 1 if self.is_fp8 else self.stages
         self.ring = self.raw_stages if self.is_fp8 else self.stages
 
     def smem_bytes(self) -> int:
-        b = self.block_m * D_QK * 2 + self.k_bufs * BLOCK_N * D_QK * 2
-        b += self.raw_stages * BLOCK_N * D_QK
-        b += self.block_m * BLOCK_N * 2 + self.block_m * NW_N * 4
-        return b + 5 * 1024
+        parts = [
+            (self.block_m * D_QK * 2, 1024),  # sQ
+            (self.k_bufs * BLOCK_N * D_QK * 2, 1024),  # sK
+            (self.raw_stages * BLOCK_N * D_QK if self.is_fp8 else 16, 1024),  # sKraw
+            (self.block_m * BLOCK_N * 2, 1024),  # sP
+            (self.block_m * NW_N * 4, 16),  # sRed
+        ]
+        off = 0
+        for size, align in parts:
+            off = -(-off // align) * align + size
+        return off
 
     @cute.jit
     def __call__(
@@ -372,10 +383,13 @@ class MLADecodePartial:
                     cute.arch.barrier()
 
                 # ---------------- S = Q K^T (this warp's 16 kv columns) ----------------
-                acc_S = cute.make_rmem_tensor(
-                    thr_s.partition_shape_C((self.block_m, BLOCK_N)), cutlass.Float32
-                )
-                acc_S.fill(0.0)
+                # N_ACC independent accumulators break the 36-long MMA dependency chain
+                s_shape = thr_s.partition_shape_C((self.block_m, BLOCK_N))
+                accs = []
+                for a in cutlass.range_constexpr(self.n_acc):
+                    acc_a = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                    acc_a.fill(0.0)
+                    accs.append(acc_a)
                 nk = cute.size(tSsQ.shape[2])
                 cute.copy(s2r_Q, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
                 cute.copy(s2r_K, tSsK[None, None, 0, kst], tSrK_v[None, None, 0])
@@ -383,7 +397,13 @@ class MLADecodePartial:
                     if cutlass.const_expr(k + 1 < nk):
                         cute.copy(s2r_Q, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
                         cute.copy(s2r_K, tSsK[None, None, k + 1, kst], tSrK_v[None, None, k + 1])
-                    cute.gemm(mma_s, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                    acc_k = accs[k % self.n_acc]
+                    cute.gemm(mma_s, acc_k, tSrQ[None, None, k], tSrK[None, None, k], acc_k)
+                acc_S = accs[0]
+                if cutlass.const_expr(self.n_acc == 4):
+                    acc_S.store((accs[0].load() + accs[1].load()) + (accs[2].load() + accs[3].load()))
+                else:
+                    acc_S.store(accs[0].load() + accs[1].load())
 
                 # ---------------- mask, local row max -> sRed ----------------
                 acc_S_mn = _acc_mn_view(acc_S)
