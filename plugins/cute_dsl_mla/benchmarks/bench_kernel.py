@@ -32,6 +32,8 @@ SHAPES = [  # B, H, s_q, S, kv
     (128, 16, 2, 4096, "fp8"),
 ]
 PAGE = 64
+# alternative (m_warps, m_atoms_per_warp, n_acc) layouts per BLOCK_M, timed with --variants
+VARIANTS = {16: [(1, 1, 2), (1, 1, 4)], 32: [(1, 2, 1), (1, 2, 2), (2, 1, 4)], 64: [(2, 2, 1)]}
 L2_BYTES = 60 << 20
 
 
@@ -130,6 +132,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--no-fa3", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--variants", action="store_true", help="also time alternative warp layouts")
     args = ap.parse_args()
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     ceil = copy_ceiling_gbps()
@@ -166,6 +169,24 @@ def main():
                 res["rel_diff_vs_fa3"] = float((a - bb).norm() / bb.norm())
             except Exception as e:  # report, keep going
                 res["fa3_error"] = repr(e)[:300]
+        if args.variants:
+            from mla_cute_dsl.kernels.schedule import block_m_for
+
+            bm = block_m_for(s_q * H)
+            for lay in VARIANTS.get(bm, []):
+                def ours_v(i, lay=lay):
+                    st = sets[i]
+                    mla_decode_sm90(st["q"], st["kv"], st["pt"], lens, 1.0 / math.sqrt(192),
+                                    st["scale"], outs[i], lses[i], sched, wsp, check=False, layout=lay)
+                try:
+                    tv = time_graph(ours_v, n_sets, args.reps)
+                    vkey = "x".join(map(str, lay))
+                    res[f"var_{vkey}_us"] = tv[0]
+                    if "fa3_us" in res:
+                        a = outs[0].float().view(B * s_q, H, 512)
+                        res[f"var_{vkey}_diff"] = float((a - fa3_outs[0].float()).norm() / fa3_outs[0].float().norm())
+                except Exception as e:
+                    res[f"var_{'x'.join(map(str, lay))}_error"] = repr(e)[:200]
         for k in ("ours", "fa3"):
             if f"{k}_us" in res:
                 us = res[f"{k}_us"]
@@ -183,6 +204,10 @@ def main():
         print(f"{name:<30} {f('ours_us')} {r['ours_gbps']:>6.0f} {r['ours_tflops']:>6.0f} {r['ours_pct_copy']:>4.0f} | "
               f"{f('fa3_us')} {r.get('fa3_gbps', float('nan')):>6.0f} {r.get('fa3_tflops', float('nan')):>6.0f} "
               f"{r.get('fa3_pct_copy', float('nan')):>4.0f} | {r.get('rel_diff_vs_fa3', float('nan')):.2e} {r.get('fa3_error', '')[:60]}")
+        var = {k[4:-3]: v for k, v in r.items() if k.startswith("var_") and k.endswith("_us")}
+        if var:
+            print("    layouts (m_warps x atoms x n_acc): " + ", ".join(
+                f"{k}: {v:.1f} us (diff {r.get('var_' + k + '_diff', float('nan')):.1e})" for k, v in var.items()))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"copy_gbps": ceil, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M")}, fh, indent=1)

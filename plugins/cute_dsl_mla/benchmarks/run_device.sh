@@ -13,5 +13,5 @@ if [[ $STAGE == *test* || $STAGE == all ]]; then
   timeout ${TEST_T:-240} python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernel_gpu.py 2>&1 | tail -60 | tee $OUT/tests.txt
 fi
 if [[ $STAGE == *bench* || $STAGE == all ]]; then
-  timeout ${BENCH_T:-200} python3 benchmarks/bench_kernel.py --json $OUT/bench.json 2>&1 | tee $OUT/bench.txt
+  timeout ${BENCH_T:-200} python3 benchmarks/bench_kernel.py --variants --json $OUT/bench.json 2>&1 | tee $OUT/bench.txt
 fi

@@ -106,9 +106,12 @@ def _fake_args_combine(q_name):
     )
 
 
-def get_partial_kernel(q_name: str, kv_name: str, block_m: int):
-    """Compiled partial kernel for one specialization (in-process cache)."""
-    key = ("partial", q_name, kv_name, block_m)
+def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None):
+    """Compiled partial kernel for one specialization (in-process cache).
+
+    layout: optional (m_warps, m_atoms_per_warp, n_acc) override, for tuning.
+    """
+    key = ("partial", q_name, kv_name, block_m, layout)
     with _lock:
         fn = _cache.get(key)
         if fn is not None:
@@ -118,7 +121,7 @@ def get_partial_kernel(q_name: str, kv_name: str, block_m: int):
         from .sm90_decode import MLADecodePartial
 
         t0 = time.perf_counter()
-        k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m)
+        k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout)
         fn = cute.compile(k, *_fake_args_partial(q_name, kv_name), options="--enable-tvm-ffi")
         log.info("compiled mla partial kernel %s in %.1f s", key, time.perf_counter() - t0)
         _cache[key] = fn
@@ -177,7 +180,8 @@ def check_inputs(q, kv_cache, page_table, kv_lens, out, lse):
 
 
 def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
-                    out, lse, schedule: Schedule, workspace, *, check: bool = True):
+                    out, lse, schedule: Schedule, workspace, *, check: bool = True,
+                    layout=None):
     """Run the split-KV partial kernel and the combine kernel on the current stream.
 
     q [B, s_q, H, 576] bf16/fp16; kv_cache [P, page, 576] q dtype or float8_e4m3fn
@@ -194,7 +198,7 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     R = s_q * H
     q_name = _TORCH_TO_NAME[q.dtype]
     kv_name = _TORCH_TO_NAME[kv_cache.dtype]
-    partial = get_partial_kernel(q_name, kv_name, schedule.block_m)
+    partial = get_partial_kernel(q_name, kv_name, schedule.block_m, layout)
     combine = get_combine_kernel(q_name)
     o_part, lse_part = workspace
     q3 = q.view(B, R, D_QK)

@@ -64,8 +64,10 @@ def _quad_sum(v):
 class MLADecodePartial:
     """Split-KV partial kernel: one specialization per (q dtype, kv dtype, BLOCK_M)."""
 
-    def __init__(self, q_dtype, kv_dtype, block_m: int):
-        assert block_m in (16, 32, 64)
+    # default (warps along M, 16-row MMA atoms per warp, S accumulators) per BLOCK_M
+    DEFAULT_LAYOUT = {16: (1, 1, 1), 32: (2, 1, 1), 64: (2, 2, 2)}
+
+    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None):
         self.q_dtype = q_dtype
         self.kv_dtype = kv_dtype
         self.is_fp8 = kv_dtype is not q_dtype
@@ -74,10 +76,11 @@ class MLADecodePartial:
         # MMA operand type: q dtype, or fp16 for fp8 KV (exact e4m3 -> f16 cvt)
         self.mma_dtype = cutlass.Float16 if self.is_fp8 else q_dtype
         self.block_m = block_m
-        # (warps along M, 16-row MMA atoms per warp): a warp with 2 atoms reuses
-        # every K/V fragment it loads for 32 rows
-        self.m_warps, self.m_per_warp = {16: (1, 1), 32: (2, 1), 64: (2, 2)}[block_m]
-        self.n_acc = N_ACC if self.m_per_warp == 1 else 2
+        # a warp with 2 M-atoms reuses every K/V fragment it loads for 32 rows;
+        # n_acc independent S accumulators shorten the 36-long QK MMA chain
+        self.m_warps, self.m_per_warp, self.n_acc = layout or self.DEFAULT_LAYOUT[block_m]
+        assert self.m_warps * self.m_per_warp * 16 == block_m
+        assert self.n_acc in (1, 2, 4)
         self.num_warps = self.m_warps * NW_N
         self.num_threads = self.num_warps * 32
         # bf16/fp16 KV: ring of `stages` tiles in sK. fp8: ring of raw stages, one sK.
@@ -402,7 +405,7 @@ class MLADecodePartial:
                 acc_S = accs[0]
                 if cutlass.const_expr(self.n_acc == 4):
                     acc_S.store((accs[0].load() + accs[1].load()) + (accs[2].load() + accs[3].load()))
-                else:
+                if cutlass.const_expr(self.n_acc == 2):
                     acc_S.store(accs[0].load() + accs[1].load())
 
                 # ---------------- mask, local row max -> sRed ----------------
