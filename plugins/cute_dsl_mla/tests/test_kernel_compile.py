@@ -156,3 +156,24 @@ def test_input_checks_reject_bad_page_size():
     with pytest.raises(ValueError, match="page size"):
         check_inputs(q, kv, pt, lens, out, lse)
     check_inputs(q, torch.zeros(4, 64, 576, dtype=torch.bfloat16), pt, lens, out, lse)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("block_m,layout", [(16, (1, 1, 2)), (16, (1, 1, 4)), (32, (1, 2, 1)),
+                                            (32, (1, 2, 2)), (32, (2, 1, 4)), (64, (2, 2, 1))])
+def test_compile_layout_variants(kv, block_m, layout):
+    """The tuning layouts bench_kernel.py --variants times also compile."""
+    from mla_cute_dsl.kernels import api
+
+    assert api.get_partial_kernel("bf16", kv, block_m, layout) is not None
+
+
+def test_layout_override_is_checked():
+    cutlass = pytest.importorskip("cutlass")
+    from mla_cute_dsl.kernels.sm90_decode import MLADecodePartial
+
+    with pytest.raises(AssertionError):
+        MLADecodePartial(cutlass.BFloat16, cutlass.BFloat16, 32, (1, 1, 1))  # 16 rows != 32
+    k = MLADecodePartial(cutlass.BFloat16, cutlass.BFloat16, 64)
+    assert (k.m_warps, k.m_per_warp, k.n_acc, k.num_threads) == (2, 2, 2, 256)
