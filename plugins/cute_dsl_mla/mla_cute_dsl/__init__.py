@@ -1,0 +1,7 @@
+"""mla-cute-dsl: the project's own Hopper (SM90) MLA decode kernels in CuTe DSL.
+
+Kept free of heavy imports: ``mla_cute_dsl.kernels`` (CuTe DSL + torch) is
+imported on demand.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,212 @@
+"""Host API of the SM90 MLA decode kernels (CuTe DSL), compile cache.
+
+    sched = make_schedule(kv_lens_cpu, s_q, H, num_sms)          # once per step
+    ws = alloc_workspace(sched)                                   # once
+    mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale, kv_scale,
+                    out, lse, sched, ws)                          # per layer
+
+``mla_decode_sm90`` does no host work beyond argument packing and is CUDA-graph
+capturable (the schedule and workspace live in fixed device buffers).
+Kernels are compiled once per specialization (q dtype, kv dtype, BLOCK_M) and
+kept in an in-process cache; shapes are dynamic so one compile serves every
+batch, length, page count, page size and head count of that specialization.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+
+import torch
+
+from .schedule import (  # noqa: F401  (re-exported)
+    BLOCK_N,
+    Schedule,
+    alloc_workspace,
+    block_m_for,
+    make_schedule,
+    workspace_bytes,
+)
+
+log = logging.getLogger("mla_cute_dsl")
+
+D_QK = 576
+D_V = 512
+LOG2_E = 1.4426950408889634
+
+_cache: dict = {}
+_lock = threading.Lock()
+
+_TORCH_TO_NAME = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8_e4m3",
+}
+
+
+def _cutlass_dtype(name):
+    import cutlass
+
+    return {
+        "bf16": cutlass.BFloat16,
+        "fp16": cutlass.Float16,
+        "fp8_e4m3": cutlass.Float8E4M3FN,
+    }[name]
+
+
+def specializations():
+    """Every (q dtype, kv dtype, block_m) the kernels are built for."""
+    out = []
+    for q in ("bf16", "fp16"):
+        for kv in (q, "fp8_e4m3"):
+            for bm in (16, 32, 64):
+                out.append((q, kv, bm))
+    return out
+
+
+def _fake_args_partial(q_name, kv_name):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    qt, kt = _cutlass_dtype(q_name), _cutlass_dtype(kv_name)
+    B, R, P, PS, MP, CAP, SL = (cute.sym_int() for _ in range(7))
+    return (
+        make_fake_compact_tensor(qt, (B, R, D_QK), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(kt, (P, PS, D_QK), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Int32, (B, MP), stride_order=(1, 0), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Int32, (B,), assumed_align=4),
+        make_fake_compact_tensor(qt, (B, R, D_V), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Float32, (B, R), stride_order=(1, 0), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Int32, (CAP, 4), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Float32, (SL, R, D_V), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Float32, (SL, R), stride_order=(1, 0), assumed_align=4),
+        1.0, 1.0, 1.0, 1, 1,
+        make_fake_stream(),
+    )
+
+
+def _fake_args_combine(q_name):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    qt = _cutlass_dtype(q_name)
+    B, R, MB, SL = (cute.sym_int() for _ in range(4))
+    return (
+        make_fake_compact_tensor(qt, (B, R, D_V), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Float32, (B, R), stride_order=(1, 0), assumed_align=4),
+        make_fake_compact_tensor(cutlass.Int32, (MB, 2), stride_order=(1, 0), assumed_align=8),
+        make_fake_compact_tensor(cutlass.Float32, (SL, R, D_V), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(cutlass.Float32, (SL, R), stride_order=(1, 0), assumed_align=4),
+        make_fake_stream(),
+    )
+
+
+def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None):
+    """Compiled partial kernel for one specialization (in-process cache).
+
+    layout: optional (m_warps, m_atoms_per_warp, n_acc) override, for tuning.
+    """
+    key = ("partial", q_name, kv_name, block_m, layout)
+    with _lock:
+        fn = _cache.get(key)
+        if fn is not None:
+            return fn
+        import cutlass.cute as cute
+
+        from .sm90_decode import MLADecodePartial
+
+        t0 = time.perf_counter()
+        k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout)
+        fn = cute.compile(k, *_fake_args_partial(q_name, kv_name), options="--enable-tvm-ffi")
+        log.info("compiled mla partial kernel %s in %.1f s", key, time.perf_counter() - t0)
+        _cache[key] = fn
+        return fn
+
+
+def get_combine_kernel(q_name: str):
+    key = ("combine", q_name)
+    with _lock:
+        fn = _cache.get(key)
+        if fn is not None:
+            return fn
+        import cutlass.cute as cute
+
+        from .combine import MLACombine
+
+        t0 = time.perf_counter()
+        fn = cute.compile(MLACombine(_cutlass_dtype(q_name)), *_fake_args_combine(q_name),
+                          options="--enable-tvm-ffi")
+        log.info("compiled mla combine kernel %s in %.1f s", key, time.perf_counter() - t0)
+        _cache[key] = fn
+        return fn
+
+
+def _cu_stream(handle: int):
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(handle)
+
+
+def check_inputs(q, kv_cache, page_table, kv_lens, out, lse):
+    """Shape/dtype checks (cheap, host-only metadata)."""
+    if q.dim() != 4 or q.shape[-1] != D_QK:
+        raise ValueError(f"q must be [B, s_q, H, 576], got {tuple(q.shape)}")
+    B, s_q, H, _ = q.shape
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q dtype must be bf16 or fp16, got {q.dtype}")
+    if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"kv_cache dtype must be {q.dtype} or float8_e4m3fn, got {kv_cache.dtype}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != D_QK:
+        raise ValueError(f"kv_cache must be [P, page, 576], got {tuple(kv_cache.shape)}")
+    if kv_cache.shape[1] % BLOCK_N != 0:
+        raise ValueError(f"page size must be a multiple of {BLOCK_N}, got {kv_cache.shape[1]}")
+    if not 1 <= s_q <= 8 or not 1 <= H <= 128:
+        raise ValueError(f"s_q must be 1..8 and H 1..128, got s_q={s_q} H={H}")
+    if page_table.dtype != torch.int32 or kv_lens.dtype != torch.int32:
+        raise ValueError("page_table and kv_lens must be int32")
+    if tuple(out.shape) != (B, s_q, H, D_V) or out.dtype != q.dtype:
+        raise ValueError(f"out must be [B, s_q, H, 512] {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if tuple(lse.shape) != (B, s_q, H) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be [B, s_q, H] float32, got {tuple(lse.shape)} {lse.dtype}")
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("out", out), ("lse", lse),
+                    ("page_table", page_table), ("kv_lens", kv_lens)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
+                    out, lse, schedule: Schedule, workspace, *, check: bool = True,
+                    layout=None):
+    """Run the split-KV partial kernel and the combine kernel on the current stream.
+
+    q [B, s_q, H, 576] bf16/fp16; kv_cache [P, page, 576] q dtype or float8_e4m3fn
+    (k = kv * kv_scale); page_table [B, max_pages] int32; kv_lens [B] int32 (device);
+    out [B, s_q, H, 512] q dtype; lse [B, s_q, H] fp32 (natural log).
+    schedule from make_schedule(kv_lens_cpu, s_q, H, num_sms) for this step;
+    workspace = alloc_workspace(schedule).
+    """
+    if check:
+        check_inputs(q, kv_cache, page_table, kv_lens, out, lse)
+        if schedule.s_q != q.shape[1] or schedule.num_heads != q.shape[2]:
+            raise ValueError("schedule was made for another s_q / num_heads")
+    B, s_q, H, _ = q.shape
+    R = s_q * H
+    q_name = _TORCH_TO_NAME[q.dtype]
+    kv_name = _TORCH_TO_NAME[kv_cache.dtype]
+    partial = get_partial_kernel(q_name, kv_name, schedule.block_m, layout)
+    combine = get_combine_kernel(q_name)
+    o_part, lse_part = workspace
+    q3 = q.view(B, R, D_QK)
+    o3 = out.view(B, R, D_V)
+    l2 = lse.view(B, R)
+    s = float(sm_scale) * float(kv_scale)
+    stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
+    partial(q3, kv_cache, page_table, kv_lens, o3, l2, schedule.work_info, o_part, lse_part,
+            s * LOG2_E, s, float(kv_scale), s_q, H, stream)
+    combine(o3, l2, schedule.split_info, o_part, lse_part, stream)
+    return out, lse
