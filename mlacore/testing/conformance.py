@@ -171,11 +171,12 @@ class BackendConformance:
         if self.device != "cuda" or not torch.cuda.is_available():
             pytest.skip("CUDA graphs need a CUDA GPU")
         dispatcher = self.dispatcher()
+        page = self.page_sizes[-1]
         problem = self.problem(num_heads=16, seq_len_q=2, batch_size=4, min_kv_len=1, max_kv_len=400,
-                               page_size=16)
+                               page_size=page)
         if not self.takes(dispatcher, problem):
             pytest.skip(f"{self.backend} does not take {problem.describe()}")
-        first = make_inputs(problem, self.device, seed=21, extra_pages=200)
+        first = make_inputs(problem, self.device, seed=21, extra_pages=4 * -(-512 // page) + 8)
         decoder = self.decoder(problem, first, dispatcher, cuda_graph=True, max_batch=8, max_kv_len=512)
         plan = decoder.plan(first.kv_lens, first.page_table, problem.seq_len_q)
         out = torch.full((*first.q.shape[:3], problem.kv_lora_rank), float("nan"), dtype=first.q.dtype,
@@ -193,7 +194,8 @@ class BackendConformance:
         gen = torch.Generator().manual_seed(5)
         lens2 = torch.randint(1, 500, (4,), generator=gen, dtype=torch.int32)
         pages = first.kv_cache.shape[0]
-        table2 = torch.randperm(pages, generator=gen)[: 4 * 32].reshape(4, 32).to(torch.int32)
+        width = -(-512 // page)
+        table2 = torch.randperm(pages, generator=gen)[: 4 * width].reshape(4, width).to(torch.int32)
         cache2 = torch.randn(first.kv_cache.shape, generator=gen).to(first.kv_cache.dtype).to("cuda")
         first.kv_cache.copy_(cache2)
         decoder.plan(lens2.cuda(), table2.cuda(), problem.seq_len_q)

@@ -1,0 +1,197 @@
+"""The `cute_dsl_mla` backend: our own SM90 CuTe DSL kernels behind the mlacore contract.
+
+The kernels (`mla_cute_dsl.kernels`) never import mlacore; this adapter does
+the rest: availability (no cutlass import, no compile), the shapes the
+kernels take as reasons, and a session per decoder that owns the split-KV
+schedule buffers, the partial-result workspace and, in CUDA-graph mode, the
+length and page-table buffers the captured kernels read.
+
+plan (once per step, host): the split-KV schedule over all SMs, written into
+the session's fixed device buffers. run (per layer): the partial kernel and
+the combine kernel; no host work.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib import metadata as importlib_metadata
+from typing import Any, Dict, List, Literal, Optional, Tuple
+
+import torch
+from pydantic import Field
+
+from mlacore import (
+    Availability,
+    Backend,
+    BackendInfo,
+    BackendOptions,
+    Planned,
+    Session,
+    SessionConfig,
+    StepInputs,
+    hookimpl,
+)
+from mlacore.problem import DecodeProblem, DecodeShape
+
+CUTLASS_DIST = "nvidia-cutlass-dsl"
+BLOCK_N = 64
+
+
+class CuteDslOptions(BackendOptions):
+    ctas_per_sm: Literal[1, 2] = Field(default=1, description="split-KV work items per SM in one wave")
+
+
+def shape_reasons(shape: DecodeShape) -> List[str]:
+    """Every reason the SM90 kernels cannot take a shape class (pure host logic)."""
+    out: List[str] = []
+    dev = shape.device
+    if dev.type != "cuda":
+        return [f"device={dev}: the CuTe DSL kernels run on CUDA GPUs only"]
+    if dev.capability != (9, 0):
+        out.append(f"{dev}: these kernels are built for sm_90 (Hopper) only")
+    if shape.q_dtype not in ("bf16", "fp16"):
+        out.append(f"q_dtype={shape.q_dtype} not in {{bf16, fp16}}")
+    if shape.kv_dtype not in (shape.q_dtype, "fp8_e4m3"):
+        out.append(f"kv_dtype={shape.kv_dtype} must equal q_dtype={shape.q_dtype} or be fp8_e4m3")
+    if shape.output_dtype != shape.q_dtype:
+        out.append(f"out_dtype={shape.output_dtype}: the kernels write out in q's dtype ({shape.q_dtype})")
+    if (shape.kv_lora_rank, shape.qk_rope_head_dim) != (512, 64):
+        out.append(f"kv_lora_rank={shape.kv_lora_rank}, rope dim {shape.qk_rope_head_dim}: the kernels are built "
+                   "for 512 + 64")
+    if shape.page_size % BLOCK_N:
+        out.append(f"page_size={shape.page_size}: the kernels read 64-token tiles inside one page "
+                   "(page sizes that are multiples of 64)")
+    if shape.num_heads > 128:
+        out.append(f"num_heads={shape.num_heads} > 128")
+    if shape.seq_len_q > 8:
+        out.append(f"seq_len_q={shape.seq_len_q} > 8")
+    if shape.seq_len_q > 1 and not shape.causal:
+        out.append("non-causal seq_len_q > 1: the kernels mask causally (bottom-right) only")
+    if shape.scale_inputs == "tensor":
+        out.append("scale_inputs=tensor: the kernels take kv_scale as a launch argument (a host float)")
+    return out
+
+
+class CuteDslBackend(Backend):
+    """Our SM90 MLA decode kernels in CuTe DSL: bf16/fp16 q, same-dtype or fp8 KV, split-KV."""
+
+    name = "cute_dsl_mla"
+    Options = CuteDslOptions
+
+    @hookimpl
+    def info(self) -> BackendInfo:
+        return BackendInfo(
+            description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
+            notes=("checked on an H200 (sm_90); no SM100 path yet",
+                   "fp8 KV runs its MMAs in fp16: |q| must stay below 65504"),
+            q_layouts=("packed",), kv_layouts=("packed",), strided_q=False,
+        )
+
+    @hookimpl
+    def availability(self) -> Availability:
+        reasons: List[str] = []
+        details: Dict[str, str] = {}
+        if importlib.util.find_spec("cutlass") is None:
+            reasons.append(f"{CUTLASS_DIST} is not installed (pip install '{CUTLASS_DIST}>=4.8.1,<4.9')")
+        else:
+            try:
+                details["cutlass-dsl"] = importlib_metadata.version(CUTLASS_DIST)
+            except importlib_metadata.PackageNotFoundError:
+                details["cutlass-dsl"] = "?"
+        if torch.version.cuda is None:
+            reasons.append(f"torch {torch.__version__} has no CUDA support")
+        elif not torch.cuda.is_available():
+            reasons.append("no CUDA device visible (torch.cuda.is_available() is False)")
+        else:
+            cap = torch.cuda.get_device_capability()
+            details["device"] = f"{torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}"
+            if cap != (9, 0):
+                reasons.append(f"sm_{cap[0]}{cap[1]}: the CuTe DSL kernels are built for sm_90 only")
+        return Availability.from_reasons(reasons, **details)
+
+    @hookimpl
+    def can_implement(self, shape: DecodeShape, options: CuteDslOptions) -> List[str]:
+        return shape_reasons(shape)
+
+    @hookimpl
+    def open(self, config: SessionConfig, options: CuteDslOptions) -> "CuteDslSession":
+        return CuteDslSession(config, options)
+
+
+class CuteDslPlanned(Planned):
+    __slots__ = ("kv_lens", "page_table", "schedule", "workspace", "lse_scratch", "sm_scale", "kv_scale", "run_fn")
+
+    def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
+                 lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float) -> None:
+        from .kernels.api import mla_decode_sm90
+
+        self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
+        self.lse_scratch, self.sm_scale, self.kv_scale = lse_scratch, sm_scale, kv_scale
+        self.run_fn = mla_decode_sm90
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
+            kv_scale: Any = None, q_scale: Any = None) -> None:
+        self.run_fn(q, kv_cache, self.page_table, self.kv_lens, self.sm_scale,
+                    self.kv_scale if kv_scale is None else kv_scale, out,
+                    self.lse_scratch if lse is None else lse, self.schedule, self.workspace, check=False)
+
+
+class CuteDslSession(Session):
+    """One decoder's schedule buffers and workspace per seq_len_q (and, in graph mode, its length/table buffers)."""
+
+    def __init__(self, config: SessionConfig, options: CuteDslOptions) -> None:
+        self.config, self.options = config, options
+        self.device = torch.device("cuda", config.device_index)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._schedules: Dict[int, Tuple[Any, Any]] = {}  # s_q -> (schedule, workspace)
+        self._lse: Dict[Tuple[int, int], torch.Tensor] = {}
+        env = config.envelope
+        self._lens_buf = self._table_buf = None
+        if env is not None:
+            self._lens_buf = torch.zeros(env.max_batch, dtype=torch.int32, device=self.device)
+            self._table_buf = torch.zeros(env.max_batch, env.max_pages(config.page_size), dtype=torch.int32,
+                                          device=self.device)
+
+    def _schedule(self, problem: DecodeProblem, lens_host: torch.Tensor) -> Tuple[Any, Any]:
+        from .kernels.schedule import alloc_workspace, make_schedule
+
+        s_q, B = problem.seq_len_q, problem.batch_size
+        found = self._schedules.get(s_q)
+        env = self.config.envelope
+        if found is not None and found[0].split_info.shape[0] >= B:
+            make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, ctas_per_sm=self.options.ctas_per_sm,
+                          device=self.device, out=found[0])
+            return found
+        max_batch = env.max_batch if env is not None else B
+        schedule = make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, max_batch=max_batch,
+                                 ctas_per_sm=self.options.ctas_per_sm, device=self.device)
+        found = (schedule, alloc_workspace(schedule, device=self.device))
+        self._schedules[s_q] = found
+        return found
+
+    def plan(self, problem: DecodeProblem, step: StepInputs) -> CuteDslPlanned:
+        B = problem.batch_size
+        schedule, workspace = self._schedule(problem, step.kv_lens_host)
+        lens, table = step.kv_lens, step.page_table
+        if self._lens_buf is not None:
+            width = min(table.shape[1], self._table_buf.shape[1])
+            self._lens_buf[:B].copy_(lens, non_blocking=True)
+            self._table_buf[:B, :width].copy_(table[:, :width], non_blocking=True)
+            lens, table = self._lens_buf[:B], self._table_buf[:B]
+        scratch = None
+        if not problem.return_lse:  # the kernels always write lse
+            key = (B, problem.seq_len_q)
+            scratch = self._lse.get(key)
+            if scratch is None:
+                scratch = self._lse[key] = torch.empty(B, problem.seq_len_q, problem.num_heads,
+                                                       dtype=torch.float32, device=self.device)
+        return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
+                              self.config.kv_scale)
+
+    def close(self) -> None:
+        self._schedules.clear()
+        self._lse.clear()
+        self._lens_buf = self._table_buf = None
+
+
+backend = CuteDslBackend()
