@@ -490,7 +490,7 @@ class MLADecoder:
         self._lse_shape = tuple(plan.out_shape[:3])
         self._fast = (self._q_shape, self.q_dtype, self._dev_index, self._out_shape, self.out_dtype,
                       self._lse_shape, max_page_id, self._converter(q_layout, kv_layout, info.strided_q, name),
-                      self.scale_inputs != "static")
+                      not info.strided_q and self.q_layout == "packed", self.scale_inputs != "static")
         self._plan = plan
         return plan
 
@@ -500,8 +500,8 @@ class MLADecoder:
         pack_q, split_q = conv_q and q_layout == "packed", conv_q and q_layout == "split"
         pack_kv, split_kv = conv_kv and kv_layout == "packed", conv_kv and kv_layout == "split"
         latent = self.kv_lora_rank
-        if not (conv_q or conv_kv or not strided_ok):
-            return None
+        if not (conv_q or conv_kv or (not strided_ok and self.q_layout == "split")):
+            return None  # a packed q that must be contiguous is handled inline in run
         if pack_kv and name not in self._warned_copies:
             self._warned_copies.add(name)
             log.warning("mlacore: backend '%s' takes a packed cache only; this decoder has kv_layout='split', so "
@@ -544,7 +544,7 @@ class MLADecoder:
         if plan is not self._plan:
             self._explain_stale(plan)
         # one attribute read for everything the checks compare against (fixed by plan)
-        q_shape, q_dtype, dev, out_shape, out_dtype, lse_shape, max_page_id, convert, scaled = self._fast
+        q_shape, q_dtype, dev, out_shape, out_dtype, lse_shape, max_page_id, convert, need_contig, scaled = self._fast
         # dev is get_device()'s answer: -1 on the CPU, the index on CUDA (cheaper than comparing devices)
         if self.q_layout == "packed":
             if not (isinstance(q, _Tensor) and q.shape == q_shape and q.dtype is q_dtype
@@ -585,6 +585,8 @@ class MLADecoder:
             self._check_scales(kv_scale, q_scale)
         if convert is not None:
             q, kv_cache = convert(q, kv_cache)
+        elif need_contig and not q.is_contiguous():  # backend takes contiguous q only; engines pass views
+            q = q.contiguous()
         try:
             if kv_scale is None and q_scale is None:
                 self._run_fn(q, kv_cache, out, lse)
