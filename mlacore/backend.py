@@ -47,7 +47,7 @@ ENTRY_POINT_GROUP = "mlacore.backends"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-_STRICT = ConfigDict(strict=True)
+_STRICT = ConfigDict(strict=True, extra="forbid")
 
 
 @checked_dataclass(frozen=True, config=_STRICT)

@@ -197,7 +197,7 @@ def choice_fingerprint(decoder: "MLADecoder",
         if why:
             reasons[handle.name] = why
     env = {k: v for k, v in sorted(dispatcher.env.items()) if k.startswith("MLA_") and k not in _ENV_NOT_COMPARED}
-    cfg = decoder.session_config
+    cfg = decoder.session_config()
     compared = {
         "version": FINGERPRINT_VERSION,
         "mlacore": __version__,
