@@ -97,8 +97,9 @@ class MLAEngine:
         self.cache = PagedLatentCache(self.cfg.num_hidden_layers, num_pages, attn_dtype, device, seed)
         self.dispatcher = dispatcher or Dispatcher(policy=load_policy())
         # created once: static shape facts of this rank
+        # q arrives as the engine holds it, (q_nope after W_UK, q_pe after rope): no concatenation per layer
         self.decoder = MLADecoder(self.H, PAGE_SIZE, q_dtype=attn_dtype, kv_dtype=attn_dtype, device=device,
-                                  sm_scale=self.sm_scale, dispatcher=self.dispatcher)
+                                  sm_scale=self.sm_scale, dispatcher=self.dispatcher, q_layout="split")
         nope, v = self.cfg.qk_nope_head_dim, self.cfg.v_head_dim
         self.w_uk, self.w_uv = [], []
         for layer in model.model.layers:
@@ -153,13 +154,13 @@ class MLAEngine:
             cache = self.cache.layers[li]
             new = torch.cat([latent, k_rot.view(B, s_q, -1)], dim=-1).to(self.attn_dtype)
             cache.view(-1, 576)[slots.reshape(-1)] = new.reshape(-1, 576)
-            # absorb W_UK into the query: [B, s_q, H, 512 | 64]
-            q_latent = torch.einsum("bhsd,hdc->bshc", q_nope, self.w_uk[li])
-            q_mla = torch.cat([q_latent, q_rot.transpose(1, 2)], dim=-1).to(self.attn_dtype).contiguous()
-            if li == 0:
-                self.last_attention = (q_mla, cache, lens, table, s_q)
+            # absorb W_UK into the query: q_nope [B, s_q, H, 512] (a strided view is fine), q_pe [B, s_q, H, 64]
+            q_latent = torch.einsum("bhsd,hdc->bshc", q_nope, self.w_uk[li]).to(self.attn_dtype)
+            q_pe = q_rot.transpose(1, 2).to(self.attn_dtype)
+            if li == 0:  # the packed form, for the tensor-parallel check's own decoders
+                self.last_attention = (torch.cat([q_latent, q_pe], dim=-1).contiguous(), cache, lens, table, s_q)
             # once per layer
-            out, _ = self.decoder.run(q_mla, cache, plan)
+            out, _ = self.decoder.run((q_latent, q_pe), cache, plan)
             v = torch.einsum("bshc,hdc->bshd", out.float(), self.w_uv[li]).reshape(B, s_q, -1)
             h = h + attn.o_proj(v)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -240,7 +241,7 @@ def tensor_parallel_check(engine: MLAEngine, ranks: int = 8) -> Tuple[float, Lis
     q, cache, lens, table, s_q = engine.last_attention
     dev = engine.device
     full_plan = engine.decoder.plan(lens.to(dev), table.to(dev), s_q, kv_lens_host=lens, page_table_host=table)
-    full, _ = engine.decoder.run(q, cache, full_plan)
+    full, _ = engine.decoder.run((q[..., :512], q[..., 512:]), cache, full_plan)
     per = engine.H // ranks
     parts, chosen = [], []
     for r in range(ranks):
