@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 # a library logs, the application decides where it goes (engines configure "mlacore")
 logging.getLogger("mlacore").addHandler(logging.NullHandler())
 
-__version__ = "0.2.0"
 
 _EXPORTS = {
     "mlacore.backend": ("Availability", "Backend", "BackendInfo", "BackendOptions", "GraphEnvelope", "Limits",
@@ -37,6 +36,13 @@ __all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # one source: the installed distribution's metadata (pyproject.toml)
+        from importlib import metadata
+
+        try:
+            return metadata.version("mlacore")
+        except metadata.PackageNotFoundError:  # a source tree that is not installed
+            return "0+unknown"
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'mlacore' has no attribute {name!r}")

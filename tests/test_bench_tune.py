@@ -182,7 +182,7 @@ def test_cli_tune_end_to_end_on_cpu(plugin_site, tmp_path):
     out_json = tmp_path / "m.json"
     env = subprocess_env(plugin_site)
     proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--grid", str(grid), "--backend", "reference",
-                           "--backend", "chunked_reference", "--write", str(pol), "--json", str(out_json),
+                           "--backend", "chunked_reference", "--write", str(pol), "-o", str(out_json),
                            "--budget", "0.05", "--no-progress", "--device", "cpu"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -233,3 +233,214 @@ def test_tune_routes_variants_of_one_backend_with_rule_options(tmp_path):
         assert decision.backend == name
         if opt:
             assert decision.options_dict() == {"variant": opt.split("=")[1]}
+
+
+# -- rules hold where they were measured ------------------------------------------------
+
+
+def _grid_report(times, heads=(16,), batches=(1, 16, 128), lens=(1024, 16384), name="g"):
+    """times(arm, h, b, n) -> microseconds (None: the arm cannot take the cell)."""
+    rows = []
+    for h in heads:
+        for b in batches:
+            for n in lens:
+                p = DecodeProblem(num_heads=h, batch_size=b, max_kv_len=n, min_kv_len=n, page_size=64, device=CPU)
+                for arm in ("fa2", "fa3"):
+                    t = times(arm, h, b, n)
+                    label = f"X:variant={arm}"
+                    rows.append(BenchRow(label, p, "skipped") if t is None else BenchRow(label, p, "ok", time_us=t))
+    return BenchReport(rows, CEIL, name, {"gpu": "G"}, "2026-12-01")
+
+
+def _problem(b, n, h=16):
+    return DecodeProblem(num_heads=h, batch_size=b, max_kv_len=n, min_kv_len=n, page_size=64, device=CPU)
+
+
+def _route(text, problem):
+    from mlacore.tools.tune import route_cells
+
+    pol = parse_policy_text(text)
+    report = BenchReport([BenchRow(f"X:variant={a}", problem, "ok", time_us=1.0) for a in ("fa2", "fa3")],
+                         CEIL, "probe", {}, "")
+    order = [n for n in pol.mla.order]
+    return next(iter(route_cells(order, pol, report).values()))
+
+
+def test_boundaries_sit_at_geometric_midpoints():
+    from mlacore.tools.tune import split_point
+
+    assert split_point(1, 16) == 4 and split_point(16, 128) == 45 and split_point(1, 2) == 1
+    assert split_point(1024, 16384) == 4096
+    # fa2 wins batch 1 only (every length), fa3 from 16 up: B=8 lies past the midpoint (4), so fa3
+    report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if b == 1 else
+                          (2.0 if arm == "fa2" else 1.0))
+    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    rules = parse_policy_text(text).backend["X"].allow
+    fa2 = [r for r in rules if r.options == {"variant": "fa2"}]
+    assert len(fa2) == 1 and fa2[0].max_batch == 4 and fa2[0].min_batch is None
+    assert _route(text, _problem(4, 4096)) == "X:variant=fa2"
+    assert _route(text, _problem(8, 4096)) == "X:variant=fa3"
+    assert _route(text, _problem(5, 4096)) == "X:variant=fa3"
+
+
+def test_rules_do_not_reach_past_the_grid_unless_the_whole_edge_agrees():
+    # fa2 wins the largest batch only at the short length: its rule stops at the measured edge
+    report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if (b == 128 and n == 1024) else
+                          (2.0 if arm == "fa2" else 1.0))
+    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    fa2 = [r for r in parse_policy_text(text).backend["X"].allow if r.options == {"variant": "fa2"}]
+    assert len(fa2) == 1
+    rule = fa2[0]
+    assert rule.max_batch == 128 and rule.min_batch == 46  # past the midpoint of 16 and 128; not beyond 128
+    # the short-length edge is not all fa2's (fa3 wins it at smaller batches): no reaching below 1024 either
+    assert rule.min_kv_len == 1024 and rule.max_kv_len == 4096
+    assert _route(text, _problem(512, 1024)) == "X:variant=fa3"  # beyond the grid: the default arm
+    assert _route(text, _problem(128, 1024)) == "X:variant=fa2"
+    # fa2 wins the whole largest-batch edge: reaching past it follows a measured trend
+    report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if b == 128 else
+                          (2.0 if arm == "fa2" else 1.0))
+    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    fa2 = [r for r in parse_policy_text(text).backend["X"].allow if r.options == {"variant": "fa2"}]
+    assert fa2[0].max_batch is None and fa2[0].min_batch == 46
+    assert _route(text, _problem(512, 1024)) == "X:variant=fa2"
+
+
+def test_rules_keep_the_head_counts_they_were_measured_on():
+    report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if b == 1 else
+                          (2.0 if arm == "fa2" else 1.0), heads=(16, 128))
+    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    fa2 = [r for r in parse_policy_text(text).backend["X"].allow if r.options == {"variant": "fa2"}]
+    assert len(fa2) == 1 and set(fa2[0].num_heads) == {16, 128}
+    assert _route(text, _problem(1, 4096, h=64)) == "X:variant=fa3"  # H=64 was not measured: the default
+
+
+# -- validation ------------------------------------------------------------------------
+
+
+def _fa_times(arm, h, b, n):
+    """fa2 wins small batches (below ~8), fa3 larger ones: a crossover between grid points 1 and 16."""
+    fa2 = 10.0 + 1.0 * b
+    fa3 = 14.0 + 0.5 * b
+    return fa2 if arm == "fa2" else fa3
+
+
+def test_validate_reports_mean_and_worst_regret_on_a_second_grid():
+    from mlacore.tools.tune import record_validation, validate
+
+    tune_report = _grid_report(_fa_times)
+    text, _ = tune(tune_report, "p.toml", '[mla]\norder = ["reference"]\n')
+    val = _grid_report(_fa_times, batches=(2, 4, 8, 32, 256), lens=(2048, 4096, 8192), name="off-grid")
+    result = validate(parse_policy_text(text), val)
+    assert len(result.cells) == 15 and not result.failures
+    by_b = {}
+    for c in result.cells:
+        by_b.setdefault(c.problem.batch_size, set()).add(round(c.regret, 6))
+    # B=2,4 go to fa2 (right: 12 < 15, 14 < 16); B=8 to fa3 (18 vs 18: a tie); beyond the grid: fa3
+    assert by_b[2] == {0.0} and by_b[4] == {0.0} and by_b[8] == {0.0} and by_b[256] == {0.0}
+    assert result.worst_regret == 0.0 and result.mean_regret == 0.0
+    # a policy that sends everything to fa2 has regret where fa3 wins, and the worst cell shows it
+    bad = '[mla]\norder = ["X"]\n[backend.X.options]\nvariant = "fa2"\n'
+    result = validate(parse_policy_text(bad), val)
+    worst = result.worst(3)
+    assert worst[0].problem.batch_size == 256 and worst[0].routed == "X:variant=fa2"
+    assert worst[0].regret == pytest.approx((10 + 256) / (14 + 128) - 1)
+    assert result.mean_regret == pytest.approx(statistics_mean(result))
+    summary = result.summary(3)
+    assert summary["cells"] == 15 and summary["failed_cells"] == 0 and len(summary["worst"]) == 3
+    assert summary["worst_regret"] == round(worst[0].regret, 4)
+    # recorded next to the fingerprint, and the file still loads
+    new = record_validation(text, summary)
+    pol = parse_policy_text(new)
+    assert pol.tuned.gpu == "G" and pol.tuned.validation["grid"] == "off-grid"
+    assert pol.tuned.validation["worst"][0]["routed"] == "X:variant=fa2"
+    assert new.startswith(text.split("[tuned]")[0])  # rules untouched
+
+
+def statistics_mean(result):
+    vals = [c.regret for c in result.cells]
+    return sum(vals) / len(vals)
+
+
+def test_validate_flags_cells_routed_to_a_wrong_or_missing_arm():
+    from mlacore.tools.tune import validate
+
+    p = _problem(8, 4096)
+    rows = [BenchRow("X:variant=fa2", p, "wrong"), BenchRow("X:variant=fa3", p, "ok", time_us=5.0)]
+    report = BenchReport(rows, CEIL, "v", {}, "")
+    pol = parse_policy_text('[mla]\norder = ["X"]\n[backend.X.options]\nvariant = "fa2"\n')
+    result = validate(pol, report)
+    assert result.failures and result.failures[0].note == "the routed arm is wrong here"
+    assert result.summary()["failed_cells"] == 1 and "regret" not in result.summary()["worst"][0]
+
+
+def test_cli_tune_validate_from_measurements(tmp_path):
+    from mlacore.tools.bench import report_json
+
+    tune_json, val_json = tmp_path / "t.json", tmp_path / "v.json"
+    tune_json.write_text(json.dumps(report_json(_grid_report(_fa_times))))
+    val_json.write_text(json.dumps(report_json(_grid_report(_fa_times, batches=(2, 8, 256), lens=(4096,),
+                                                            name="off-grid"))))
+    pol = tmp_path / "mla.toml"
+    pol.write_text('[mla]\norder = ["reference"]\n')
+    proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--from", str(tune_json), "--write", str(pol),
+                           "--validate-from", str(val_json)], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "validation on 3 cells: mean regret 0.00%, worst 0.0%" in proc.stdout
+    assert "[tuned.validation]" in pol.read_text()
+    v = parse_policy_text(pol.read_text()).tuned.validation
+    assert v["cells"] == 3 and v["worst_regret"] == 0.0
+    # --json: JSON only on stdout, with the validation
+    pol.write_text('[mla]\norder = ["reference"]\n')
+    proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--from", str(tune_json), "--write", str(pol),
+                           "--validate-from", str(val_json), "--json"], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+    data = json.loads(proc.stdout)
+    assert data["validation"]["cell_count"] == 3 and len(data["validation"]["cells"]) == 3
+
+
+def test_cli_tune_validate_end_to_end_on_cpu(plugin_site, tmp_path):
+    """Measure, write, then time the written policy on a second grid: reference backends on CPU."""
+    grid = tmp_path / "g.toml"
+    grid.write_text("[grid]\nnum_heads=[16]\nbatch=[1]\nkv_len=[64, 1024]\npage_size=[64]\n")
+    vgrid = tmp_path / "v.toml"
+    vgrid.write_text("[grid]\nnum_heads=[16]\nbatch=[2]\nkv_len=[256]\npage_size=[64]\n")
+    pol = tmp_path / "mla.toml"
+    pol.write_text('[mla]\norder = ["reference"]\n')
+    proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--grid", str(grid), "--backend", "reference",
+                           "--backend", "chunked_reference", "--write", str(pol), "--validate", str(vgrid),
+                           "--validate-output", str(tmp_path / "vm.json"), "--budget", "0.02", "--no-progress",
+                           "--device", "cpu"], capture_output=True, text=True, env=subprocess_env(plugin_site),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "validation on 1 cells" in proc.stdout
+    v = parse_policy_text(pol.read_text()).tuned.validation
+    assert v["cells"] == 1 and v["failed_cells"] == 0 and "mean_regret" in v
+    vm = json.loads((tmp_path / "vm.json").read_text())
+    assert {r["backend"] for r in vm["rows"]} == {"reference", "chunked_reference"}
+
+
+# -- the tuned file is written safely ----------------------------------------------------
+
+
+def test_atomic_write_keeps_mode_follows_symlinks_and_fsyncs(tmp_path, monkeypatch):
+    import os
+
+    real = tmp_path / "real.toml"
+    real.write_text("old")
+    os.chmod(real, 0o640)
+    link = tmp_path / "mla.toml"
+    link.symlink_to(real)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    write_atomically(link, "new")
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert real.read_text() == "new" and (real.stat().st_mode & 0o777) == 0o640
+    assert len(synced) >= 1  # the data before the rename (and the directory after it)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mla.toml", "real.toml"]
+    fresh = tmp_path / "fresh.toml"
+    write_atomically(fresh, "x")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (fresh.stat().st_mode & 0o777) == 0o666 & ~umask

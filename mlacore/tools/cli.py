@@ -497,8 +497,14 @@ def _run_bench(args: argparse.Namespace, grid_spec: str, specs=None):
     problems = grid.problems(DeviceSpec.of(device))
     specs = _bench_specs(args) if specs is None else specs
     graph = device == "cuda" and not args.no_graph
-    return run_bench(problems, specs, device, graph, grid.describe(), progress=not args.no_progress and not args.json,
-                     budget_s=args.budget)
+    progress = not args.no_progress and not args.json and _has_rich() and sys.stderr.isatty()
+    return run_bench(problems, specs, device, graph, grid.describe(), progress=progress, budget_s=args.budget)
+
+
+def _has_rich() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("rich") is not None
 
 
 def _fmt(v: float, f: str) -> str:

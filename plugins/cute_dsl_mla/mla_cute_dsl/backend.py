@@ -17,7 +17,6 @@ import importlib.util
 from importlib import metadata as importlib_metadata
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
-import torch
 from pydantic import Field
 
 from mlacore import (
@@ -89,6 +88,7 @@ class CuteDslBackend(Backend):
 
     @hookimpl
     def availability(self) -> Availability:
+        import torch
         reasons: List[str] = []
         details: Dict[str, str] = {}
         if importlib.util.find_spec("cutlass") is None:
@@ -140,6 +140,7 @@ class CuteDslSession(Session):
     """One decoder's schedule buffers and workspace per seq_len_q (and, in graph mode, its length/table buffers)."""
 
     def __init__(self, config: SessionConfig, options: CuteDslOptions) -> None:
+        import torch
         self.config, self.options = config, options
         self.device = torch.device("cuda", config.device_index)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -170,6 +171,7 @@ class CuteDslSession(Session):
         return found
 
     def plan(self, problem: DecodeProblem, step: StepInputs) -> CuteDslPlanned:
+        import torch
         B = problem.batch_size
         schedule, workspace = self._schedule(problem, step.kv_lens_host)
         lens, table = step.kv_lens, step.page_table

@@ -24,7 +24,6 @@ import importlib.util
 from importlib import metadata as importlib_metadata
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
-import torch
 from pydantic import Field
 
 from mlacore import (
@@ -42,7 +41,6 @@ from mlacore import (
 from mlacore.problem import DecodeProblem, DecodeShape, torch_dtype
 
 from . import variants
-from .metadata import csr_from_table, trtllm_gen_args
 
 DIST = "flashinfer-python"
 
@@ -55,6 +53,7 @@ class FlashInferOptions(BackendOptions):
 
 @functools.lru_cache(maxsize=None)
 def _device_smem(index: int) -> Tuple[int, int]:
+    import torch
     props = torch.cuda.get_device_properties(index)
     per_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
     per_block = getattr(props, "shared_memory_per_block_optin", 0)
@@ -77,6 +76,7 @@ class FlashInferBackend(Backend):
 
     @hookimpl
     def availability(self) -> Availability:
+        import torch
         reasons: List[str] = []
         details: Dict[str, str] = {}
         if importlib.util.find_spec("flashinfer") is None:
@@ -104,6 +104,7 @@ class FlashInferBackend(Backend):
 
     @hookimpl
     def can_implement(self, shape: DecodeShape, options: FlashInferOptions) -> List[str]:
+        import torch
         smem = None
         if (shape.device.type == "cuda" and torch.cuda.is_available()
                 and torch.cuda.get_device_capability() == shape.device.capability):
@@ -192,6 +193,7 @@ class FlashInferSession(Session):
     concurrently running stream or graph) and wrappers, eager or per batch size."""
 
     def __init__(self, config: SessionConfig, options: FlashInferOptions) -> None:
+        import torch
         self.config = config
         self.options = options
         self.variant = variants.variant_for(config, options)
@@ -200,6 +202,7 @@ class FlashInferSession(Session):
         self._slots: Dict[tuple, _Slot] = {}
 
     def _ws(self) -> torch.Tensor:
+        import torch
         if self._workspace is None:
             alloc = torch.zeros if self.variant == "trtllm-gen" else torch.empty  # trtllm-gen wants it zeroed
             self._workspace = alloc(self.options.workspace_mb * 1024 * 1024, dtype=torch.uint8, device=self.device)
@@ -211,6 +214,8 @@ class FlashInferSession(Session):
             if env is not None:
                 raise ValueError("cuda_graph: trtllm-gen planning in graph mode is not implemented "
                                  "(not verified on hardware)")
+            from .metadata import trtllm_gen_args
+
             args = trtllm_gen_args(step.page_table, problem.page_size, problem.max_kv_len,
                                    self.config.sm_scale, self.config.kv_scale)
             return TrtllmGenPlanned(self._ws(), step.kv_lens, args.block_tables, args.max_seq_len,
@@ -219,6 +224,7 @@ class FlashInferSession(Session):
         return self._plan_fa(problem, step)
 
     def _new_slot(self, B: int) -> _Slot:
+        import torch
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
         env = self.config.envelope
@@ -238,6 +244,8 @@ class FlashInferSession(Session):
 
     def _plan_fa(self, problem: DecodeProblem, step: StepInputs) -> FAPlanned:
         from flashinfer.mla import MLAPlanMetadata
+
+        from .metadata import csr_from_table
 
         csr = csr_from_table(step.kv_lens_host, step.page_table_host, problem.page_size, problem.seq_len_q)
         B = problem.batch_size

@@ -1,0 +1,235 @@
+"""Conventions of the `mla` command: fast --help, --version, --json, quiet pipes, one-line errors, tables."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import subprocess_env
+from mlacore.tools.cli import json_safe, json_text, main, problem_error_line
+
+
+def run_cli(*args, plugin_site=None, **env):
+    return subprocess.run([sys.executable, "-m", "mlacore", *args], capture_output=True, text=True,
+                          env=subprocess_env(plugin_site, **env), timeout=300)
+
+
+def _modules_after_cli(*argv: str) -> set:
+    """Modules loaded after running the CLI with argv in a fresh interpreter (SystemExit caught)."""
+    probe = ("import sys\nfrom mlacore.tools.cli import main\n"
+             f"try:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
+             "sys.stderr.write('\\n'.join(sorted(sys.modules)))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=120)
+    return set(done.stderr.split())
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["backends", "explain", "--help"],
+                                  ["backends", "frobnicate"], ["bench", "--budget", "x"]])
+def test_help_version_and_usage_errors_import_no_torch_rich_or_plugin(argv):
+    loaded = _modules_after_cli(*argv)
+    assert "argparse" in loaded
+    leaked = sorted(m for m in ("torch", "rich", "pydantic", "mlacore.registry", "mla_flashinfer", "tomlkit")
+                    if m in loaded)
+    assert not leaked, f"`mla {' '.join(argv)}` imported {leaked}"
+
+
+def test_help_is_fast():
+    env = subprocess_env()
+    best = min(_timed([sys.executable, "-m", "mlacore", "--help"], env) for _ in range(3))
+    assert best < 0.5, f"`mla --help` took {best:.2f} s"
+
+
+def _timed(cmd, env) -> float:
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return time.perf_counter() - t0
+
+
+def test_importtime_of_help_has_no_torch():
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "mlacore", "--help"], capture_output=True,
+                          text=True, env=subprocess_env(), timeout=60)
+    assert done.returncode == 0
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "rich" not in imported
+
+
+def test_policy_check_imports_no_torch():
+    loaded = _modules_after_cli("policy", "check")
+    assert "mlacore.policy" in loaded
+    assert "torch" not in loaded
+
+
+def test_policy_check_cli_module_itself_needs_no_torch(tmp_path):
+    # everything up to loading the plugins: the policy file and the fingerprint warning path
+    loaded = _modules_after_cli("policy", "check", str(tmp_path / "missing.toml"))
+    assert "torch" not in loaded and "rich" not in loaded
+
+
+def test_version_names_core_and_plugins(plugin_site):
+    proc = run_cli("--version", plugin_site=plugin_site)
+    assert proc.returncode == 0, proc.stderr
+    from importlib.metadata import version
+
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith(f"mla (mlacore {version('mlacore')})")
+    assert "  mla-test-good-" in proc.stdout and "mla-test-badimport-" in proc.stdout
+    assert "mlacore-" in proc.stdout and "reference = mlacore.reference:backend" in proc.stdout
+
+
+def test_python_dash_m_is_the_command():
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: mla ")
+
+
+def test_json_is_standard():
+    assert json_safe({"a": float("nan"), "b": [float("inf"), 1.5], "c": (1, None)}) == \
+        {"a": None, "b": [None, 1.5], "c": [1, None]}
+    assert "NaN" not in json_text({"x": float("nan")})
+
+
+def test_broken_pipe_is_quiet():
+    proc = subprocess.Popen([sys.executable, "-m", "mlacore", "backends", "list", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=subprocess_env())
+    proc.stdout.close()  # the reader is gone before the first write, as `| head -1` after one line
+    err = proc.stderr.read().decode()
+    code = proc.wait(timeout=120)
+    proc.stderr.close()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert code == 141
+
+
+def test_broken_pipe_through_head():
+    done = subprocess.run(f"{sys.executable} -m mlacore backends list --json | head -1", shell=True,
+                          capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert done.stdout == "{\n" and done.stderr == ""
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--num-heads", "0"], "--num-heads"),
+    (["--num-heads", "16", "--batch", "0"], "--batch"),
+    (["--num-heads", "16", "--kv-len", "100", "--min-kv-len", "200"], "--min-kv-len"),
+    (["--num-heads", "16", "--capability", "nine"], "--capability"),
+])
+def test_problem_errors_are_one_line_naming_the_flag(argv, flag, capsys):
+    code = main(["backends", "explain", "--device", "cuda", *argv] if "--capability" in argv
+                else ["backends", "explain", "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith(f"mla: error: {flag}"), err
+
+
+def test_pydantic_errors_map_to_flags():
+    from pydantic import ValidationError
+
+    from mlacore.problem import DecodeProblem
+
+    with pytest.raises(ValidationError) as info:
+        DecodeProblem(num_heads=16, batch_size=1, max_kv_len=10, min_kv_len=20, page_size=64)
+    line = problem_error_line(info.value)
+    assert "--min-kv-len" in line and "--kv-len" in line and "\n" not in line
+    with pytest.raises(ValidationError) as info:
+        DecodeProblem(num_heads=16, batch_size=1, max_kv_len=10, page_size=0)
+    assert problem_error_line(info.value).startswith("--page-size: ")
+
+
+def test_explain_shows_the_options_of_a_tuned_rule(tmp_path, capsys):
+    pol = tmp_path / "p.toml"
+    pol.write_text('[mla]\norder = ["reference"]\n[backend.reference.options]\nchunk_tokens = 4096\n'
+                   '[[backend.reference.allow]]\nmax_batch = 8\noptions = { chunk_tokens = 128 }\n'
+                   '[[backend.reference.allow]]\nmin_batch = 9\n')
+    code = main(["backends", "explain", "--num-heads", "16", "--batch", "4", "--device", "cpu", "--policy",
+                 str(pol), "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["chosen"] == "reference" and data["options"] == {"chunk_tokens": 128}
+    code = main(["backends", "explain", "--num-heads", "16", "--batch", "64", "--device", "cpu", "--policy",
+                 str(pol)])
+    out = capsys.readouterr().out
+    assert code == 0 and "options: chunk_tokens=4096" in out
+
+
+def test_list_says_which_distribution_provides_a_missing_backend(capsys):
+    assert main(["backends", "list", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["backends"]}
+    for name, dist in (("cutlass_mla", "mla-cutlass"), ("cute_dsl_mla", "mla-cute-dsl")):
+        if rows[name]["status"] == "not installed":
+            assert rows[name]["distribution"] == dist
+            assert f"pip install {dist}" in rows[name]["reasons"][0]
+    assert "details" in rows["reference"] and "traceback" not in rows["reference"]
+
+
+def test_list_traceback_of_a_broken_plugin(plugin_site):
+    proc = run_cli("backends", "list", "--traceback", plugin_site=plugin_site)
+    assert proc.returncode == 0, proc.stderr
+    assert "bad_import" in proc.stdout and "Traceback (most recent call last)" in proc.stdout
+    assert "ModuleNotFoundError" in proc.stdout
+    proc = run_cli("backends", "list", "--json", "--traceback", plugin_site=plugin_site)
+    rows = {r["name"]: r for r in json.loads(proc.stdout)["backends"]}
+    assert "Traceback" in rows["bad_import"]["traceback"]
+    proc = run_cli("backends", "list", plugin_site=plugin_site)
+    assert "Traceback" not in proc.stdout and "--traceback" in proc.stdout
+
+
+def _run_with_columns(columns, *args):
+    env = {**subprocess_env(), "COLUMNS": columns}
+    return subprocess.run([sys.executable, "-m", "mlacore", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_tables_follow_columns_keep_names_whole_and_stay_plain_when_piped():
+    proc = _run_with_columns("90", "backends", "list")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 90
+    assert "\x1b[" not in proc.stdout  # no colour codes in a pipe
+    for name in ("flashinfer_mla", "mla-flashinfer", "reference", "not installed"):
+        assert name in proc.stdout, name  # never folded across lines
+    wide = _run_with_columns("250", "backends", "list")
+    assert max(len(line.rstrip()) for line in wide.stdout.splitlines()) > 90
+
+
+def test_policy_check_json(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('[mla]\norder = ["reference"]\n')
+    proc = run_cli("policy", "check", str(good), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["ok"] is True and data["order"] == ["reference"] and data["warnings"] == []
+
+
+def test_check_json_on_cpu():
+    proc = run_cli("check", "--quick", "--device", "cpu", "--backend", "reference", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["passed"] == 12 and data["failed"] == 0
+    assert all(r["result"] == "pass" for r in data["results"])
+
+
+def test_bench_json_on_stdout_and_output_file(tmp_path):
+    grid = tmp_path / "g.toml"
+    grid.write_text("[grid]\nnum_heads=[16]\nbatch=[1]\nkv_len=[64]\npage_size=[64]\n")
+    out = tmp_path / "m.json"
+    proc = run_cli("bench", "--grid", str(grid), "--backend", "reference", "--device", "cpu", "--budget", "0.01",
+                   "--json", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)  # nothing but JSON on stdout
+    assert data["rows"][0]["status"] == "ok"
+    assert data["rows"][0]["speedup_vs_best_other"] is None  # NaN is null
+    assert json.loads(out.read_text()) ["rows"][0]["backend"] == "reference"
+    assert "NaN" not in out.read_text()
+
+
+def test_cli_source_has_no_torch_at_import_time():
+    # the module the console script loads must stay cheap: no third-party import at top level
+    import ast
+    import mlacore.tools.cli as cli
+
+    tree = ast.parse(open(cli.__file__).read())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = {a.name for n in top for a in n.names} | {getattr(n, "module", None) or "" for n in top}
+    assert not names & {"torch", "rich", "pydantic", "tomlkit"}, names
+    assert os.path.basename(cli.__file__) == "cli.py"
