@@ -36,10 +36,8 @@ from .validation import (
     explain_cache,
     explain_q,
     expect_contiguous,
-    expect_device,
     expect_dtype,
     expect_rank,
-    expect_shape,
     expect_tensor,
 )
 

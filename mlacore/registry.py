@@ -36,7 +36,6 @@ from pydantic import ValidationError
 
 from .backend import (
     ENTRY_POINT_GROUP,
-    NO_LIMITS,
     PROJECT,
     Availability,
     Backend,

@@ -13,11 +13,12 @@ the combine kernel; no host work.
 
 from __future__ import annotations
 
-import importlib.util
-from importlib import metadata as importlib_metadata
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple
 
 from pydantic import Field
+
+if TYPE_CHECKING:  # torch is imported where it is used: listing backends and checking a policy stay light
+    import torch
 
 from mlacore import (
     Availability,
@@ -30,6 +31,7 @@ from mlacore import (
     StepInputs,
     hookimpl,
 )
+from mlacore.probe import library_and_cuda
 from mlacore.problem import DecodeProblem, DecodeShape
 
 CUTLASS_DIST = "nvidia-cutlass-dsl"
@@ -88,25 +90,10 @@ class CuteDslBackend(Backend):
 
     @hookimpl
     def availability(self) -> Availability:
-        import torch
-        reasons: List[str] = []
-        details: Dict[str, str] = {}
-        if importlib.util.find_spec("cutlass") is None:
-            reasons.append(f"{CUTLASS_DIST} is not installed (pip install '{CUTLASS_DIST}>=4.8.1,<4.9')")
-        else:
-            try:
-                details["cutlass-dsl"] = importlib_metadata.version(CUTLASS_DIST)
-            except importlib_metadata.PackageNotFoundError:
-                details["cutlass-dsl"] = "?"
-        if torch.version.cuda is None:
-            reasons.append(f"torch {torch.__version__} has no CUDA support")
-        elif not torch.cuda.is_available():
-            reasons.append("no CUDA device visible (torch.cuda.is_available() is False)")
-        else:
-            cap = torch.cuda.get_device_capability()
-            details["device"] = f"{torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}"
-            if cap != (9, 0):
-                reasons.append(f"sm_{cap[0]}{cap[1]}: the CuTe DSL kernels are built for sm_90 only")
+        reasons, details, cap = library_and_cuda("cutlass", CUTLASS_DIST, f"pip install '{CUTLASS_DIST}>=4.8.1,<4.9'",
+                                                 key="cutlass-dsl")
+        if cap is not None and cap != (9, 0):
+            reasons.append(f"sm_{cap[0]}{cap[1]}: the CuTe DSL kernels are built for sm_90 only")
         return Availability.from_reasons(reasons, **details)
 
     @hookimpl
@@ -141,6 +128,7 @@ class CuteDslSession(Session):
 
     def __init__(self, config: SessionConfig, options: CuteDslOptions) -> None:
         import torch
+
         self.config, self.options = config, options
         self.device = torch.device("cuda", config.device_index)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -172,6 +160,7 @@ class CuteDslSession(Session):
 
     def plan(self, problem: DecodeProblem, step: StepInputs) -> CuteDslPlanned:
         import torch
+
         B = problem.batch_size
         schedule, workspace = self._schedule(problem, step.kv_lens_host)
         lens, table = step.kv_lens, step.page_table

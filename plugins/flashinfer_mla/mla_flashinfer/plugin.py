@@ -20,11 +20,12 @@ plan replays correctly after later plans of that batch size.
 from __future__ import annotations
 
 import functools
-import importlib.util
-from importlib import metadata as importlib_metadata
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple
 
 from pydantic import Field
+
+if TYPE_CHECKING:  # torch is imported where it is used: listing backends and checking a policy stay light
+    import torch
 
 from mlacore import (
     Availability,
@@ -38,6 +39,7 @@ from mlacore import (
     StepInputs,
     hookimpl,
 )
+from mlacore.probe import library_and_cuda
 from mlacore.problem import DecodeProblem, DecodeShape, torch_dtype
 
 from . import variants
@@ -54,6 +56,7 @@ class FlashInferOptions(BackendOptions):
 @functools.lru_cache(maxsize=None)
 def _device_smem(index: int) -> Tuple[int, int]:
     import torch
+
     props = torch.cuda.get_device_properties(index)
     per_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
     per_block = getattr(props, "shared_memory_per_block_optin", 0)
@@ -76,24 +79,8 @@ class FlashInferBackend(Backend):
 
     @hookimpl
     def availability(self) -> Availability:
-        import torch
-        reasons: List[str] = []
-        details: Dict[str, str] = {}
-        if importlib.util.find_spec("flashinfer") is None:
-            reasons.append(f"{DIST} is not installed (pip install {DIST})")
-        else:
-            try:
-                details["flashinfer"] = importlib_metadata.version(DIST)
-            except importlib_metadata.PackageNotFoundError:
-                details["flashinfer"] = "?"
-        if torch.version.cuda is None:
-            reasons.append(f"torch {torch.__version__} has no CUDA support")
-        elif not torch.cuda.is_available():
-            reasons.append("no CUDA device visible (torch.cuda.is_available() is False)")
-        else:
-            cap = torch.cuda.get_device_capability()
-            details["device"] = f"{torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}"
-            details["cuda"] = str(torch.version.cuda)
+        reasons, details, cap = library_and_cuda("flashinfer", DIST, f"pip install {DIST}", key="flashinfer")
+        if cap is not None:
             variant = variants.auto_variant(cap)
             if variant is None:
                 reasons.append(f"sm_{cap[0]}{cap[1]}: FlashInfer MLA needs sm_80 or newer")
@@ -105,6 +92,7 @@ class FlashInferBackend(Backend):
     @hookimpl
     def can_implement(self, shape: DecodeShape, options: FlashInferOptions) -> List[str]:
         import torch
+
         smem = None
         if (shape.device.type == "cuda" and torch.cuda.is_available()
                 and torch.cuda.get_device_capability() == shape.device.capability):
@@ -194,6 +182,7 @@ class FlashInferSession(Session):
 
     def __init__(self, config: SessionConfig, options: FlashInferOptions) -> None:
         import torch
+
         self.config = config
         self.options = options
         self.variant = variants.variant_for(config, options)
@@ -203,6 +192,7 @@ class FlashInferSession(Session):
 
     def _ws(self) -> torch.Tensor:
         import torch
+
         if self._workspace is None:
             alloc = torch.zeros if self.variant == "trtllm-gen" else torch.empty  # trtllm-gen wants it zeroed
             self._workspace = alloc(self.options.workspace_mb * 1024 * 1024, dtype=torch.uint8, device=self.device)
@@ -225,6 +215,7 @@ class FlashInferSession(Session):
 
     def _new_slot(self, B: int) -> _Slot:
         import torch
+
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
         env = self.config.envelope
