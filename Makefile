@@ -3,9 +3,10 @@
 # project itself only asks for a range (torch>=2.6).
 #
 #   demo: mlacore and its CLI (torch, pydantic, pluggy, rich, tomlkit): seconds
-#   test: also the test tools, the FlashInfer and CuTe DSL plugins and the library
-#         releases they were verified with, so that their host tests (and the
-#         kernels' sm_90a compile tests) run on CPU (CI)
+#   test: also the test tools, the FlashInfer, CUTLASS and CuTe DSL plugins and the
+#         library releases they were verified (or, for the SM100 paths, written)
+#         with, so that their host tests (and the kernels' sm_90a compile tests)
+#         run on CPU (CI)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -23,9 +24,11 @@ $(VENV)/.demo: pyproject.toml
 	$(PY) -m pip install -q -e '.[cli]'
 	touch $@
 
-$(VENV)/.test: $(VENV)/.demo pyproject.toml plugins/flashinfer_mla/pyproject.toml plugins/cute_dsl_mla/pyproject.toml
+$(VENV)/.test: $(VENV)/.demo pyproject.toml plugins/flashinfer_mla/pyproject.toml plugins/cutlass_mla/pyproject.toml \
+		plugins/cute_dsl_mla/pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q -e plugins/flashinfer_mla $(FLASHINFER_PIN)
+	$(PY) -m pip install -q -e plugins/cutlass_mla $(FLASHINFER_PIN)
 	$(PY) -m pip install -q -e plugins/cute_dsl_mla $(CUTE_DSL_PIN)
 	touch $@
 

@@ -4,6 +4,7 @@ A backend is an object (a subclass of `Backend`) registered with pluggy under
 its `name`. Its lifecycle has an owner at every step::
 
     backend.availability()                 once per process, every reason
+    backend.availability_for(device)       optional: the same, judged for a simulated device
     backend.can_implement(shape, options)  every reason; sees only the shape class
     backend.limits(shape, options)         batch / kv-length limits, as data
     session = backend.open(config, options)  once per MLADecoder: owns buffers
@@ -227,6 +228,10 @@ class BackendSpec:
         """Whether this process can run the backend at all; asked once per process."""
 
     @hookspec(firstresult=True)
+    def availability_for(self, device: DeviceSpec) -> Availability:
+        """Whether the backend would be available on `device` with the installed packages; no GPU probe."""
+
+    @hookspec(firstresult=True)
     def info(self) -> BackendInfo:
         """Describe the backend for `mla backends list`."""
 
@@ -243,14 +248,14 @@ class BackendSpec:
         """A session for one decoder; it owns every buffer the backend needs."""
 
 
-HOOK_NAMES = ("availability", "info", "can_implement", "limits", "open")
+HOOK_NAMES = ("availability", "availability_for", "info", "can_implement", "limits", "open")
 
 
 class Backend:
     """Base class of every backend object. Subclasses set `name` and override the hooks.
 
     `can_implement` and `open` must be implemented; `availability` (always
-    available), `info` and `limits` (none) have defaults. The methods are pluggy hook implementations (the
+    available), `availability_for`, `info` and `limits` (none) have defaults. The methods are pluggy hook implementations (the
     markers are inherited), registered under the backend's name.
     """
 
@@ -272,6 +277,22 @@ class Backend:
     @hookimpl
     def availability(self) -> Availability:
         return Availability(True)
+
+    @hookimpl
+    def availability_for(self, device: DeviceSpec) -> Availability:
+        """Availability on a device this process does not have (`mla backends explain --capability`).
+
+        Why a separate hook: `availability()` probes the GPU that is here, so a
+        laptop could never review what a B200 would pick. A GPU backend
+        overrides this with its library-installed checks and its rules for
+        `device.capability`, and never touches a GPU. The default answers only
+        what it can know: a backend that keeps the default `availability()`
+        (always available) is available anywhere; any other cannot be judged.
+        """
+        if type(self).availability is Backend.availability:
+            return Availability(True)
+        return Availability(False, (f"backend '{self.name}' does not implement availability_for(device): its "
+                                    f"availability on {device} cannot be judged without that GPU",))
 
     @hookimpl
     def info(self) -> BackendInfo:

@@ -13,6 +13,14 @@ Policy options are validated with each backend's Options model when the
 dispatcher is built: an unknown or mistyped option is a PolicyError naming
 the key path, here and in `mla policy check` alike.
 
+A dispatcher built with `simulate=DeviceSpec(...)` judges availability for
+that device instead of the one here (each backend's `availability_for`:
+installed libraries and the device's capability, no GPU probe), so that
+`mla backends explain --capability 10.0` answers "what would a B200 pick,
+and why" on a laptop. Only availability is simulated: can_implement, limits
+and the policy see the problem exactly as they would on that GPU, and the
+kernels are never run.
+
 MLA_DISPATCH_VERIFY=1 asks the plugins again on every call and reports any
 answer that differs from the cached one (a plugin whose verdict is not a
 function of what it is shown).
@@ -30,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from .backend import BackendOptions, Limits
 from .errors import NoBackendError, Outcome, PolicyError
 from .policy import Policy, ValidatedOptions, effective_order, load_policy, validate_backend_options
-from .problem import DecodeProblem, DecodeShape
+from .problem import DecodeProblem, DecodeShape, DeviceSpec
 from .registry import ENV_DISABLE_PLUGINS, BackendHandle, BackendRegistry, BackendStatus, get_registry
 
 log = logging.getLogger("mlacore")
@@ -92,7 +100,10 @@ class Dispatcher:
     """Select backends for problems under one policy; thread-safe."""
 
     def __init__(self, policy: Optional[Policy] = None, registry: Optional[BackendRegistry] = None,
-                 env: Optional[Mapping[str, str]] = None) -> None:
+                 env: Optional[Mapping[str, str]] = None, simulate: Optional[DeviceSpec] = None) -> None:
+        if simulate is not None and not isinstance(simulate, DeviceSpec):
+            raise TypeError(f"simulate: expected a mlacore.DeviceSpec, got {type(simulate).__name__}")
+        self.simulate = simulate
         self.env: Mapping[str, str] = dict(os.environ if env is None else env)
         self.registry = registry if registry is not None else get_registry()
         self.policy = policy if policy is not None else load_policy(env=self.env)
@@ -198,9 +209,16 @@ class Dispatcher:
         handle = self.registry.get(name)
         if handle is None:
             return Verdict(name, Outcome.NOT_INSTALLED, (f"no installed distribution provides '{name}'",))
-        status = handle.status
-        if status != BackendStatus.AVAILABLE:
-            return Verdict(name, Outcome.UNAVAILABLE, (str(status),) + handle.reasons())
+        if self.simulate is not None:
+            status = handle.status_for(self.simulate)
+            if status != BackendStatus.AVAILABLE:
+                sim = handle.availability_for(self.simulate).reasons
+                extra = (handle.load_error,) if handle.load_error and handle.load_error not in sim else ()
+                return Verdict(name, Outcome.UNAVAILABLE, (f"{status} on {self.simulate} (simulated)",) + extra + sim)
+        else:
+            status = handle.status
+            if status != BackendStatus.AVAILABLE:
+                return Verdict(name, Outcome.UNAVAILABLE, (str(status),) + handle.reasons())
         if cuda_graph and not handle.info().graph_capturable:
             return Verdict(name, Outcome.CANNOT, ("cannot be captured in a CUDA graph (its info() says "
                                                   "graph_capturable=False) and this decoder has cuda_graph=True",))

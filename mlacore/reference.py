@@ -66,6 +66,11 @@ class ReferenceBackend(Backend):
         return Availability(True, details={"torch": version})
 
     @hookimpl
+    def availability_for(self, device: Any) -> Availability:
+        """Pure torch runs on any device torch runs on: the same answer for a simulated one."""
+        return self.availability()
+
+    @hookimpl
     def info(self) -> BackendInfo:
         return BackendInfo(description="pure torch, fp32 compute, any shape; CPU and CUDA; the oracle",
                            notes=("slow by design: the fallback when no kernel takes a shape",),

@@ -166,6 +166,7 @@ class BackendHandle:
     refused_reason: Optional[str] = None
     callers: Dict[str, Any] = field(default_factory=dict, repr=False)
     _availability: Optional[Availability] = None
+    _simulated: Dict[Any, Availability] = field(default_factory=dict, repr=False)
     _info: Optional[BackendInfo] = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -195,6 +196,17 @@ class BackendHandle:
         avail = self.availability()  # may mark the backend broken
         if self.load_error is None and self.loaded:
             self.info()  # so may info(): a listing must never show a broken backend as available
+        if self.load_error is not None:
+            return BackendStatus.BROKEN
+        return BackendStatus.AVAILABLE if avail.available else BackendStatus.UNAVAILABLE
+
+    def status_for(self, device: Any) -> BackendStatus:
+        """The status this backend would have on `device` (a simulated DeviceSpec); no GPU is probed."""
+        if self.refused_reason is not None:
+            return BackendStatus.REFUSED
+        if self.disabled_reason is not None:
+            return BackendStatus.DISABLED
+        avail = self.availability_for(device)
         if self.load_error is not None:
             return BackendStatus.BROKEN
         return BackendStatus.AVAILABLE if avail.available else BackendStatus.UNAVAILABLE
@@ -234,6 +246,31 @@ class BackendHandle:
         except ValidationError as exc:
             self.mark_broken(f"availability() returned an invalid Availability: {_error_line(exc)}", exc)
             return Availability(False, (self.load_error or "",))
+
+    def availability_for(self, device: Any) -> Availability:
+        """`availability_for(device)` of the backend, checked like `availability()` and kept per device."""
+        found = self._simulated.get(device)
+        if found is not None:
+            return found
+        for reason in (self.refused_reason, self.disabled_reason, self.load_error):
+            if reason is not None:
+                return Availability(False, (reason,))
+        try:
+            got = self._call("availability_for", device=device)
+        except PLUGIN_ERRORS as exc:
+            self.mark_broken(f"availability_for() raised {_error_line(exc)}", exc)
+            return Availability(False, (self.load_error or "",))
+        if not isinstance(got, Availability):
+            self.mark_broken(f"availability_for() returned {_describe(got)}, expected Availability")
+            return Availability(False, (self.load_error or "",))
+        try:
+            got = _recheck(Availability, got)
+        except ValidationError as exc:
+            self.mark_broken(f"availability_for() returned an invalid Availability: {_error_line(exc)}", exc)
+            return Availability(False, (self.load_error or "",))
+        with self._lock:
+            self._simulated.setdefault(device, got)
+        return got
 
     def info(self) -> BackendInfo:
         if self._info is None:

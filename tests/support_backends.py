@@ -100,3 +100,19 @@ def register_named_backends(registry, refusals, options_model=None):
 
 
 __all__ = ["NoOptions", "Picky", "PickySession", "register_named_backends"]
+
+
+def registry_without(distribution, env=None):
+    """A registry of every installed backend except `distribution`'s: "that first-party plugin is not installed".
+
+    The dev environment installs every first-party plugin (mla-cutlass too);
+    tests about a reserved name with nothing installed under it leave one out.
+    """
+    from importlib import metadata
+
+    from mlacore import BackendRegistry
+    from mlacore.backend import ENTRY_POINT_GROUP
+
+    eps = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)
+           if getattr(ep, "dist", None) is None or ep.dist.metadata["Name"] != distribution]
+    return BackendRegistry(env=dict(env or {})).load(entry_points=eps)

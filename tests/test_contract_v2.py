@@ -192,7 +192,9 @@ whatever_cutlass_takes = 3
 [[backend.cutlass_mla.allow]]
 options = { tile = "64x128" }
 """
-    d = Dispatcher(policy=parse_policy_text(text), registry=registry(), env={})
+    from support_backends import registry_without
+
+    d = Dispatcher(policy=parse_policy_text(text), registry=registry_without("mla-cutlass", CORE_ONLY), env={})
     dec = d.select(small_problem())
     assert dec.backend == "reference"
     assert dec.verdict("cutlass_mla").outcome == "not installed"
@@ -639,7 +641,10 @@ def test_7_a_real_plugin_gets_its_typed_options(with_plugins):
 
 
 def test_7_the_in_process_register_guards_names():
-    reg = registry(Picky("x"))
+    from support_backends import registry_without
+
+    reg = registry_without("mla-cutlass", CORE_ONLY)
+    reg.register(Picky("x"))
     with pytest.raises(ValueError, match="already registered"):
         reg.register(Picky("x"))
     with pytest.raises(ValueError, match="already registered"):

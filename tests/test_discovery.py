@@ -210,7 +210,9 @@ def test_cli_lists_plugins_from_installed_distributions(plugin_site):
     assert rows["reference@mla-test-impostor"]["status"] == "refused"
     assert rows["reference"]["distribution"] == "mlacore"
     assert rows["reference"]["position"] == 4
-    assert rows["cutlass_mla"]["status"] == "not installed"
+    # a first-party name: its own distribution's row (installed or not), never the impostor's
+    assert rows["cutlass_mla"]["distribution"] == "mla-cutlass"
+    assert rows["cutlass_mla"]["status"] in ("not installed", "unavailable", "available")
 
 
 def test_cli_table_survives_broken_plugins(plugin_site):

@@ -293,7 +293,10 @@ def test_2_an_entry_point_named_reference_earlier_on_sys_path_does_not_serve_ref
     decode_matches_reference(dispatcher_for(reg, ["reference"]))
 
 
-def test_2_first_party_names_are_reserved_to_their_distributions(reg):
+def test_2_first_party_names_are_reserved_to_their_distributions(with_plugins):
+    from support_backends import registry_without
+
+    reg = registry_without("mla-cutlass")
     impostor = reg.get(f"cutlass_mla@{WT}")
     assert impostor.status == "refused"
     assert "reserved for distribution 'mla-cutlass'" in impostor.reasons()[0]

@@ -46,6 +46,8 @@ class BackendConformance:
     kv_dtypes: ClassVar[Sequence[str]] = ("bf16", "fp8_e4m3")
     q_dtype: ClassVar[str] = "bf16"
     max_kv_len: ClassVar[int] = 300
+    # False for kernels that write no LSE (CUTLASS MLA): problems and decoders ask for none, runs pass lse=None
+    return_lse: ClassVar[bool] = True
 
     # -- helpers -----------------------------------------------------------
     def _require_device(self) -> None:
@@ -57,7 +59,8 @@ class BackendConformance:
 
     def problem(self, **kw: Any) -> DecodeProblem:
         base = dict(num_heads=16, seq_len_q=1, batch_size=3, min_kv_len=0, max_kv_len=self.max_kv_len,
-                    page_size=16, q_dtype=self.q_dtype, kv_dtype="bf16", device=DeviceSpec.of(self.device))
+                    page_size=16, q_dtype=self.q_dtype, kv_dtype="bf16", device=DeviceSpec.of(self.device),
+                    return_lse=self.return_lse)
         base.update(kw)
         return DecodeProblem(**base)
 
@@ -68,13 +71,16 @@ class BackendConformance:
                 **kw: Any) -> MLADecoder:
         return MLADecoder(problem.num_heads, problem.page_size, q_dtype=torch_dtype(problem.q_dtype),
                           kv_dtype=torch_dtype(problem.kv_dtype), device=self.device, sm_scale=inputs.sm_scale,
-                          kv_scale=inputs.kv_scale, causal=problem.causal, dispatcher=dispatcher, **kw)
+                          kv_scale=inputs.kv_scale, causal=problem.causal, return_lse=problem.return_lse,
+                          dispatcher=dispatcher, **kw)
 
     def run_poisoned(self, decoder: MLADecoder, plan: Any, inputs: DecodeInputs,
                      problem: DecodeProblem) -> Tuple[torch.Tensor, torch.Tensor]:
         out = torch.full((*inputs.q.shape[:3], problem.kv_lora_rank), float("nan"), dtype=inputs.q.dtype,
                          device=inputs.q.device)
-        lse = torch.full(inputs.q.shape[:3], float("nan"), dtype=torch.float32, device=inputs.q.device)
+        lse = None
+        if problem.return_lse:
+            lse = torch.full(inputs.q.shape[:3], float("nan"), dtype=torch.float32, device=inputs.q.device)
         decoder.run(inputs.q, inputs.kv_cache, plan, out=out, lse=lse)
         return out, lse
 
@@ -181,7 +187,8 @@ class BackendConformance:
         plan = decoder.plan(first.kv_lens, first.page_table, problem.seq_len_q)
         out = torch.full((*first.q.shape[:3], problem.kv_lora_rank), float("nan"), dtype=first.q.dtype,
                          device="cuda")
-        lse = torch.full(first.q.shape[:3], float("nan"), dtype=torch.float32, device="cuda")
+        lse = (torch.full(first.q.shape[:3], float("nan"), dtype=torch.float32, device="cuda")
+               if problem.return_lse else None)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -137,11 +137,30 @@ def _say(text: str, style: Optional[str] = None) -> None:
 # -- lazily imported pieces of mlacore ---------------------------------------
 
 
-def _dispatcher(policy_path: Optional[str]):
+def _dispatcher(policy_path: Optional[str], simulate: Any = None):
     from ..dispatch import Dispatcher
     from ..policy import load_policy
 
-    return Dispatcher(policy=load_policy(policy_path))
+    return Dispatcher(policy=load_policy(policy_path), simulate=simulate)
+
+
+def _simulated_device(problem: Any) -> Any:
+    """The device to judge availability for when the problem names a GPU this machine does not have.
+
+    `--capability 10.0` on a laptop (or on an H200) answers what a B200 would
+    pick: availability comes from each backend's `availability_for` (installed
+    packages and the capability, no GPU probe). A problem for the GPU that is
+    here is judged as usual.
+    """
+    device = problem.device
+    if device.type != "cuda":
+        return None
+    if _cuda():
+        import torch
+
+        if tuple(torch.cuda.get_device_capability()) == device.capability:
+            return None
+    return device
 
 
 def _cuda() -> bool:
@@ -337,9 +356,15 @@ def _problem_from_args(args: argparse.Namespace):
 
 def cmd_backends_explain(args: argparse.Namespace) -> int:
     problem = _problem_from_args(args)
-    dispatcher = _dispatcher(args.policy)
+    simulate = _simulated_device(problem)
+    dispatcher = _dispatcher(args.policy, simulate)
     decision = dispatcher.explain(problem)
+    simulated_note = (f"simulated {simulate}: no such GPU here; availability judged for it from the installed "
+                      "packages (each backend's availability_for), nothing was run" if simulate else None)
     options = decision.options_dict() if decision.backend else None
+
+    # the chosen backend's notes: where it says what was verified on which GPU ("not verified on hardware")
+    notes = list(dispatcher.backend(decision.backend).info().notes) if decision.backend else []
 
     def verdict_options(v) -> Optional[Dict[str, Any]]:
         return None if v.options is None else v.options.model_dump(mode="json")
@@ -348,7 +373,7 @@ def cmd_backends_explain(args: argparse.Namespace) -> int:
         print_json({
             "problem": problem.model_dump(mode="json"), "policy": dispatcher.policy.source,
             "order": list(dispatcher.order), "chosen": decision.backend, "options": options,
-            "fallback_used": decision.fallback_used,
+            "fallback_used": decision.fallback_used, "simulated": simulated_note, "notes": notes,
             "verdicts": [{"backend": v.backend, "outcome": str(v.outcome), "reasons": list(v.reasons),
                           "options": verdict_options(v)} for v in decision.verdicts],
         })
@@ -356,6 +381,8 @@ def cmd_backends_explain(args: argparse.Namespace) -> int:
     console = _console()
     console.print(f"problem: {problem.describe()}", markup=False)
     console.print(f"policy:  {dispatcher.policy.source}; order {list(dispatcher.order)}", markup=False)
+    if simulated_note:
+        console.print(f"device:  {simulated_note}", markup=False)
     table = TableSpec(None, [("backend", "name"), ("verdict", "name"), ("options", "text"), ("reasons", "text")])
     for v in decision.verdicts:
         table.add(v.backend, str(v.outcome), _options_text(verdict_options(v)) if v.accepts else "",
@@ -368,6 +395,8 @@ def cmd_backends_explain(args: argparse.Namespace) -> int:
     via = " (policy fallback)" if decision.fallback_used else ""
     console.print(f"chosen: {decision.backend}{via}", markup=False)
     console.print(f"options: {_options_text(options) or '(none)'}", markup=False)
+    for note in notes:
+        console.print(f"note:    {note}", markup=False)
     return 0
 
 

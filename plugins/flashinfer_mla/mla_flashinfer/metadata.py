@@ -1,8 +1,8 @@
 """From mlacore's canonical page table to what FlashInfer's kernels read.
 
-FA2/FA3 read CSR metadata (qo_indptr, kv_indptr, kv_indices, kv_len_arr);
-trtllm-gen reads a dense block table whose width is a multiple of
-128 / page_size. Both are built here on the host, once per step.
+FA2/FA3 read CSR metadata (qo_indptr, kv_indptr, kv_indices, kv_len_arr),
+built here on the host once per step; trtllm-gen reads the caller's dense
+block table as it is (no copy, no padding).
 """
 
 from __future__ import annotations
@@ -45,21 +45,35 @@ class TrtllmGenArgs:
     bmm2_scale: float
 
 
-def trtllm_gen_args(page_table: torch.Tensor, page_size: int, max_kv_len: int, sm_scale: float,
-                    kv_scale: float) -> TrtllmGenArgs:
-    """Block table padded to a multiple of 128 / page_size columns, and the fused scales.
+def trtllm_gen_scales(sm_scale: float, kv_scale: float, q_scale: float = 1.0) -> tuple:
+    """(bmm1, bmm2): FlashInfer's fused trtllm-gen scales.
 
-    Padding columns hold page 0: a valid id the kernel never reads for the
-    given lengths, so an over-eager prefetch cannot fault. bmm1 carries the
-    softmax scale times the K dequant scale; bmm2 the V dequant scale.
+    bmm1 = q_scale * k_scale * sm_scale (the softmax scale times the fp8
+    dequant scales of q and the cache), bmm2 = v_scale (the cache's: V is
+    the latent part of the same cache). For bf16 inputs both dequant scales are 1.
     """
-    if 128 % page_size:
-        raise ValueError(f"page_size={page_size}: trtllm-gen needs a page size dividing 128")
-    multiple = 128 // page_size
-    width = page_table.shape[1]
-    padded = -(-width // multiple) * multiple
-    table = page_table
-    if padded != width:
-        table = torch.nn.functional.pad(page_table, (0, padded - width), value=0)
-    return TrtllmGenArgs(block_tables=table.contiguous(), max_seq_len=max(1, int(max_kv_len)),
-                         bmm1_scale=float(sm_scale * kv_scale), bmm2_scale=float(kv_scale))
+    return float(sm_scale * q_scale * kv_scale), float(kv_scale)
+
+
+def trtllm_gen_args(page_table: torch.Tensor, page_size: int, max_kv_len: int, sm_scale: float,
+                    kv_scale: float, q_scale: float = 1.0, graph: bool = False) -> TrtllmGenArgs:
+    """The caller's block table as it is, the scheduling length and the fused scales.
+
+    No padding: FlashInfer 0.7.2 asks for a table width aligned to
+    128 / page_size only on its other backends (`require_aligned_block_table=
+    backend != "trtllm-gen"`), and a new tensor per plan would break a
+    captured CUDA graph, which reads the table at the captured address.
+    `max_seq_len` is the step's longest request eagerly; in graph mode it is
+    the table's capacity (width x page size), as FlashInfer's planned backend
+    uses, because the captured launch keeps the value it was captured with.
+    """
+    if page_table.dim() != 2:
+        raise ValueError(f"page_table: expected [batch, max_pages], got shape {tuple(page_table.shape)}")
+    capacity = int(page_table.shape[1]) * page_size
+    max_seq_len = capacity if graph else int(max_kv_len)
+    if max_seq_len > capacity:
+        raise ValueError(f"max_kv_len={max_kv_len} does not fit the page table: {page_table.shape[1]} pages of "
+                         f"{page_size} hold {capacity} tokens")
+    bmm1, bmm2 = trtllm_gen_scales(sm_scale, kv_scale, q_scale)
+    return TrtllmGenArgs(block_tables=page_table, max_seq_len=max(1, max_seq_len), bmm1_scale=bmm1,
+                         bmm2_scale=bmm2)

@@ -39,17 +39,19 @@ from mlacore import (
     StepInputs,
     hookimpl,
 )
-from mlacore.probe import library_and_cuda
-from mlacore.problem import DecodeProblem, DecodeShape, torch_dtype
+from mlacore.probe import checked_range, library_and_cuda, library_installed
+from mlacore.problem import DecodeProblem, DecodeShape, DeviceSpec, torch_dtype
 
 from . import variants
 
 DIST = "flashinfer-python"
+# the FlashInfer releases this plugin's argument names, dtypes and checks were read from (and fa2/fa3 run with)
+FLASHINFER_RANGE = ("0.7.2", "0.7.3")
 
 
 class FlashInferOptions(BackendOptions):
     variant: Literal["auto", "fa2", "fa3", "trtllm-gen"] = Field(
-        default="auto", description="kernel family; auto: fa3 on sm_90, trtllm-gen on sm_100/103, else fa2")
+        default="auto", description="kernel family; auto: fa3 on sm_90, trtllm-gen on sm_100/103/107, else fa2")
     workspace_mb: int = Field(default=128, ge=1, description="float workspace per session, MiB")
 
 
@@ -64,7 +66,7 @@ def _device_smem(index: int) -> Tuple[int, int]:
 
 
 class FlashInferBackend(Backend):
-    """FlashInfer MLA decode: fa3 (sm_90), fa2 (sm_80+), trtllm-gen (sm_100/103)."""
+    """FlashInfer MLA decode: fa3 (sm_90), fa2 (sm_80+), trtllm-gen (sm_100/103/107)."""
 
     name = "flashinfer_mla"
     Options = FlashInferOptions
@@ -72,21 +74,43 @@ class FlashInferBackend(Backend):
     @hookimpl
     def info(self) -> BackendInfo:
         return BackendInfo(
-            description="FlashInfer MLA decode: fa3 (sm_90, bf16/fp16, fp8 KV), fa2 (sm_80+), trtllm-gen (sm_100/103)",
-            notes=("fa2/fa3 checked on an H200 (sm_90); trtllm-gen: not verified on hardware",),
+            description="FlashInfer MLA decode: fa3 (sm_90, bf16/fp16, fp8 KV), fa2 (sm_80+), "
+                        "trtllm-gen (sm_100/103/107, bf16 or fp8 q + fp8 KV)",
+            notes=("fa2/fa3 checked on an H200 (sm_90); trtllm-gen: not verified on hardware",
+                   f"checked against {DIST}>={FLASHINFER_RANGE[0]},<{FLASHINFER_RANGE[1]}"),
             q_layouts=("packed", "split"), kv_layouts=("packed", "split"), strided_q=False,
         )
+
+    @staticmethod
+    def _judge_capability(cap: Tuple[int, int], reasons: List[str], details: Dict[str, str]) -> None:
+        variant = variants.auto_variant(cap)
+        if variant is None:
+            reasons.append(f"sm_{cap[0]}{cap[1]}: FlashInfer MLA needs sm_80 or newer")
+        else:
+            details["variant"] = variant + (
+                f" ({variants.UNVERIFIED[variant]})" if variant in variants.UNVERIFIED else "")
 
     @hookimpl
     def availability(self) -> Availability:
         reasons, details, cap = library_and_cuda("flashinfer", DIST, f"pip install {DIST}", key="flashinfer")
+        version = checked_range(DIST, details.get("flashinfer"), *FLASHINFER_RANGE)
+        if version:
+            reasons.append(version)
         if cap is not None:
-            variant = variants.auto_variant(cap)
-            if variant is None:
-                reasons.append(f"sm_{cap[0]}{cap[1]}: FlashInfer MLA needs sm_80 or newer")
-            else:
-                details["variant"] = variant + (
-                    f" ({variants.UNVERIFIED[variant]})" if variant in variants.UNVERIFIED else "")
+            self._judge_capability(cap, reasons, details)
+        return Availability.from_reasons(reasons, **details)
+
+    @hookimpl
+    def availability_for(self, device: DeviceSpec) -> Availability:
+        reasons, details = library_installed("flashinfer", DIST, f"pip install {DIST}", key="flashinfer")
+        version = checked_range(DIST, details.get("flashinfer"), *FLASHINFER_RANGE)
+        if version:
+            reasons.append(version)
+        if device.type != "cuda" or device.capability is None:
+            reasons.append(f"device={device}: FlashInfer runs on CUDA GPUs only")
+        else:
+            self._judge_capability(device.capability, reasons, details)
+        details["simulated"] = f"{device} (installed packages only, no GPU probed)"
         return Availability.from_reasons(reasons, **details)
 
     @hookimpl
@@ -106,6 +130,10 @@ class FlashInferBackend(Backend):
             return Limits(max_batch=variants.FA_MAX_WORK_ITEMS // per_request,
                           why=f"FlashInfer's scheduler takes at most {variants.FA_MAX_WORK_ITEMS} work items, "
                               f"{per_request} query tile(s) per request here")
+        if variants.variant_for(shape, options) == "trtllm-gen":
+            return Limits(min_kv_len=variants.trtllm_gen_min_kv_len(shape),
+                          why="trtllm-gen: zero-length requests and requests shorter than seq_len_q have no "
+                              "verified semantics (not verified on hardware)")
         return Limits()
 
     @hookimpl
@@ -155,22 +183,35 @@ class FAPlanned(Planned):
         )
 
 
-class TrtllmGenPlanned(Planned):  # not verified on hardware
+class TrtllmGenPlanned(Planned):
+    """One step of trtllm-gen (not verified on hardware): FlashInfer's direct trtllm-gen MLA call per layer."""
+
     def __init__(self, workspace: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
-                 max_seq_len: int, bmm1_scale: float, bmm2_scale: float, rows: int, num_heads: int) -> None:
+                 max_seq_len: int, sm_scale: float, kv_scale: float, q_scale: float, rows: int,
+                 num_heads: int) -> None:
+        from .metadata import trtllm_gen_scales
+
         self.workspace, self.kv_lens, self.block_tables = workspace, kv_lens, block_tables
-        self.max_seq_len, self.bmm1_scale, self.bmm2_scale = max_seq_len, bmm1_scale, bmm2_scale
+        self.max_seq_len, self.sm_scale, self.kv_scale, self.q_scale = max_seq_len, sm_scale, kv_scale, q_scale
+        self.bmm1_scale, self.bmm2_scale = trtllm_gen_scales(sm_scale, kv_scale, q_scale)
         self.rows, self.num_heads = rows, num_heads
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor]) -> None:
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
+            kv_scale: Any = None, q_scale: Any = None) -> None:
         from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla
 
+        from .metadata import trtllm_gen_scales
+
+        bmm1, bmm2 = self.bmm1_scale, self.bmm2_scale
+        if kv_scale is not None or q_scale is not None:  # scale_inputs="float": this layer's scales
+            bmm1, bmm2 = trtllm_gen_scales(self.sm_scale, self.kv_scale if kv_scale is None else kv_scale,
+                                           self.q_scale if q_scale is None else q_scale)
         has_lse = lse is not None
         trtllm_batch_decode_with_kv_cache_mla(
             query=q, kv_cache=kv_cache, workspace_buffer=self.workspace, qk_nope_head_dim=128,
             kv_lora_rank=out.shape[-1], qk_rope_head_dim=q.shape[-1] - out.shape[-1],
             block_tables=self.block_tables, seq_lens=self.kv_lens, max_seq_len=self.max_seq_len,
-            out=out, bmm1_scale=self.bmm1_scale, bmm2_scale=self.bmm2_scale, backend="trtllm-gen",
+            out=out, bmm1_scale=bmm1, bmm2_scale=bmm2, backend="trtllm-gen",
             lse=lse.view(self.rows, self.num_heads) if has_lse else None, return_lse=has_lse,
             return_lse_base="basee" if has_lse else None,
         )
@@ -189,6 +230,7 @@ class FlashInferSession(Session):
         self.device = torch.device("cuda", config.device_index)
         self._workspace: Optional[torch.Tensor] = None
         self._slots: Dict[tuple, _Slot] = {}
+        self._graph_bufs: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # trtllm-gen in graph mode
 
     def _ws(self) -> torch.Tensor:
         import torch
@@ -200,18 +242,34 @@ class FlashInferSession(Session):
 
     def plan(self, problem: DecodeProblem, step: StepInputs) -> Planned:
         if self.variant == "trtllm-gen":
-            env = self.config.envelope
-            if env is not None:
-                raise ValueError("cuda_graph: trtllm-gen planning in graph mode is not implemented "
-                                 "(not verified on hardware)")
-            from .metadata import trtllm_gen_args
-
-            args = trtllm_gen_args(step.page_table, problem.page_size, problem.max_kv_len,
-                                   self.config.sm_scale, self.config.kv_scale)
-            return TrtllmGenPlanned(self._ws(), step.kv_lens, args.block_tables, args.max_seq_len,
-                                    args.bmm1_scale, args.bmm2_scale,
-                                    problem.batch_size * problem.seq_len_q, problem.num_heads)
+            return self._plan_trtllm_gen(problem, step)
         return self._plan_fa(problem, step)
+
+    def _plan_trtllm_gen(self, problem: DecodeProblem, step: StepInputs) -> TrtllmGenPlanned:
+        """Eager: the caller's lengths and table as they are. Graph mode: copied into this session's
+        buffers (sized from the envelope, never moved), whose capacity is the captured max_seq_len."""
+        import torch
+
+        from .metadata import trtllm_gen_args
+
+        B = problem.batch_size
+        lens, table = step.kv_lens, step.page_table
+        env = self.config.envelope
+        if env is not None:
+            if self._graph_bufs is None:
+                self._graph_bufs = (torch.zeros(env.max_batch, dtype=torch.int32, device=self.device),
+                                    torch.zeros(env.max_batch, env.max_pages(self.config.page_size),
+                                                dtype=torch.int32, device=self.device))
+            lens_buf, table_buf = self._graph_bufs
+            width = min(table.shape[1], table_buf.shape[1])
+            lens_buf[:B].copy_(lens, non_blocking=True)
+            table_buf[:B, :width].copy_(table[:, :width], non_blocking=True)
+            lens, table = lens_buf[:B], table_buf[:B]
+        args = trtllm_gen_args(table, problem.page_size, problem.max_kv_len, self.config.sm_scale,
+                               self.config.kv_scale, self.config.q_scale, graph=env is not None)
+        return TrtllmGenPlanned(self._ws(), lens, args.block_tables, args.max_seq_len, self.config.sm_scale,
+                                self.config.kv_scale, self.config.q_scale,
+                                problem.batch_size * problem.seq_len_q, problem.num_heads)
 
     def _new_slot(self, B: int) -> _Slot:
         import torch
@@ -265,6 +323,7 @@ class FlashInferSession(Session):
     def close(self) -> None:
         self._slots.clear()
         self._workspace = None
+        self._graph_bufs = None
 
 
 backend = FlashInferBackend()

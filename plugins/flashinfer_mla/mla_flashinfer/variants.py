@@ -12,6 +12,9 @@ from typing import Any, List, Optional, Tuple
 VARIANTS = ("fa2", "fa3", "trtllm-gen")
 OPTION_VARIANTS = ("auto",) + VARIANTS
 UNVERIFIED = {"trtllm-gen": "not verified on hardware (no SM100 GPU was available)"}
+# FlashInfer 0.7.2's trtllm-gen MLA accepts SM100, SM103 and SM107 (its _validate_trtllm_gen_mla_device_capability)
+TRTLLM_GEN_CAPS = ((10, 0), (10, 3), (10, 7))
+TRTLLM_GEN_PAGE_SIZES = (32, 64)
 
 # FlashInfer's FA scheduler: at most this many (request, query tile) work items.
 FA_MAX_WORK_ITEMS = 16384
@@ -20,7 +23,7 @@ FA_MAX_WORK_ITEMS = 16384
 def auto_variant(capability: Optional[Tuple[int, int]]) -> Optional[str]:
     if capability is None:
         return None
-    if capability in ((10, 0), (10, 3)):
+    if capability in TRTLLM_GEN_CAPS:
         return "trtllm-gen"
     if capability == (9, 0):
         return "fa3"
@@ -77,6 +80,8 @@ def reasons(problem: Any, options: Any,
     variant = variant_for(problem, options)
     if variant is None:
         return [f"{dev}: no FlashInfer MLA kernel for this architecture (needs sm_80 or newer)"]
+    if variant == "trtllm-gen":
+        return trtllm_gen_reasons(problem)
     if problem.q_dtype not in ("bf16", "fp16"):
         out.append(f"q_dtype={problem.q_dtype} not in {{bf16, fp16}}")
     out_dtype = getattr(problem, "output_dtype", problem.q_dtype)
@@ -116,17 +121,61 @@ def reasons(problem: Any, options: Any,
         if problem.causal and problem.seq_len_q > 1 and 64 % problem.num_heads and 128 % problem.num_heads:
             out.append(f"num_heads={problem.num_heads} with causal seq_len_q>1: FlashInfer's causal query "
                        "tiles (64 or 128 rows) must hold whole tokens (num_heads dividing 64 or 128)")
-    elif variant == "trtllm-gen":
-        if cap not in ((10, 0), (10, 3)):
-            out.append(f"variant trtllm-gen needs sm_100 or sm_103, device is {dev}")
-        if problem.page_size not in (32, 64):
-            out.append(f"page_size={problem.page_size} not in {{32, 64}} (trtllm-gen)")
-        if problem.num_heads > 128 or 64 < problem.num_heads < 128:
-            out.append(f"num_heads={problem.num_heads}: trtllm-gen takes 1..64 or 128")
-        if (ckv, kpe) != (512, 64):
-            out.append(f"trtllm-gen needs kv_lora_rank=512 and rope dim 64, got {ckv}, {kpe}")
-        if fp8:
-            out.append("kv_dtype=fp8_e4m3: trtllm-gen's fp8 MLA needs an fp8 query; mlacore passes bf16/fp16")
-        elif problem.kv_dtype != problem.q_dtype:
-            out.append(f"kv_dtype={problem.kv_dtype} must equal q_dtype={problem.q_dtype}")
     return out
+
+
+def trtllm_gen_reasons(problem: Any) -> List[str]:
+    """Every reason trtllm-gen cannot take this shape class, read from FlashInfer 0.7.2 (not verified on hardware).
+
+    Sources: `_validate_trtllm_gen_mla_native_capability` (bf16 q with bf16 KV,
+    or fp8 q with fp8 KV; bf16 out), `_trtllm_gen_mla_incompatibility_reason`
+    (64 < H < 128, page 32/64), the planned backend's head-divisibility check
+    (`num_heads % heads_per_cta`, where heads_per_cta = min(H, the selected
+    kernel's power-of-two query step) is chosen by the kernel selector from
+    batch and lengths at launch, so only power-of-two head counts are safe for
+    every step), and its causal-only multi-token masking.
+    """
+    out: List[str] = []
+    dev = problem.device
+    cap = dev.capability
+    ckv, kpe = problem.kv_lora_rank, problem.qk_rope_head_dim
+    h = problem.num_heads
+    if cap not in TRTLLM_GEN_CAPS:
+        out.append(f"variant trtllm-gen needs sm_100, sm_103 or sm_107, device is {dev}")
+    if problem.q_dtype == "fp16":
+        out.append("q_dtype=fp16: trtllm-gen takes bf16 q (or fp8 q with an fp8 cache) and writes bf16; "
+                   "pass bf16")
+    elif problem.q_dtype not in ("bf16", "fp8_e4m3"):
+        out.append(f"q_dtype={problem.q_dtype} not in {{bf16, fp8_e4m3}} (trtllm-gen)")
+    if problem.kv_dtype == "fp8_e4m3" and problem.q_dtype != "fp8_e4m3":
+        out.append(f"kv_dtype=fp8_e4m3 needs an fp8 query for trtllm-gen (q_dtype=fp8_e4m3), got {problem.q_dtype}")
+    elif problem.kv_dtype != "fp8_e4m3" and problem.kv_dtype != problem.q_dtype:
+        out.append(f"kv_dtype={problem.kv_dtype} must equal q_dtype={problem.q_dtype} (trtllm-gen)")
+    out_dtype = getattr(problem, "output_dtype", problem.q_dtype)
+    if out_dtype != "bf16":
+        out.append(f"out_dtype={out_dtype}: trtllm-gen writes bf16 only")
+    if getattr(problem, "scale_inputs", "static") == "tensor":
+        out.append("scale_inputs=tensor: device-tensor scales through trtllm-gen (log2-form bmm1 tensor) are not "
+                   "wired here; use static or float scales")
+    if problem.page_size not in TRTLLM_GEN_PAGE_SIZES:
+        out.append(f"page_size={problem.page_size} not in {{32, 64}} (trtllm-gen)")
+    if h > 128 or 64 < h < 128:
+        out.append(f"num_heads={h}: trtllm-gen takes 1..64 or 128 (FlashInfer refuses 64 < H < 128)")
+    elif h & (h - 1):
+        out.append(f"num_heads={h}: trtllm-gen needs num_heads divisible by the kernel's heads per CTA "
+                   "(a power of two the kernel selector picks per launch); only power-of-two head counts "
+                   "divide every choice")
+    if (ckv, kpe) != (512, 64):
+        out.append(f"trtllm-gen needs kv_lora_rank=512 and rope dim 64, got {ckv}, {kpe}")
+    if problem.seq_len_q > 1 and not problem.causal:
+        out.append("non-causal seq_len_q > 1: trtllm-gen masks multi-token queries causally (bottom-right) only")
+    return out
+
+
+def trtllm_gen_min_kv_len(shape: Any) -> int:
+    """Shortest request trtllm-gen is given: every query token must see at least itself (len >= s_q >= 1).
+
+    Zero-length requests and requests shorter than s_q have no verified
+    semantics in trtllm-gen (FlashInfer documents none), so they are refused.
+    """
+    return max(1, shape.seq_len_q)

@@ -112,10 +112,56 @@ def test_trtllm_gen_rules():
     assert variants.reasons(ok, opts()) == []
     r = variants.reasons(prob(device=B200, page_size=16, num_heads=96, kv_dtype="fp8_e4m3"), opts())
     assert "page_size=16 not in {32, 64} (trtllm-gen)" in r
-    assert "num_heads=96: trtllm-gen takes 1..64 or 128" in r
-    assert any("fp8" in x for x in r)
-    assert "variant trtllm-gen needs sm_100 or sm_103, device is cuda:sm_90" in variants.reasons(
+    assert "num_heads=96: trtllm-gen takes 1..64 or 128 (FlashInfer refuses 64 < H < 128)" in r
+    assert "kv_dtype=fp8_e4m3 needs an fp8 query for trtllm-gen (q_dtype=fp8_e4m3), got bf16" in r
+    assert "variant trtllm-gen needs sm_100, sm_103 or sm_107, device is cuda:sm_90" in variants.reasons(
         prob(), opts(variant="trtllm-gen"))
+
+
+SM103 = DeviceSpec(type="cuda", capability=(10, 3))
+SM107 = DeviceSpec(type="cuda", capability=(10, 7))
+
+
+def test_trtllm_gen_refuses_fp16_and_takes_fp8_query_with_fp8_cache():
+    r = variants.reasons(prob(device=B200, q_dtype="fp16", kv_dtype="fp16"), opts())
+    assert any(x.startswith("q_dtype=fp16: trtllm-gen takes bf16 q") for x in r), r
+    assert variants.reasons(prob(device=B200, q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3"), opts()) == []
+    r = variants.reasons(prob(device=B200, q_dtype="fp8_e4m3", kv_dtype="bf16"), opts())
+    assert "kv_dtype=bf16 must equal q_dtype=fp8_e4m3 (trtllm-gen)" in r
+    assert "out_dtype=fp16: trtllm-gen writes bf16 only" in variants.reasons(
+        prob(device=B200, q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", out_dtype="fp16"), opts())
+
+
+def test_trtllm_gen_head_counts():
+    for h in (1, 2, 4, 8, 16, 32, 64, 128):
+        assert variants.reasons(prob(device=B200, num_heads=h), opts()) == [], h
+    for h in (65, 96, 127, 129):
+        assert any("1..64 or 128" in x for x in variants.reasons(prob(device=B200, num_heads=h), opts())), h
+    for h in (3, 24, 48, 40):  # heads_per_cta (a power of two chosen per launch) may not divide them
+        r = variants.reasons(prob(device=B200, num_heads=h), opts())
+        assert len(r) == 1 and "heads per CTA" in r[0], (h, r)
+
+
+@pytest.mark.parametrize("device", [B200, SM103, SM107])
+def test_trtllm_gen_on_every_blackwell_capability(device):
+    assert variants.auto_variant(device.capability) == "trtllm-gen"
+    assert variants.reasons(prob(device=device), opts()) == []
+
+
+def test_trtllm_gen_refuses_zero_and_short_lengths_as_limits():
+    backend = FlashInferBackend()
+    limits = backend.limits(prob(device=B200, seq_len_q=2).shape, opts())
+    assert limits.min_kv_len == 2
+    assert limits.reasons(prob(device=B200, seq_len_q=2, min_kv_len=2)) == []
+    over = limits.reasons(prob(device=B200, seq_len_q=2, min_kv_len=1))
+    assert len(over) == 1 and over[0].startswith("min_kv_len=1 < the backend's min_kv_len=2")
+    assert backend.limits(prob(device=B200).shape, opts()).min_kv_len == 1
+    assert backend.limits(prob().shape, opts()).min_kv_len == 0  # fa3 unchanged
+
+
+def test_trtllm_gen_non_causal_multi_token_is_refused():
+    r = variants.reasons(prob(device=B200, seq_len_q=2, causal=False), opts())
+    assert any("non-causal" in x for x in r)
 
 
 def test_typed_options_in_a_policy():
@@ -153,18 +199,62 @@ def test_csr_page_size_one():
     assert csr.kv_indices.tolist() == [4, 2, 1, 0, 5]
 
 
-def test_trtllm_gen_argument_preparation():
+def test_trtllm_gen_arguments_pass_the_callers_table():
     table = torch.arange(10, dtype=torch.int32).reshape(2, 5) + 1
     args = trtllm_gen_args(table, page_size=32, max_kv_len=150, sm_scale=0.1, kv_scale=2.0)
-    assert args.block_tables.shape == (2, 8)  # padded to a multiple of 128/32 = 4
-    assert args.block_tables[:, :5].tolist() == table.tolist()
-    assert (args.block_tables[:, 5:] == 0).all()
+    assert args.block_tables is table  # no copy, no padding: a captured graph reads this address
     assert args.max_seq_len == 150
     assert args.bmm1_scale == pytest.approx(0.2) and args.bmm2_scale == 2.0
-    same = trtllm_gen_args(table[:, :4], page_size=32, max_kv_len=0, sm_scale=0.1, kv_scale=1.0)
-    assert same.block_tables.shape == (2, 4) and same.max_seq_len == 1
-    with pytest.raises(ValueError, match="page size dividing 128"):
-        trtllm_gen_args(table, page_size=48, max_kv_len=1, sm_scale=0.1, kv_scale=1.0)
+    fp8 = trtllm_gen_args(table, page_size=32, max_kv_len=150, sm_scale=0.1, kv_scale=2.0, q_scale=0.5)
+    assert fp8.bmm1_scale == pytest.approx(0.1) and fp8.bmm2_scale == 2.0  # q and k dequant in bmm1
+    assert trtllm_gen_args(table, page_size=32, max_kv_len=0, sm_scale=0.1, kv_scale=1.0).max_seq_len == 1
+    with pytest.raises(ValueError, match="does not fit the page table: 5 pages of 32 hold 160 tokens"):
+        trtllm_gen_args(table, page_size=32, max_kv_len=161, sm_scale=0.1, kv_scale=1.0)
+
+
+def test_trtllm_gen_graph_mode_schedules_for_the_table_capacity():
+    table = torch.zeros(4, 7, dtype=torch.int32)
+    args = trtllm_gen_args(table, page_size=64, max_kv_len=100, sm_scale=0.1, kv_scale=1.0, graph=True)
+    assert args.max_seq_len == 7 * 64  # the captured launch keeps it: the step's 100 would cap later steps
+    assert args.block_tables is table
+
+
+def test_flashinfer_availability_for_simulated_devices():
+    backend = FlashInferBackend()
+    for cap, variant in (((10, 0), "trtllm-gen"), ((10, 7), "trtllm-gen"), ((9, 0), "fa3"), ((8, 0), "fa2")):
+        avail = backend.availability_for(DeviceSpec(type="cuda", capability=cap))
+        assert avail.available, (cap, avail.reasons)
+        assert avail.details["variant"].startswith(variant)
+        assert avail.details["flashinfer"].startswith("0.7.2")
+        assert "no GPU probed" in avail.details["simulated"]
+    assert "not verified on hardware" in backend.availability_for(B200).details["variant"]
+    old = backend.availability_for(DeviceSpec(type="cuda", capability=(7, 5)))
+    assert not old.available and old.reasons == ("sm_75: FlashInfer MLA needs sm_80 or newer",)
+    assert not backend.availability_for(DeviceSpec(type="cpu")).available
+
+
+def test_checked_flashinfer_range_is_declared_and_enforced():
+    from mla_flashinfer.plugin import FLASHINFER_RANGE
+    from mlacore.probe import checked_range
+
+    assert FLASHINFER_RANGE == ("0.7.2", "0.7.3")
+    assert checked_range("flashinfer-python", "0.7.2.post1", *FLASHINFER_RANGE) is None
+    why = checked_range("flashinfer-python", "0.8.0", *FLASHINFER_RANGE)
+    assert why == ("flashinfer-python 0.8.0 is installed; this plugin was checked against "
+                   "flashinfer-python>=0.7.2,<0.7.3 (install that range, or update the plugin)")
+    assert checked_range("flashinfer-python", "0.7.1", *FLASHINFER_RANGE) is not None
+    assert any("flashinfer-python>=0.7.2,<0.7.3" in n for n in FlashInferBackend().info().notes)
+
+
+def test_policy_routes_blackwell_problems_to_trtllm_gen_under_simulation():
+    reg = BackendRegistry(env={}).load()
+    pol = parse_policy({"mla": {"order": ["flashinfer_mla", "reference"]}})
+    disp = Dispatcher(policy=pol, registry=reg, env={}, simulate=B200)
+    dec = disp.explain(prob(device=B200))
+    assert dec.backend == "flashinfer_mla", dec.format_trace()
+    assert disp.explain(prob(device=B200, num_heads=96)).verdict("flashinfer_mla").outcome == "cannot implement"
+    zero = disp.explain(prob(device=B200, min_kv_len=0))
+    assert zero.verdict("flashinfer_mla").outcome == "over a limit" and zero.backend == "reference"
 
 
 def test_explain_for_an_h200_from_a_cpu_machine():
