@@ -1,5 +1,9 @@
 """The `cute_dsl_mla` backend: our own SM90 CuTe DSL kernels behind the mlacore contract.
 
+On SM100/SM103/SM107 the same backend runs FlashInfer's `cute-dsl-monolithic`
+MLA decode instead (`sm100.py`: not verified on hardware); everything below
+about schedules and workspaces is the SM90 path, unchanged.
+
 The kernels (`mla_cute_dsl.kernels`) never import mlacore; this adapter does
 the rest: availability (no cutlass import, no compile), the shapes the
 kernels take as reasons, and a session per decoder that owns the split-KV
@@ -25,27 +29,37 @@ from mlacore import (
     Backend,
     BackendInfo,
     BackendOptions,
+    Limits,
     Planned,
     Session,
     SessionConfig,
     StepInputs,
     hookimpl,
 )
-from mlacore.probe import library_and_cuda
-from mlacore.problem import DecodeProblem, DecodeShape
+from mlacore.probe import checked_range, library_and_cuda, library_installed
+from mlacore.problem import DecodeProblem, DecodeShape, DeviceSpec
+
+from . import sm100
 
 CUTLASS_DIST = "nvidia-cutlass-dsl"
+FLASHINFER_DIST = "flashinfer-python"
+# the FlashInfer releases the SM100 path's arguments and checks were read from
+FLASHINFER_RANGE = ("0.7.2", "0.7.3")
 BLOCK_N = 64
 
 
 class CuteDslOptions(BackendOptions):
-    ctas_per_sm: Literal[1, 2] = Field(default=1, description="split-KV work items per SM in one wave")
+    ctas_per_sm: Literal[1, 2] = Field(default=1, description="split-KV work items per SM in one wave (sm_90)")
+    sm100_workspace_mb: int = Field(default=128, ge=1,
+                                    description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
 
 def shape_reasons(shape: DecodeShape) -> List[str]:
-    """Every reason the SM90 kernels cannot take a shape class (pure host logic)."""
-    out: List[str] = []
+    """Every reason the kernels cannot take a shape class (pure host logic): SM100 rules on SM100, else SM90's."""
     dev = shape.device
+    if dev.type == "cuda" and sm100.is_sm100(dev.capability):
+        return sm100.shape_reasons(shape)
+    out: List[str] = []
     if dev.type != "cuda":
         return [f"device={dev}: the CuTe DSL kernels run on CUDA GPUs only"]
     if dev.capability != (9, 0):
@@ -83,17 +97,46 @@ class CuteDslBackend(Backend):
     def info(self) -> BackendInfo:
         return BackendInfo(
             description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
-            notes=("checked on an H200 (sm_90); no SM100 path yet",
-                   "fp8 KV runs its MMAs in fp16: |q| must stay below 65504"),
+            notes=("sm_90 kernels checked on an H200",
+                   f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
+                   f"<{FLASHINFER_RANGE[1]}",
+                   "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504"),
             q_layouts=("packed",), kv_layouts=("packed",), strided_q=False,
         )
+
+    @staticmethod
+    def _judge(cap: Optional[Tuple[int, int]], reasons: List[str], details: Dict[str, str]) -> None:
+        """Capability rules shared by the real and the simulated availability: sm_90 ours, sm_100/103/107 FlashInfer's."""
+        if cap is None:
+            return
+        if sm100.is_sm100(cap):
+            more, lib = library_installed("flashinfer", FLASHINFER_DIST, f"pip install '{FLASHINFER_DIST}"
+                                          f">={FLASHINFER_RANGE[0]},<{FLASHINFER_RANGE[1]}'", key="flashinfer")
+            reasons.extend(more)
+            details.update(lib)
+            version = checked_range(FLASHINFER_DIST, lib.get("flashinfer"), *FLASHINFER_RANGE)
+            if version:
+                reasons.append(version)
+            details["path"] = sm100.UNVERIFIED
+        elif cap != (9, 0):
+            reasons.append(f"sm_{cap[0]}{cap[1]}: the CuTe DSL kernels run on sm_90 (ours) and sm_100/103/107 "
+                           "(FlashInfer's cute-dsl-monolithic) only")
 
     @hookimpl
     def availability(self) -> Availability:
         reasons, details, cap = library_and_cuda("cutlass", CUTLASS_DIST, f"pip install '{CUTLASS_DIST}>=4.8.1,<4.9'",
                                                  key="cutlass-dsl")
-        if cap is not None and cap != (9, 0):
-            reasons.append(f"sm_{cap[0]}{cap[1]}: the CuTe DSL kernels are built for sm_90 only")
+        self._judge(cap, reasons, details)
+        return Availability.from_reasons(reasons, **details)
+
+    @hookimpl
+    def availability_for(self, device: DeviceSpec) -> Availability:
+        reasons, details = library_installed("cutlass", CUTLASS_DIST, f"pip install '{CUTLASS_DIST}>=4.8.1,<4.9'",
+                                             key="cutlass-dsl")
+        if device.type != "cuda" or device.capability is None:
+            reasons.append(f"device={device}: the CuTe DSL kernels run on CUDA GPUs only")
+        self._judge(device.capability, reasons, details)
+        details["simulated"] = f"{device} (installed packages only, no GPU probed)"
         return Availability.from_reasons(reasons, **details)
 
     @hookimpl
@@ -101,7 +144,15 @@ class CuteDslBackend(Backend):
         return shape_reasons(shape)
 
     @hookimpl
-    def open(self, config: SessionConfig, options: CuteDslOptions) -> "CuteDslSession":
+    def limits(self, shape: DecodeShape, options: CuteDslOptions) -> Limits:
+        if shape.device.type == "cuda" and sm100.is_sm100(shape.device.capability):
+            return sm100.limits(shape)
+        return Limits()
+
+    @hookimpl
+    def open(self, config: SessionConfig, options: CuteDslOptions) -> Session:
+        if config.device.type == "cuda" and sm100.is_sm100(config.device.capability):
+            return sm100.Sm100Session(config, options.sm100_workspace_mb)
         return CuteDslSession(config, options)
 
 

@@ -25,3 +25,30 @@ class TestCuteDslConformance(BackendConformance):
 
     def _require_device(self):
         _sm90()
+
+
+def _sm100():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability() not in ((10, 0), (10, 3), (10, 7)):
+        pytest.skip("the sm_100 path (FlashInfer cute-dsl-monolithic) needs SM100/SM103/SM107")
+
+
+class TestCuteDslSm100Conformance(BackendConformance):
+    """The SM100 path; never run yet (no SM100 GPU was available): not verified on hardware."""
+
+    backend = "cute_dsl_mla"
+    device = "cuda"
+    num_heads = (1, 16, 64, 128)
+    seq_lens_q = (1, 2, 4)
+    page_sizes = (16, 32, 64)
+    kv_dtypes = ("bf16",)
+    max_kv_len = 2000
+
+    def _require_device(self):
+        _sm100()
+
+
+class TestCuteDslSm100Fp8Conformance(TestCuteDslSm100Conformance):
+    q_dtype = "fp8_e4m3"
+    kv_dtypes = ("fp8_e4m3",)

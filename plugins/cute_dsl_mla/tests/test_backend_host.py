@@ -11,6 +11,7 @@ from mlacore.problem import DecodeProblem, DeviceSpec
 
 H200 = DeviceSpec(type="cuda", capability=(9, 0))
 B200 = DeviceSpec(type="cuda", capability=(10, 0))
+A100 = DeviceSpec(type="cuda", capability=(8, 0))
 
 
 def prob(**kw):
@@ -29,9 +30,9 @@ def test_takes_every_head_count_and_s_q_up_to_8_with_fp8_kv():
 
 
 def test_every_reason_is_listed():
-    r = shape_reasons(prob(device=B200, q_dtype="fp32", kv_dtype="fp16", page_size=16, num_heads=129,
+    r = shape_reasons(prob(device=A100, q_dtype="fp32", kv_dtype="fp16", page_size=16, num_heads=129,
                            seq_len_q=9, kv_lora_rank=256).shape)
-    assert "cuda:sm_100: these kernels are built for sm_90 (Hopper) only" in r
+    assert "cuda:sm_80: these kernels are built for sm_90 (Hopper) only" in r
     assert "q_dtype=fp32 not in {bf16, fp16}" in r
     assert any(x.startswith("page_size=16") for x in r)
     assert "num_heads=129 > 128" in r and "seq_len_q=9 > 8" in r
@@ -68,3 +69,87 @@ def test_backend_object_says_what_it_takes():
     info = CuteDslBackend().info()
     assert info.q_layouts == ("packed",) and info.graph_capturable
     assert any("65504" in n for n in info.notes)
+    assert any("sm_100" in n and "not verified on hardware" in n for n in info.notes)
+    assert any("flashinfer-python>=0.7.2,<0.7.3" in n for n in info.notes)
+
+
+# -- the SM100 path (FlashInfer cute-dsl-monolithic): verdicts for injected capabilities --------------------
+
+SM103 = DeviceSpec(type="cuda", capability=(10, 3))
+SM107 = DeviceSpec(type="cuda", capability=(10, 7))
+
+
+@pytest.mark.parametrize("device", [B200, SM103, SM107])
+def test_sm100_takes_bf16_and_fp8_with_an_fp8_query(device):
+    for h in (1, 16, 64, 100, 128):
+        for page in (2, 16, 32, 64, 128):
+            for s_q in (1, 2, 4):
+                assert shape_reasons(prob(device=device, num_heads=h, page_size=page, seq_len_q=s_q).shape) == []
+    assert shape_reasons(prob(device=device, q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3").shape) == []
+
+
+def test_sm100_refuses_with_every_reason():
+    r = shape_reasons(prob(device=B200, q_dtype="fp16", kv_dtype="fp16").shape)
+    assert r == ["q_dtype=fp16: kept out on SM100 until a test shows the FP16 path does not abort "
+                 "(TensorRT-LLM's review found it crashing); use bf16",
+                 "out_dtype=fp16: the sm_100 path writes bf16"]
+    r = shape_reasons(prob(device=B200, kv_dtype="fp8_e4m3", num_heads=129, page_size=1, seq_len_q=2,
+                           causal=False).shape)
+    assert ("kv_dtype=fp8_e4m3 must equal q_dtype=bf16 on the sm_100 path (an fp8 cache needs an fp8 query here)"
+            in r)
+    assert "num_heads=129 > 128 (one 128-row M tile)" in r
+    assert any(x.startswith("page_size=1: the sm_100 kernels take page sizes 2..128 dividing 128") for x in r)
+    assert any(x.startswith("non-causal seq_len_q > 1") for x in r)
+    for page in (48, 256, 1):
+        assert any(x.startswith(f"page_size={page}") for x in shape_reasons(prob(device=B200, page_size=page).shape))
+    assert "out_dtype=fp32: the sm_100 path writes bf16" in shape_reasons(prob(device=B200, out_dtype="fp32").shape)
+    # SM90 rules unchanged on the H200: fp8 KV with a bf16 query stays ours
+    assert shape_reasons(prob(kv_dtype="fp8_e4m3").shape) == []
+
+
+def test_sm100_positive_lengths_only_as_limits():
+    backend = CuteDslBackend()
+    lim = backend.limits(prob(device=B200, seq_len_q=2).shape, CuteDslOptions())
+    assert lim.min_kv_len == 2
+    assert lim.reasons(prob(device=B200, seq_len_q=2, min_kv_len=0))[0].startswith(
+        "min_kv_len=0 < the backend's min_kv_len=2")
+    assert backend.limits(prob().shape, CuteDslOptions()).min_kv_len == 0  # sm_90: zero lengths are fine
+
+
+def test_sm100_scales():
+    from mla_cute_dsl.sm100 import aligned_width, bmm_scales
+
+    assert bmm_scales(0.1, 2.0, 0.5, fp8=True) == pytest.approx((0.1, 2.0))
+    assert bmm_scales(0.1, 2.0, 0.5, fp8=False) == (0.1, 1.0)
+    assert aligned_width(5, 32) == 8 and aligned_width(1, 128) == 1 and aligned_width(0, 16) == 8
+
+
+def test_availability_for_each_simulated_capability():
+    backend = CuteDslBackend()
+    for dev in (B200, SM103, SM107):
+        avail = backend.availability_for(dev)
+        assert avail.available, (dev, avail.reasons)
+        assert "not verified on hardware" in avail.details["path"]
+        assert avail.details["flashinfer"].startswith("0.7.2")
+    assert backend.availability_for(H200).available and "path" not in backend.availability_for(H200).details
+    r = backend.availability_for(A100).reasons
+    assert r == ("sm_80: the CuTe DSL kernels run on sm_90 (ours) and sm_100/103/107 (FlashInfer's "
+                 "cute-dsl-monolithic) only",)
+
+
+def test_blackwell_example_policy_routes_the_trtllm_admission_set():
+    """examples/policies/blackwell_mla.toml: cute_dsl_mla only for (H, s_q) in {(16,2), (16,4), (128,1)}."""
+    from pathlib import Path
+
+    from mlacore.policy import load_policy
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "policies" / "blackwell_mla.toml"
+    reg = BackendRegistry(env={}).load()
+    disp = Dispatcher(policy=load_policy(str(path)), registry=reg, env={}, simulate=B200)
+    for h, s_q in ((16, 2), (16, 4), (128, 1)):
+        dec = disp.explain(prob(device=B200, num_heads=h, seq_len_q=s_q, min_kv_len=s_q))
+        assert dec.backend == "cute_dsl_mla", (h, s_q, dec.format_trace())
+    for h, s_q in ((16, 1), (64, 1), (128, 2)):
+        dec = disp.explain(prob(device=B200, num_heads=h, seq_len_q=s_q, min_kv_len=s_q, return_lse=False))
+        assert dec.verdict("cute_dsl_mla").outcome == "policy", (h, s_q, dec.format_trace())
+        assert dec.backend in ("cutlass_mla", "flashinfer_mla"), dec.format_trace()
