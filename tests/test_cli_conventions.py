@@ -186,7 +186,7 @@ def test_tables_follow_columns_keep_names_whole_and_stay_plain_when_piped():
     lines = proc.stdout.splitlines()
     assert max(len(line.rstrip()) for line in lines) <= 90
     assert "\x1b[" not in proc.stdout  # no colour codes in a pipe
-    for name in ("flashinfer_mla", "mla-flashinfer", "reference", "not installed"):
+    for name in ("flashinfer_mla", "mla-flashinfer", "reference", "cutlass_mla", "unavailable"):
         assert name in proc.stdout, name  # never folded across lines
     wide = _run_with_columns("250", "backends", "list")
     assert max(len(line.rstrip()) for line in wide.stdout.splitlines()) > 90
