@@ -139,6 +139,9 @@ class GraphEnvelope(BaseModel):
 
     max_batch: int = Field(ge=1)
     max_kv_len: int = Field(ge=1)
+    # the shortest length any request will have: 0 (the default) when the engine pads
+    # batches with empty requests; 1 or more lets backends that refuse empty requests take part
+    min_kv_len: int = Field(default=0, ge=0)
 
     def max_pages(self, page_size: int) -> int:
         return -(-self.max_kv_len // page_size)

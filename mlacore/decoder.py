@@ -123,6 +123,7 @@ class MLADecoder:
         cuda_graph: bool = False,
         max_batch: Optional[int] = None,
         max_kv_len: Optional[int] = None,
+        min_kv_len: int = 0,
         kv_lora_rank: int = KV_LORA_RANK,
         qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
         policy: Union[Policy, str, None] = None,
@@ -173,8 +174,11 @@ class MLADecoder:
                                     "(the largest batch and kv length any plan will have)")
             _expect_int("max_batch", max_batch, 1)
             _expect_int("max_kv_len", max_kv_len, 1)
-            self.envelope = GraphEnvelope(max_batch=max_batch, max_kv_len=max_kv_len)
-        elif max_batch is not None or max_kv_len is not None:
+            _expect_int("min_kv_len", min_kv_len, 0)
+            if min_kv_len > max_kv_len:
+                raise MLAInputError(f"min_kv_len: {min_kv_len} is larger than max_kv_len={max_kv_len}")
+            self.envelope = GraphEnvelope(max_batch=max_batch, max_kv_len=max_kv_len, min_kv_len=min_kv_len)
+        elif max_batch is not None or max_kv_len is not None or min_kv_len:
             raise MLAInputError("max_batch/max_kv_len: the capture envelope is for cuda_graph=True only")
         self.kv_lora_rank = kv_lora_rank
         self.head_dim_qk = kv_lora_rank + qk_rope_head_dim
@@ -357,7 +361,7 @@ class MLADecoder:
         """The decision for a step's problem, and whether it is fixed by the CUDA-graph envelope.
 
         In graph mode the decision for (batch size, seq_len_q) is made once,
-        on the envelope problem (lengths 0..max_kv_len), and kept: a captured
+        on the envelope problem (lengths min_kv_len..max_kv_len), and kept: a captured
         graph must never replay another backend's metadata.
         """
         if self.envelope is None:
@@ -365,12 +369,13 @@ class MLADecoder:
         key = (problem.batch_size, problem.seq_len_q)
         decision = self._graph_choice.get(key)
         if decision is None:
-            envelope_problem = problem.model_copy(update={"min_kv_len": 0, "max_kv_len": self.envelope.max_kv_len})
+            envelope_problem = problem.model_copy(update={"min_kv_len": self.envelope.min_kv_len,
+                                                          "max_kv_len": self.envelope.max_kv_len})
             decision = self.dispatcher.select(envelope_problem, cuda_graph=True)
             self._graph_choice[key] = decision
             log.info("mlacore: cuda_graph decoder fixes %s (options %s) for batch %d, seq_len_q %d, "
-                     "kv_len 0..%d", decision.backend, decision.options_dict(), key[0], key[1],
-                     self.envelope.max_kv_len)
+                     "kv_len %d..%d", decision.backend, decision.options_dict(), key[0], key[1],
+                     self.envelope.min_kv_len, self.envelope.max_kv_len)
         return decision, True
 
     def explain(self, batch_size: int, max_kv_len: int, min_kv_len: int = 0, seq_len_q: int = 1) -> str:
@@ -385,7 +390,7 @@ class MLADecoder:
                 head += f"\n  the decoder converts {conversion}"
         if fixed:
             head += (f"\n  fixed for batch {batch_size}, seq_len_q {seq_len_q} for this decoder's life "
-                     f"(cuda_graph envelope: kv_len 0..{self.envelope.max_kv_len})")
+                     f"(cuda_graph envelope: kv_len {self.envelope.min_kv_len}..{self.envelope.max_kv_len})")
         return head + "\n" + decision.format_trace()
 
     def _note_choice(self, problem: DecodeProblem, decision: Decision) -> None:
@@ -453,6 +458,10 @@ class MLADecoder:
                 bad = int(torch.argmax(lens_host))
                 raise MLAInputError(f"kv_lens: kv_lens[{bad}] = {problem.max_kv_len} is larger than the "
                                     f"decoder's cuda_graph envelope max_kv_len={env.max_kv_len}")
+            if problem.min_kv_len < env.min_kv_len:
+                bad = int(torch.argmin(lens_host))
+                raise MLAInputError(f"kv_lens: kv_lens[{bad}] = {problem.min_kv_len} is shorter than the "
+                                    f"decoder's cuda_graph envelope min_kv_len={env.min_kv_len}")
         decision, fixed = self.decide(problem)
         name = decision.backend
         self._note_choice(problem, decision)

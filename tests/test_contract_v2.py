@@ -756,3 +756,18 @@ def test_every_error_class_is_an_mla_error():
 def test_statuses_and_outcomes_are_string_enums():
     assert mlacore.BackendStatus.REFUSED == "refused" and str(mlacore.BackendStatus.NOT_INSTALLED) == "not installed"
     assert Outcome.LIMIT == "over a limit" and str(Outcome.CANNOT) == "cannot implement"
+
+
+def test_4_graph_envelope_min_kv_len_lets_backends_that_refuse_empty_requests_take_part():
+    """Engines that never pad with empty requests say so; the fixed choice then honours min_kv_len >= 1."""
+    no_empty = Picky("no_empty", limits=Limits(min_kv_len=1, why="zero lengths not verified"))
+    d = dispatcher('[mla]\norder = ["no_empty", "reference"]', no_empty)
+    padded = MLADecoder(16, 16, dispatcher=d, cuda_graph=True, max_batch=4, max_kv_len=64)
+    assert padded.plan(*lens_table([10, 20]), 1).backend == "reference"  # lengths 0.. possible: passed over
+    unpadded = MLADecoder(16, 16, dispatcher=d, cuda_graph=True, max_batch=4, max_kv_len=64, min_kv_len=1)
+    assert unpadded.plan(*lens_table([10, 20]), 1).backend == "no_empty"
+    assert "kv_len 1..64" in unpadded.explain(2, 20, 10, 1)
+    with pytest.raises(MLAInputError, match="shorter than the decoder's cuda_graph envelope min_kv_len=1"):
+        unpadded.plan(*lens_table([0, 20]), 1)
+    with pytest.raises(MLAInputError, match="min_kv_len: 65 is larger than max_kv_len=64"):
+        MLADecoder(16, 16, dispatcher=d, cuda_graph=True, max_batch=4, max_kv_len=64, min_kv_len=65)
