@@ -194,6 +194,10 @@ class Dispatcher:
             ref = self._judge(REFERENCE, problem, apply_policy=False, cuda_graph=cuda_graph)
             if ref.accepts:
                 chosen, fallback_used = REFERENCE, True
+                # the reference may be in the order, rejected there by the policy: its verdict becomes
+                # the fallback's (with the options it runs with), so Decision.options finds them
+                verdicts = [Verdict(REFERENCE, Outcome.CHOSEN, ("policy fallback",) + v.reasons, ref.options)
+                            if v.backend == REFERENCE else v for v in verdicts]
         for handle in self.registry.backends():
             if handle.name in self.order:
                 continue

@@ -32,6 +32,7 @@ from .problem import HEAD_DIM_QK
 from .validation import expect_rank, expect_tensor
 
 _decoders: Dict[tuple, MLADecoder] = {}
+_call_locks: Dict[int, threading.Lock] = {}  # one per decoder of the one-call op: its plan and run go together
 _handles: "weakref.WeakValueDictionary[int, MLADecoder]" = weakref.WeakValueDictionary()
 _lock = threading.Lock()
 
@@ -110,6 +111,7 @@ def _decoder_for(q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float, kv_sc
                     device=q.device, sm_scale=sm_scale, kv_scale=kv_scale if fp8 else None, causal=causal,
                     kv_lora_rank=512, qk_rope_head_dim=int(q.shape[3]) - 512,
                 )
+                _call_locks[decoder.handle] = threading.Lock()
                 _decoders[key] = decoder
     return decoder
 
@@ -134,8 +136,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     """MLA decode: q [B, s_q, H, 576] over cache [P, page, 576]; returns (out [B,s_q,H,512], lse [B,s_q,H])."""
     _check_layouts(q, kv_cache)
     decoder = _decoder_for(q, kv_cache, sm_scale, kv_scale, causal)
-    step = decoder.plan(kv_lens, page_table, int(q.shape[1]))
-    out, lse = decoder.run(q, kv_cache, step)
+    with _call_locks[decoder.handle]:  # the decoder is shared process-wide: another thread must not plan
+        step = decoder.plan(kv_lens, page_table, int(q.shape[1]))  # between this plan and its run
+        out, lse = decoder.run(q, kv_cache, step)
     return out, lse
 
 

@@ -1,0 +1,91 @@
+"""Regression tests for defects found in review (CPU)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import mlacore.ops  # noqa: F401  (registers torch.ops.mlacore.*)
+from mlacore import BackendRegistry, Dispatcher, MLADecoder
+from mlacore.decoder import MLADecoder as _Decoder
+from mlacore.policy import parse_policy_text
+from mlacore.problem import DecodeProblem
+from mlacore.reference_math import mla_decode_reference
+
+
+def _reference_only(policy_text: str) -> Dispatcher:
+    reg = BackendRegistry(env={"MLA_DISABLE_PLUGIN_AUTOLOAD": "1"}).load()
+    return Dispatcher(policy=parse_policy_text(policy_text), registry=reg, env={})
+
+
+REF_DENIED = """
+[mla]
+order = ["reference"]
+fallback = "reference"
+[backend.reference.options]
+chunk_tokens = 7
+[[backend.reference.deny]]
+num_heads = [16]
+"""
+
+
+def test_fallback_to_a_reference_listed_in_the_order_carries_its_options():
+    """The policy rejects the reference in the order, the fallback takes it: the decision must carry the
+    reference's options (not None from the rejected verdict), and say it was chosen."""
+    d = _reference_only(REF_DENIED)
+    problem = DecodeProblem(num_heads=16, batch_size=2, max_kv_len=6, min_kv_len=5, page_size=64)
+    decision = d.select(problem)
+    assert decision.backend == "reference" and decision.fallback_used
+    assert decision.options is not None and decision.options.chunk_tokens == 7
+    assert decision.verdict("reference").outcome == "chosen"
+
+    dec = MLADecoder(16, 64, q_dtype=torch.float32, dispatcher=d)
+    lens = torch.tensor([5, 6], dtype=torch.int32)
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    plan = dec.plan(lens, table)  # raised BackendError: 'NoneType' object has no attribute 'chunk_tokens'
+    q = torch.randn(2, 1, 16, 576)
+    kv = torch.randn(1, 64, 576)
+    out, _ = dec.run(q, kv, plan)
+    ref, _ = mla_decode_reference(q, kv, table, lens, dec.sm_scale)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_one_call_op_is_safe_when_two_threads_share_its_decoder(monkeypatch):
+    """`mlacore::mla_decode` shares one decoder per shape across the process: another thread's plan between
+    this thread's plan and run must not make this call fail (or run the other thread's plan)."""
+    torch.manual_seed(0)
+    kv = torch.randn(8, 16, 576)
+    b_planned = threading.Event()
+    original_run, original_plan = _Decoder.run, _Decoder.plan
+    main = threading.get_ident()
+    results: dict = {}
+
+    def call(lens, table, q, key):
+        results[key] = torch.ops.mlacore.mla_decode(q, kv, table, lens, 0.1, 1.0, True)
+
+    lens_a, table_a = torch.tensor([20, 3], dtype=torch.int32), torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    lens_b, table_b = torch.tensor([9, 31], dtype=torch.int32), torch.tensor([[4, 0], [5, 6]], dtype=torch.int32)
+    q_a, q_b = torch.randn(2, 1, 4, 576), torch.randn(2, 1, 4, 576)
+    other = threading.Thread(target=call, args=(lens_b, table_b, q_b, "b"))
+
+    def plan(self, *args, **kwargs):
+        step = original_plan(self, *args, **kwargs)
+        if threading.get_ident() != main:
+            b_planned.set()
+        elif not other.is_alive() and "b" not in results:
+            other.start()  # the other thread calls the op right after this thread's plan
+        return step
+
+    def run(self, *args, **kwargs):
+        if threading.get_ident() == main:
+            b_planned.wait(0.5)  # give the other thread's plan the chance to come in between
+        return original_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Decoder, "plan", plan)
+    monkeypatch.setattr(_Decoder, "run", run)
+    call(lens_a, table_a, q_a, "a")
+    other.join(10)
+    for key, (lens, table, q) in {"a": (lens_a, table_a, q_a), "b": (lens_b, table_b, q_b)}.items():
+        ref, _ = mla_decode_reference(q, kv, table, lens, 0.1)
+        torch.testing.assert_close(results[key][0].double(), ref, atol=1e-4, rtol=1e-4)
