@@ -89,3 +89,30 @@ def test_one_call_op_is_safe_when_two_threads_share_its_decoder(monkeypatch):
     for key, (lens, table, q) in {"a": (lens_a, table_a, q_a), "b": (lens_b, table_b, q_b)}.items():
         ref, _ = mla_decode_reference(q, kv, table, lens, 0.1)
         torch.testing.assert_close(results[key][0].double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_trtllm_gen_run_takes_the_split_layouts_the_backend_info_promises(monkeypatch):
+    """flashinfer_mla's info() lists split q and kv layouts, so a split decoder hands (q_nope, q_pe) and
+    (ckv, kpe) to whatever variant runs; FlashInfer's trtllm-gen call takes one packed tensor of each."""
+    import flashinfer.mla
+
+    from mla_flashinfer.plugin import FlashInferBackend, TrtllmGenPlanned
+
+    info = FlashInferBackend().info()
+    assert "split" in info.q_layouts and "split" in info.kv_layouts
+    seen = {}
+
+    def fake(**kwargs):
+        seen.update(kwargs)
+
+    monkeypatch.setattr(flashinfer.mla, "trtllm_batch_decode_with_kv_cache_mla", fake)
+    B, H = 2, 16
+    planned = TrtllmGenPlanned(torch.zeros(8, dtype=torch.uint8), torch.ones(B, dtype=torch.int32),
+                               torch.zeros(B, 1, dtype=torch.int32), 64, 0.1, 1.0, 1.0, B, H)
+    q = torch.randn(B, 1, H, 576, dtype=torch.bfloat16)
+    kv = torch.randn(3, 64, 576, dtype=torch.bfloat16)
+    out = torch.empty(B, 1, H, 512, dtype=torch.bfloat16)
+    lse = torch.empty(B, 1, H)
+    planned.run((q[..., :512].contiguous(), q[..., 512:].contiguous()), (kv[..., :512], kv[..., 512:]), out, lse)
+    assert isinstance(seen["query"], torch.Tensor) and torch.equal(seen["query"], q)
+    assert isinstance(seen["kv_cache"], torch.Tensor) and torch.equal(seen["kv_cache"], kv)

@@ -198,10 +198,16 @@ class TrtllmGenPlanned(Planned):
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
             kv_scale: Any = None, q_scale: Any = None) -> None:
+        import torch
         from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla
 
         from .metadata import trtllm_gen_scales
 
+        # info() lists split layouts for the whole backend (fa2/fa3 take them); trtllm-gen takes packed tensors only
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        if isinstance(kv_cache, tuple):
+            kv_cache = torch.cat(kv_cache, dim=-1)
         bmm1, bmm2 = self.bmm1_scale, self.bmm2_scale
         if kv_scale is not None or q_scale is not None:  # scale_inputs="float": this layer's scales
             bmm1, bmm2 = trtllm_gen_scales(self.sm_scale, self.kv_scale if kv_scale is None else kv_scale,
