@@ -440,7 +440,7 @@ class MLADecoder:
             raise MLAInputError(f"seq_len_q: expected an int >= 1, got {seq_len_q!r}")
         if num_pages is not None and (type(num_pages) is not int or num_pages < 1):
             raise MLAInputError(f"num_pages: expected a positive int (the cache's page count), got {num_pages!r}")
-        lens_dev = _to_device("kv_lens", kv_lens, self.device)
+        lens_dev = _to_device("kv_lens", kv_lens, self.device).contiguous()  # kernels read it as compact [B]
         table_dev = _to_device("page_table", page_table, self.device)
         expect_contiguous("page_table", table_dev)
         lens_host = _host(kv_lens if kv_lens_host is None else kv_lens_host, "kv_lens_host", kv_lens)

@@ -31,7 +31,8 @@ from .errors import MLAInputError
 from .problem import HEAD_DIM_QK
 from .validation import expect_rank, expect_tensor
 
-_decoders: Dict[tuple, MLADecoder] = {}
+_decoders: Dict[tuple, MLADecoder] = {}  # insertion-ordered: the first is the oldest
+_MAX_ONE_CALL_DECODERS = 64
 _call_locks: Dict[int, threading.Lock] = {}  # one per decoder of the one-call op: its plan and run go together
 _handles: "weakref.WeakValueDictionary[int, MLADecoder]" = weakref.WeakValueDictionary()
 _lock = threading.Lock()
@@ -112,6 +113,9 @@ def _decoder_for(q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float, kv_sc
                     kv_lora_rank=512, qk_rope_head_dim=int(q.shape[3]) - 512,
                 )
                 _call_locks[decoder.handle] = threading.Lock()
+                if len(_decoders) >= _MAX_ONE_CALL_DECODERS:  # e.g. a new float kv_scale per call: stay bounded
+                    old = _decoders.pop(next(iter(_decoders)))  # the oldest; freed with its sessions once unused
+                    _call_locks.pop(old.handle, None)
                 _decoders[key] = decoder
     return decoder
 

@@ -150,7 +150,10 @@ def explain_cache(kv: object, layout: str, page_size: int, head_dim: int, rope_d
                                 f"{width}], got {tuple(t.shape)}")
         expect_dtype(name, t, (dtype,))
         expect_device(name, t, device)
-        _expect_last_dim_contiguous(name, t)
+        if layout == "packed":  # kernels read [P, page, 576] as compact rows
+            expect_contiguous(name, t)
+        else:  # (ckv, kpe) may be views of one packed cache: page-strided, last dimension contiguous
+            _expect_last_dim_contiguous(name, t)
         if pages is not None and t.shape[0] != pages:
             raise MLAInputError(f"{name}: expected {pages} pages like ckv, got {t.shape[0]}")
         pages = t.shape[0]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 import torch
 
 import mlacore.ops  # noqa: F401  (registers torch.ops.mlacore.*)
@@ -116,3 +118,41 @@ def test_trtllm_gen_run_takes_the_split_layouts_the_backend_info_promises(monkey
     planned.run((q[..., :512].contiguous(), q[..., 512:].contiguous()), (kv[..., :512], kv[..., 512:]), out, lse)
     assert isinstance(seen["query"], torch.Tensor) and torch.equal(seen["query"], q)
     assert isinstance(seen["kv_cache"], torch.Tensor) and torch.equal(seen["kv_cache"], kv)
+
+
+def test_a_strided_packed_cache_and_strided_lengths_are_handled():
+    """Kernels read the packed cache as compact rows: a strided one is refused by name; lengths are made compact."""
+    import torch
+
+    from mlacore import MLADecoder, MLAInputError, Dispatcher, parse_policy_text
+    from mlacore.problem import DecodeProblem
+    from mlacore.testing import compare, make_inputs, reference_outputs
+
+    p = DecodeProblem(num_heads=4, seq_len_q=1, batch_size=3, min_kv_len=1, max_kv_len=40, page_size=16)
+    inp = make_inputs(p, seed=41)
+    d = Dispatcher(policy=parse_policy_text('[mla]\norder = ["reference"]\nfallback = "error"'), env={})
+    dec = MLADecoder(4, 16, sm_scale=inp.sm_scale, dispatcher=d)
+    strided_lens = torch.stack([inp.kv_lens, inp.kv_lens], dim=1)[:, 0]
+    assert not strided_lens.is_contiguous()
+    plan = dec.plan(strided_lens, inp.page_table)
+    out, lse = dec.run(inp.q, inp.kv_cache, plan)
+    assert compare(p, out, lse, *reference_outputs(p, inp)).passed
+    wide = torch.zeros(inp.kv_cache.shape[0], 16, 600, dtype=inp.kv_cache.dtype)
+    wide[..., :576] = inp.kv_cache
+    with pytest.raises(MLAInputError, match="kv_cache: expected a contiguous tensor"):
+        dec.run(inp.q, wide[..., :576], plan)
+
+
+def test_the_one_call_op_keeps_a_bounded_number_of_decoders():
+    import torch
+
+    import mlacore.ops as ops
+    from mlacore.problem import DecodeProblem
+    from mlacore.testing import make_inputs
+
+    p = DecodeProblem(num_heads=2, batch_size=1, min_kv_len=3, max_kv_len=3, page_size=16, kv_dtype="fp8_e4m3")
+    inp = make_inputs(p, seed=42)
+    for i in range(ops._MAX_ONE_CALL_DECODERS + 5):  # a new float kv_scale every call
+        torch.ops.mlacore.mla_decode(inp.q, inp.kv_cache, inp.page_table, inp.kv_lens, 0.1, 0.01 + i * 1e-4)
+    assert len(ops._decoders) <= ops._MAX_ONE_CALL_DECODERS
+    assert len(ops._call_locks) == len(ops._decoders)
