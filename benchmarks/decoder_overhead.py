@@ -2,13 +2,17 @@
 
 Two measurements, median of many calls with a cached decision:
   * a no-op backend registered in-process (pure validation overhead),
-  * the chosen real backend on a small shape (the overhead in context).
+  * the chosen real backend on a small shape (the overhead in context); for FlashInfer
+    fa2/fa3 also FlashInfer's own wrapper.run, called as an engine would call it.
+Host time only: the device is drained (untimed) before each round, so a full launch queue
+never blocks one side.
 Usage: python benchmarks/decoder_overhead.py [--device cuda] [--backend NAME] [-n CALLS]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -43,27 +47,39 @@ class NoOp(Backend):
         return NoOpSession()
 
 
-def paired_medians(direct_fn, through_fn, n: int, sync) -> tuple:
-    """Medians of the two calls, timed alternately (A, B, A, B, ...) so that drift in clocks,
-    allocator state or the backend's own host work hits both sides alike."""
+def paired_medians(fns: dict, n: int, sync) -> dict:
+    """Per-call host time of each function, timed in rotating order (A B C, B C A, C A B, ...)
+    with the device drained (untimed) before every round, so that neither a full launch queue
+    nor drift in clocks or caches favours one side. Returns {name: (median us, median of the
+    per-round difference to the first function in us)}."""
+    names = list(fns)
+    calls = [fns[k] for k in names]
     for _ in range(50):
-        direct_fn()
-        through_fn()
+        for f in calls:
+            f()
     sync()
-    direct, through = [], []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        direct_fn()
-        t1 = time.perf_counter_ns()
-        through_fn()
-        t2 = time.perf_counter_ns()
-        direct.append(t1 - t0)
-        through.append(t2 - t1)
-    sync()
-    return statistics.median(direct) / 1e3, statistics.median(through) / 1e3
+    times = {k: [] for k in names}
+    clock = time.perf_counter_ns
+    gc.disable()
+    try:
+        for i in range(n):
+            k = i % len(names)
+            order = names[k:] + names[:k]
+            sync()
+            for name in order:
+                f = fns[name]
+                t0 = clock()
+                f()
+                times[name].append(clock() - t0)
+        sync()
+    finally:
+        gc.enable()
+    base = times[names[0]]
+    return {name: (statistics.median(ts) / 1e3,
+                   statistics.median(b - a for a, b in zip(base, ts)) / 1e3) for name, ts in times.items()}
 
 
-def measure(backend: str, device: str, registry: BackendRegistry, n: int) -> tuple[float, float]:
+def measure(backend: str, device: str, registry: BackendRegistry, n: int) -> dict:
     spec = DeviceSpec.of(device)
     # the issue's shape on a GPU (B=1 H=16 S=4096); a short one on the CPU (the reference is slow there)
     kv_len = 4096 if device == "cuda" else 64
@@ -79,9 +95,17 @@ def measure(backend: str, device: str, registry: BackendRegistry, n: int) -> tup
     lse = torch.empty(1, 1, 16, dtype=torch.float32, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     assert plan.backend == backend, plan.decision.format_trace()
-    run = plan.planned.run
-    return paired_medians(lambda: run(inp.q, inp.kv_cache, out, lse),
-                          lambda: dec.run(inp.q, inp.kv_cache, plan, out=out, lse=lse), n, sync)
+    planned = plan.planned
+    run = planned.run
+    fns = {}
+    wrapper = getattr(getattr(planned, "slot", None), "wrapper", None)
+    if wrapper is not None:  # FlashInfer fa2/fa3: its own wrapper.run, as an engine would call it
+        q3, o3, l2 = inp.q.view(1, 16, 576), out.view(1, 16, 512), lse.view(1, 16)
+        kw = dict(return_lse=True, return_lse_base_on_e=True, **planned.scales)
+        fns["flashinfer wrapper.run"] = lambda: wrapper.run(query=q3, kv_cache=inp.kv_cache, out=o3, lse=l2, **kw)
+    fns["Planned.run"] = lambda: run(inp.q, inp.kv_cache, out, lse)
+    fns["MLADecoder.run"] = lambda: dec.run(inp.q, inp.kv_cache, plan, out=out, lse=lse)
+    return paired_medians(fns, n, sync)
 
 
 def main() -> None:
@@ -92,11 +116,13 @@ def main() -> None:
     args = ap.parse_args()
     reg = BackendRegistry().load()
     reg.register(NoOp())
-    for name, n in (("noop", args.n), (args.backend, max(200, args.n // 20))):
-        direct, through = measure(name, args.device, reg, n)
-        print(f"{name:<16} {args.device}: direct {direct:8.2f} us  via MLADecoder.run {through:8.2f} us  "
-              f"overhead {through - direct:6.2f} us  (median of {n})")
-
+    for name in ("noop", args.backend):
+        results = measure(name, args.device, reg, args.n)
+        first = next(iter(results))
+        for what, (median, delta) in results.items():
+            extra = "" if what == first else f"  +{delta:6.2f} us over {first} (median of per-round differences)"
+            print(f"{name:<16} {args.device}: {what:<24} {median:8.2f} us{extra}")
+        print(f"{name:<16} {args.device}: {args.n} rounds, device drained before each round")
 
 if __name__ == "__main__":
     main()

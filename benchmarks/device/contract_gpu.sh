@@ -11,4 +11,4 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee
 python -c "import torch, flashinfer, mlacore; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'mlacore', mlacore.__version__)" | tee -a "$OUT/gpu.txt"
 timeout ${TEST_TIMEOUT:-400} python -m pytest -q -p no:cacheprovider -m gpu -rfs ${TESTS:-tests plugins/flashinfer_mla/tests} 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -40
-python benchmarks/decoder_overhead.py --device cuda --backend flashinfer_mla -n 5000 2>&1 | tee "$OUT/overhead.log"
+python benchmarks/decoder_overhead.py --device cuda --backend flashinfer_mla -n 3000 2>&1 | tee "$OUT/overhead.log"

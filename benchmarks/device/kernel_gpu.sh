@@ -15,4 +15,4 @@ timeout ${BENCH_TIMEOUT:-200} python -m mlacore bench --device cuda --grid bench
   --backend cute_dsl_mla --backend flashinfer_mla:variant=fa3 --budget 0.15 --no-progress \
   -o "$OUT/bench.json" --csv "$OUT/bench.csv" > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"
 tail -40 "$OUT/bench.txt"
-python benchmarks/decoder_overhead.py --device cuda --backend flashinfer_mla -n 5000 2>&1 | tee "$OUT/overhead.log"
+python benchmarks/decoder_overhead.py --device cuda --backend flashinfer_mla -n 3000 2>&1 | tee "$OUT/overhead.log"
