@@ -171,3 +171,83 @@ def test_mla_check_full_grid_passes():
     from mlacore.tools.cli import main
 
     assert main(["check", "--backend", "flashinfer_mla", "--device", "cuda"]) == 0
+
+
+def _fi_decoder(variant, launch, inp, kv_dtype, **kw):
+    from mlacore import Dispatcher, parse_policy
+
+    d = Dispatcher(policy=parse_policy({"mla": {"order": ["flashinfer_mla"], "fallback": "error"},
+                                        "backend": {"flashinfer_mla": {"options": {"variant": variant,
+                                                                                    "launch": launch}}}}), env={})
+    return MLADecoder(inp.q.shape[2], inp.kv_cache.shape[1], kv_dtype=inp.kv_cache.dtype, device="cuda",
+                      sm_scale=inp.sm_scale, kv_scale=inp.kv_scale if kv_dtype == "fp8_e4m3" else 1.0,
+                      dispatcher=d, **kw)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("variant", ["fa3", "fa2"])
+def test_direct_launch_equals_wrapper_run(variant, s_q, kv_dtype):
+    """launch="direct" calls the planned launcher with arguments fixed at plan; it must give exactly what
+    FlashInfer's wrapper.run gives, for packed, split and strided inputs, and match the fp64 reference."""
+    _needs(variant)
+    p = DecodeProblem(num_heads=16, seq_len_q=s_q, batch_size=6, min_kv_len=0, max_kv_len=3000, page_size=64,
+                      kv_dtype=kv_dtype, device=dev())
+    inp = make_inputs(p, device="cuda", seed=71 + s_q, kv_lens=torch.tensor([0, 3000, 1, 700, s_q, 129]))
+    ref = reference_outputs(p, inp)
+    results = {}
+    for launch in ("wrapper", "direct"):
+        dec = _fi_decoder(variant, launch, inp, kv_dtype)
+        plan = dec.plan(inp.kv_lens, inp.page_table, s_q)
+        assert (plan.planned.direct is not None) == (launch == "direct"), "the direct launcher was not found"
+        out = torch.full((6, s_q, 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((6, s_q, 16), float("nan"), device="cuda")
+        dec.run(inp.q, inp.kv_cache, plan, out=out, lse=lse)
+        wide = torch.randn(6, s_q, 16, 700, dtype=inp.q.dtype, device="cuda")  # q as a strided slice of a wider buffer
+        wide[..., :576] = inp.q
+        o2, l2 = dec.run(wide[..., :576], inp.kv_cache, plan)
+        results[launch] = (out.clone(), lse.clone(), o2, l2)
+        res = compare(p, out, lse, *ref)
+        assert res.passed, (launch, res.messages)
+        dec.close()
+    for a, b in zip(results["wrapper"], results["direct"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(results["direct"][0], results["direct"][2], rtol=0, atol=0)
+
+
+def test_direct_launch_split_inputs_strided_and_graph_replay():
+    """Split q with a strided q_nope (as after the W_UK bmm) and split cache through the direct launcher,
+    captured in a CUDA graph: replay equals eager and the fp64 reference after the data changes."""
+    _needs("fa3" if "fa3" in variants_here() else "fa2")
+    p = DecodeProblem(num_heads=16, seq_len_q=1, batch_size=4, min_kv_len=1, max_kv_len=900, page_size=64,
+                      device=dev())
+    inp = make_inputs(p, device="cuda", seed=77)
+    dec = _fi_decoder(variants_here()[0], "direct", inp, "bf16", q_layout="split", kv_layout="split",
+                      cuda_graph=True, max_batch=4, max_kv_len=1024)
+    plan = dec.plan(inp.kv_lens, inp.page_table, 1)
+    heads_first = torch.empty(16, 4, 1, 512, dtype=inp.q.dtype, device="cuda")
+    q_nope = heads_first.permute(1, 2, 0, 3)  # strided, last dimension contiguous
+    q_pe = torch.empty(4, 1, 16, 64, dtype=inp.q.dtype, device="cuda")
+    ckv, kpe = inp.kv_cache[..., :512].contiguous(), inp.kv_cache[..., 512:].contiguous()
+    q_nope.copy_(inp.q[..., :512])
+    q_pe.copy_(inp.q[..., 512:])
+    out = torch.empty(4, 1, 16, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(4, 1, 16, device="cuda")
+    dec.run((q_nope, q_pe), (ckv, kpe), plan, out=out, lse=lse)  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.run((q_nope, q_pe), (ckv, kpe), plan, out=out, lse=lse)
+    new_q = torch.randn_like(inp.q) * 3
+    q_nope.copy_(new_q[..., :512])
+    q_pe.copy_(new_q[..., 512:])
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_out, eager_lse = dec.run((q_nope, q_pe), (ckv, kpe), plan)
+    torch.testing.assert_close(out, eager_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, eager_lse, rtol=0, atol=0)
+    from mlacore.reference import mla_decode_reference
+
+    want = mla_decode_reference(new_q, inp.kv_cache, inp.page_table, inp.kv_lens, inp.sm_scale, 1.0)
+    res = compare(p, out, lse, *want)
+    assert res.passed, res.messages

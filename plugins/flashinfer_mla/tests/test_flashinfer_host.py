@@ -176,7 +176,7 @@ def test_typed_options_in_a_policy():
     with pytest.raises(PolicyError) as err:
         Dispatcher(policy=parse_policy(bad), registry=reg, env={})
     text = str(err.value)
-    assert "backend.flashinfer_mla.options.varaint: unknown option (known: variant, workspace_mb)" in text
+    assert "backend.flashinfer_mla.options.varaint: unknown option (known: launch, variant, workspace_mb)" in text
     assert "backend.flashinfer_mla.options.workspace_mb" in text
     assert "backend.flashinfer_mla.allow[1].options.variant" in text
 
@@ -266,3 +266,33 @@ def test_explain_for_an_h200_from_a_cpu_machine():
     else:
         assert dec.verdict("flashinfer_mla").outcome in ("unavailable", "cannot implement")
         assert dec.backend == "reference"
+
+
+def test_view_cache_forgets_a_dead_tensor_and_a_recycled_id():
+    """The direct launch caches views of caches and buffers per tensor object; a dead tensor's entry goes
+    (its views must not keep the storage alive) and a new tensor is never served the old views."""
+    import gc
+
+    from mla_flashinfer.plugin import _ViewCache
+
+    cache = _ViewCache()
+    t = torch.zeros(4, 6)
+    views = cache.put(t, t.detach().split(4, -1))  # as the plugin makes them
+    assert cache.get(t) is views
+    other = torch.zeros(4, 6)
+    assert cache.get(other) is None
+    del t, views
+    gc.collect()
+    assert len(cache._entries) == 0
+    assert cache.get(other) is None
+
+
+def test_direct_launcher_absent_without_the_internals():
+    """A wrapper without the FlashInfer 0.7.2 internals gets no direct launcher (the plan uses wrapper.run)."""
+    from mla_flashinfer.plugin import direct_launcher
+
+    class Wrapper:
+        _planned_backend = object()
+
+    assert direct_launcher(Wrapper()) is None
+    assert direct_launcher(object()) is None
