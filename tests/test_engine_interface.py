@@ -238,3 +238,28 @@ def test_warmup_reports_what_it_built():
     with pytest.raises(MLAInputError, match="no current plan"):
         dec.current_plan()  # warm-up plans are not left for the engine to run by mistake
     assert not math.isnan(built[0].seconds)
+
+
+def test_buffers_recognised_by_identity_are_checked_again_after_a_new_plan():
+    """run remembers the last (out, lse) pair it checked; a new plan with another shape must check them
+    again (and refuse them), and a returned lse is never skipped when the caller passed None."""
+    from mlacore import MLADecoder, MLAInputError
+    from mlacore.problem import DecodeProblem, DeviceSpec
+    from mlacore.testing import make_inputs
+
+    p = DecodeProblem(num_heads=4, batch_size=2, min_kv_len=5, max_kv_len=40, page_size=16,
+                      device=DeviceSpec.of("cpu"))
+    inp = make_inputs(p, seed=3)
+    dec = MLADecoder(4, 16, sm_scale=inp.sm_scale)
+    plan = dec.plan(inp.kv_lens, inp.page_table)
+    out = torch.empty(2, 1, 4, 512, dtype=torch.bfloat16)
+    lse = torch.empty(2, 1, 4)
+    dec.run(inp.q, inp.kv_cache, plan, out=out, lse=lse)
+    o2, l2 = dec.run(inp.q, inp.kv_cache, plan, out=out, lse=lse)
+    assert o2 is out and l2 is lse
+    _, fresh = dec.run(inp.q, inp.kv_cache, plan, out=out)  # lse=None: a new one is made, not skipped
+    assert fresh is not None and fresh is not lse
+    torch.testing.assert_close(fresh, lse)
+    plan1 = dec.plan(inp.kv_lens[:1], inp.page_table[:1])  # batch 1: the old buffers no longer fit
+    with pytest.raises(MLAInputError, match="out"):
+        dec.run(inp.q[:1], inp.kv_cache, plan1, out=out, lse=lse)
