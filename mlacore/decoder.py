@@ -30,6 +30,7 @@ from .errors import BackendError, MLAError, MLAInputError, StalePlanError
 from .policy import Policy
 from .problem import KV_LORA_RANK, QK_ROPE_HEAD_DIM, DecodeProblem, DecodeShape, DeviceSpec, dtype_name
 from .validation import (
+    aligned_copy,
     check_lengths_and_table,
     check_output,
     check_run_scale,
@@ -39,6 +40,7 @@ from .validation import (
     expect_dtype,
     expect_rank,
     expect_tensor,
+    misaligned,
 )
 
 DEEPSEEK_SM_SCALE = 1.0 / math.sqrt(128 + 64)
@@ -216,6 +218,9 @@ class MLADecoder:
         # the (out, lse) pair the last run checked against the current plan: engines pass the same buffers to
         # every layer, so one identity test replaces two lookups (strong refs: two small buffers, dropped at plan)
         self._last_buffers: Tuple[Any, Any] = (None, None)
+        self._aligned_strides: Any = None  # the last strided q (q_nope) stride pattern found 16-byte aligned
+        self._aligned_strides_pe: Any = None
+        self._warned_realign = False
 
     # -- lifecycle -----------------------------------------------------
     @property
@@ -562,13 +567,26 @@ class MLADecoder:
         # dev is get_device()'s answer: -1 on the CPU, the index on CUDA (cheaper than comparing devices)
         if packed:
             if not (isinstance(q, _Tensor) and q.shape == q_shape and q.dtype is q_dtype
-                    and q.get_device() == dev and (dev >= 0 or q.is_cpu) and (q.is_contiguous() or q.stride(-1) == 1)):
+                    and q.get_device() == dev and (dev >= 0 or q.is_cpu)):
                 self._explain_q(q)
-        elif not (type(q) is tuple and len(q) == 2 and isinstance(q[0], _Tensor) and isinstance(q[1], _Tensor)
-                  and q[0].shape == self._qn_shape and q[1].shape == self._qp_shape
-                  and q[0].dtype is q_dtype and q[1].dtype is q_dtype and q[0].get_device() == dev
-                  and q[1].get_device() == dev and (dev >= 0 or (q[0].is_cpu and q[1].is_cpu)) and q[0].stride(-1) == 1 and q[1].stride(-1) == 1):
-            self._explain_q(q)
+            if q.is_contiguous():
+                if q.data_ptr() & 15:  # a contiguous view at an odd offset: kernels load 16-byte vectors
+                    q = self._realign(q)
+            elif q.stride(-1) != 1:
+                self._explain_q(q)
+            elif q.data_ptr() & 15 or (q.stride() != self._aligned_strides and self._strides_misaligned(q)):
+                q = self._realign(q)
+        else:
+            if not (type(q) is tuple and len(q) == 2 and isinstance(q[0], _Tensor) and isinstance(q[1], _Tensor)
+                    and q[0].shape == self._qn_shape and q[1].shape == self._qp_shape
+                    and q[0].dtype is q_dtype and q[1].dtype is q_dtype and q[0].get_device() == dev
+                    and q[1].get_device() == dev and (dev >= 0 or (q[0].is_cpu and q[1].is_cpu))
+                    and q[0].stride(-1) == 1 and q[1].stride(-1) == 1):
+                self._explain_q(q)
+            if (q[0].data_ptr() | q[1].data_ptr()) & 15 or (
+                    q[0].stride() != self._aligned_strides and self._strides_misaligned(q[0])) or (
+                    q[1].stride() != self._aligned_strides_pe and self._strides_misaligned(q[1], pe=True)):
+                q = (self._realign(q[0]), self._realign(q[1]))
         seen = self._checked_kv.get(id(kv_cache))
         if seen is None or seen[0]() is not kv_cache:
             pages = self._check_cache(kv_cache)
@@ -599,6 +617,24 @@ class MLADecoder:
             raise BackendError(f"backend '{plan.backend}' failed to run {plan.problem.describe()}: "
                                f"{type(exc).__name__}: {exc}") from exc
         return out, lse
+
+    def _strides_misaligned(self, t: torch.Tensor, pe: bool = False) -> bool:
+        """Stride check of a strided q (split q_nope, or a view of a wider buffer); the last aligned stride
+        pattern is remembered, so an engine passing the same kind of view every layer pays one compare."""
+        if misaligned(t):
+            return True
+        if pe:
+            self._aligned_strides_pe = t.stride()
+        else:
+            self._aligned_strides = t.stride()
+        return False
+
+    def _realign(self, t: torch.Tensor) -> torch.Tensor:
+        if not self._warned_realign:
+            self._warned_realign = True
+            log.info("mlacore: q is not 16-byte aligned (data pointer or strides %s); copying it for the kernels",
+                     tuple(t.stride()))
+        return aligned_copy(t)
 
     def _check_buffers(self, out: Any, lse: Any, out_shape: tuple, out_dtype: Any, lse_shape: tuple
                        ) -> Tuple[Any, Any]:

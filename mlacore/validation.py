@@ -100,6 +100,34 @@ def _expect_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
                             f"{tuple(t.stride())} for shape {tuple(t.shape)}")
 
 
+ALIGN_BYTES = 16  # GPU kernels load 16-byte vectors: a row that starts elsewhere faults (misaligned address)
+
+
+def misaligned(t: torch.Tensor) -> bool:
+    """True when the data pointer, or the stride of any dimension but the last that has more than one
+    element, is not a multiple of 16 bytes. Kernels read rows as 16-byte vectors; a view such as
+    `wide[..., :576]` of a 700-wide bf16 buffer is contiguous in its last dimension yet faults."""
+    if t.data_ptr() % ALIGN_BYTES:
+        return True
+    if t.is_contiguous():
+        return False
+    size = t.element_size()
+    return any(n > 1 and (st * size) % ALIGN_BYTES for n, st in zip(t.shape[:-1], t.stride()[:-1]))
+
+
+def aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A fresh (aligned, contiguous) copy: `.contiguous()` returns a contiguous but misaligned view as it is."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _expect_aligned(name: str, t: torch.Tensor) -> None:
+    if misaligned(t):
+        raise MLAInputError(f"{name}: expected a {ALIGN_BYTES}-byte aligned tensor (data pointer and every stride "
+                            f"but the last a multiple of {ALIGN_BYTES} bytes), got data pointer offset "
+                            f"{t.data_ptr() % ALIGN_BYTES} and strides {tuple(t.stride())} of "
+                            f"{t.element_size()}-byte elements")
+
+
 def explain_q(q: object, shape: Sequence[int], layout: str, dtype: torch.dtype, device: torch.device,
               rope_dim: int) -> None:
     """Raise the MLAInputError that says what is wrong with q (packed tensor or (q_nope, q_pe))."""
@@ -154,6 +182,7 @@ def explain_cache(kv: object, layout: str, page_size: int, head_dim: int, rope_d
             expect_contiguous(name, t)
         else:  # (ckv, kpe) may be views of one packed cache: page-strided, last dimension contiguous
             _expect_last_dim_contiguous(name, t)
+        _expect_aligned(name, t)  # a cache is never copied per call: it must be readable as it is
         if pages is not None and t.shape[0] != pages:
             raise MLAInputError(f"{name}: expected {pages} pages like ckv, got {t.shape[0]}")
         pages = t.shape[0]
@@ -165,6 +194,7 @@ def check_output(name: str, t: object, shape: Sequence[int], dtype: torch.dtype,
     expect_dtype(name, t, (dtype,))
     expect_device(name, t, device)
     expect_contiguous(name, t)
+    _expect_aligned(name, t)
 
 
 def check_run_scale(name: str, value: object, mode: str, device: torch.device) -> None:

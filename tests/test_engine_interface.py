@@ -263,3 +263,78 @@ def test_buffers_recognised_by_identity_are_checked_again_after_a_new_plan():
     plan1 = dec.plan(inp.kv_lens[:1], inp.page_table[:1])  # batch 1: the old buffers no longer fit
     with pytest.raises(MLAInputError, match="out"):
         dec.run(inp.q[:1], inp.kv_cache, plan1, out=out, lse=lse)
+
+
+class Recording(ReferenceBackend):
+    """The reference's math; records the alignment of every q it is handed (strided q allowed)."""
+
+    name = "recording"
+    seen = []
+
+    @hookimpl
+    def open(self, config, options):
+        session = super().open(config, options)
+        seen = self.seen
+        from mlacore import Session
+        from mlacore.validation import misaligned
+
+        class Recorder(Session):
+            def plan(self, problem, step):
+                planned = session.plan(problem, step)
+                run = planned.run
+
+                def recorded(q, kv, out, lse, *scales):
+                    parts = q if isinstance(q, tuple) else (q,)
+                    seen.append(tuple((t.data_ptr(), misaligned(t)) for t in parts))
+                    run(q, kv, out, lse, *scales)
+
+                planned.run = recorded
+                return planned
+
+        return Recorder()
+
+
+def recording_decoder(p, inp, **kw):
+    reg = BackendRegistry(env={"MLA_DISABLE_PLUGIN_AUTOLOAD": "1"}).load()
+    reg.register(Recording())
+    d = Dispatcher(policy=parse_policy_text('[mla]\norder = ["recording"]\nfallback = "error"'), registry=reg,
+                   env={})
+    return MLADecoder(p.num_heads, p.page_size, sm_scale=inp.sm_scale, dispatcher=d, **kw)
+
+
+def test_a_misaligned_q_is_copied_and_an_aligned_strided_q_is_not():
+    """Kernels load 16-byte vectors: a q view at an odd offset or with odd strides (a slice of a 700-wide
+    bf16 buffer) would fault on a GPU. The decoder hands over an aligned copy; aligned views pass as they are."""
+    p = problem()
+    inp = make_inputs(p, seed=4)
+    want = reference_outputs(p, inp)
+    for layout in ("packed", "split"):
+        dec = recording_decoder(p, inp, q_layout=layout)
+        plan = dec.plan(inp.kv_lens, inp.page_table, p.seq_len_q)
+        for width, offset, copied in ((700, 0, True), (704, 0, False), (704, 1, True), (576, 0, False)):
+            wide = torch.randn(*inp.q.shape[:3], width + offset, dtype=inp.q.dtype)
+            view = wide[..., offset:offset + 576]
+            view.copy_(inp.q)
+            q = (view[..., :512], view[..., 512:]) if layout == "split" else view
+            Recording.seen.clear()
+            out, lse = dec.run(q, inp.kv_cache, plan)
+            assert compare(p, out, lse, *want).passed, (layout, width, offset)
+            (got,) = Recording.seen
+            assert not any(bad for _, bad in got), (layout, width, offset, got)
+            handed_same = got[0][0] == view.data_ptr()
+            assert handed_same != copied, (layout, width, offset)
+
+
+def test_a_misaligned_cache_or_output_is_refused_naming_it():
+    p = problem()
+    inp = make_inputs(p, seed=5)
+    dec = decoder(inp, p)
+    plan = dec.plan(inp.kv_lens, inp.page_table, p.seq_len_q)
+    flat = torch.empty(inp.kv_cache.numel() + 8, dtype=inp.kv_cache.dtype)
+    shifted = flat[1:1 + inp.kv_cache.numel()].view(inp.kv_cache.shape)  # contiguous, 2 bytes off
+    shifted.copy_(inp.kv_cache)
+    with pytest.raises(MLAInputError, match=r"kv_cache: expected a 16-byte aligned tensor.*offset 2"):
+        dec.run(inp.q, shifted, plan)
+    out_flat = torch.empty(3 * 2 * 8 * 512 + 8, dtype=torch.bfloat16)
+    with pytest.raises(MLAInputError, match=r"out: expected a 16-byte aligned tensor"):
+        dec.run(inp.q, inp.kv_cache, plan, out=out_flat[3:3 + 3 * 2 * 8 * 512].view(3, 2, 8, 512))
