@@ -1,4 +1,21 @@
 import os
+import shutil
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Kernels compiled by the tests go to a per-session disk cache: a fresh temp dir
+# (removed at the end) so the compile tests really compile and nothing is written
+# to the user's ~/.cache; or MLA_CUTE_DSL_TEST_CACHE_DIR, kept, so that a second
+# run of the suite gets every kernel from disk (the GPU tests then exercise
+# disk-loaded kernels, graph capture included).
+_KEEP = os.environ.get("MLA_CUTE_DSL_TEST_CACHE_DIR", "").strip()
+_SESSION_CACHE = _KEEP or tempfile.mkdtemp(prefix="mla-cute-dsl-test-cache-")
+os.environ["MLA_CUTE_DSL_CACHE_DIR"] = _SESSION_CACHE
+os.environ.pop("MLA_CUTE_DSL_DISK_CACHE", None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _KEEP:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

@@ -7,21 +7,19 @@
 
 ``mla_decode_sm90`` does no host work beyond argument packing and is CUDA-graph
 capturable (the schedule and workspace live in fixed device buffers).
-Kernels are compiled once per specialization (q dtype, kv dtype, BLOCK_M) and
-kept in an in-process cache; shapes are dynamic so one compile serves every
-batch, length, page count, page size and head count of that specialization.
+Kernels are compiled once per specialization (q dtype, kv dtype, BLOCK_M),
+kept in an in-process cache and in a cache on disk (``kernel_cache``,
+``disk_cache``: a second process loads the object file instead of compiling);
+shapes are dynamic so one compile serves every batch, length, page count,
+page size and head count of that specialization.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
-import threading
-import time
-
 import torch
 
+from . import kernel_cache
+from .cache_key import COMPILE_OPTIONS
 from .schedule import (  # noqa: F401  (re-exported)
     BLOCK_N,
     Schedule,
@@ -31,14 +29,9 @@ from .schedule import (  # noqa: F401  (re-exported)
     workspace_bytes,
 )
 
-log = logging.getLogger("mla_cute_dsl")
-
 D_QK = 576
 D_V = 512
 LOG2_E = 1.4426950408889634
-
-_cache: dict = {}
-_lock = threading.Lock()
 
 _TORCH_TO_NAME = {
     torch.bfloat16: "bf16",
@@ -106,44 +99,37 @@ def _fake_args_combine(q_name):
     )
 
 
+def _build_partial(q_name: str, kv_name: str, block_m: int, layout):
+    import cutlass.cute as cute
+
+    from .sm90_decode import MLADecodePartial
+
+    k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout)
+    return cute.compile(k, *_fake_args_partial(q_name, kv_name), options=COMPILE_OPTIONS)
+
+
+def _build_combine(q_name: str):
+    import cutlass.cute as cute
+
+    from .combine import MLACombine
+
+    return cute.compile(MLACombine(_cutlass_dtype(q_name)), *_fake_args_combine(q_name),
+                        options=COMPILE_OPTIONS)
+
+
 def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None):
-    """Compiled partial kernel for one specialization (in-process cache).
+    """Compiled partial kernel for one specialization (memory, disk, else compile).
 
     layout: optional (m_warps, m_atoms_per_warp, n_acc) override, for tuning.
     """
-    key = ("partial", q_name, kv_name, block_m, layout)
-    with _lock:
-        fn = _cache.get(key)
-        if fn is not None:
-            return fn
-        import cutlass.cute as cute
-
-        from .sm90_decode import MLADecodePartial
-
-        t0 = time.perf_counter()
-        k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout)
-        fn = cute.compile(k, *_fake_args_partial(q_name, kv_name), options="--enable-tvm-ffi")
-        log.info("compiled mla partial kernel %s in %.1f s", key, time.perf_counter() - t0)
-        _cache[key] = fn
-        return fn
+    if layout is not None:
+        layout = tuple(layout)
+    return kernel_cache.get_or_build("partial", (q_name, kv_name, block_m, layout), _build_partial)
 
 
 def get_combine_kernel(q_name: str):
-    key = ("combine", q_name)
-    with _lock:
-        fn = _cache.get(key)
-        if fn is not None:
-            return fn
-        import cutlass.cute as cute
-
-        from .combine import MLACombine
-
-        t0 = time.perf_counter()
-        fn = cute.compile(MLACombine(_cutlass_dtype(q_name)), *_fake_args_combine(q_name),
-                          options="--enable-tvm-ffi")
-        log.info("compiled mla combine kernel %s in %.1f s", key, time.perf_counter() - t0)
-        _cache[key] = fn
-        return fn
+    """Compiled combine kernel for one q dtype (memory, disk, else compile)."""
+    return kernel_cache.get_or_build("combine", (q_name,), _build_combine)
 
 
 def _cu_stream(handle: int):
