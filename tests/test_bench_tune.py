@@ -283,26 +283,35 @@ def test_boundaries_sit_at_geometric_midpoints():
     assert _route(text, _problem(5, 4096)) == "X:variant=fa3"
 
 
-def test_rules_do_not_reach_past_the_grid_unless_the_whole_edge_agrees():
-    # fa2 wins the largest batch only at the short length: its rule stops at the measured edge
-    report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if (b == 128 and n == 1024) else
+def test_rules_reach_past_the_grid_only_along_their_own_measured_edge():
+    # fa2 wins the middle batch only at the short length: between grid points its batch bounds sit at the
+    # midpoints; past the short-length edge of the grid it reaches (its own edge cell is fa2's), past the
+    # batch edges it cannot (16 is not an edge)
+    report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if (b == 16 and n == 1024) else
                           (2.0 if arm == "fa2" else 1.0))
     text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
     fa2 = [r for r in parse_policy_text(text).backend["X"].allow if r.options == {"variant": "fa2"}]
     assert len(fa2) == 1
     rule = fa2[0]
-    assert rule.max_batch == 128 and rule.min_batch == 46  # past the midpoint of 16 and 128; not beyond 128
-    # the short-length edge is not all fa2's (fa3 wins it at smaller batches): no reaching below 1024 either
-    assert rule.min_kv_len == 1024 and rule.max_kv_len == 4096
-    assert _route(text, _problem(512, 1024)) == "X:variant=fa3"  # beyond the grid: the default arm
-    assert _route(text, _problem(128, 1024)) == "X:variant=fa2"
-    # fa2 wins the whole largest-batch edge: reaching past it follows a measured trend
+    assert rule.min_batch == 5 and rule.max_batch == 45  # midpoints of 1|16 and 16|128
+    assert rule.min_kv_len is None and rule.max_kv_len == 4096  # below 1024: its edge; above: the midpoint
+    assert _route(text, _problem(16, 512)) == "X:variant=fa2"  # beyond the grid, next to its measured edge cell
+    assert _route(text, _problem(16, 1024)) == "X:variant=fa2"
+    assert _route(text, _problem(512, 1024)) == "X:variant=fa3"  # beyond the batch edge: not fa2's evidence
+    assert _route(text, _problem(16, 65536)) == "X:variant=fa3"
+    # fa2 wins the largest batch at every length: the rule reaches past batch 128 (a measured trend)
     report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if b == 128 else
                           (2.0 if arm == "fa2" else 1.0))
     text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
     fa2 = [r for r in parse_policy_text(text).backend["X"].allow if r.options == {"variant": "fa2"}]
     assert fa2[0].max_batch is None and fa2[0].min_batch == 46
     assert _route(text, _problem(512, 1024)) == "X:variant=fa2"
+    # fa2 wins only the largest batch at the short length: past batch 128 it reaches at short lengths only
+    report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if (b == 128 and n == 1024) else
+                          (2.0 if arm == "fa2" else 1.0))
+    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    assert _route(text, _problem(512, 1024)) == "X:variant=fa2"
+    assert _route(text, _problem(512, 16384)) == "X:variant=fa3"
 
 
 def test_rules_keep_the_head_counts_they_were_measured_on():

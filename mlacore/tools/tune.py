@@ -13,7 +13,7 @@ picks the fastest correct backend measured for every cell of the grid:
 * a rule holds where it was measured: between grid points its bounds sit
   at the geometric midpoint to the next point, where the winner changes
   hands; past the edge of the grid on an axis it reaches only where its arm
-  wins that whole edge; head counts, dtypes and page sizes not measured are
+  wins every measured cell along the rule's own edge there; head counts, dtypes and page sizes not measured are
   left to the default arm.
 
 `validate` times the written policy against every arm on a second grid
@@ -184,13 +184,16 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
             at = {(c[5], c[6]): win[c] for c in members}
             for bi0, bi1, li0, li1 in _rectangles(mine, keep_off, b_vals, l_vals):
                 rule = dict(zip(CAT_FIELDS, ([v] for v in cat)))
-                # reach past the grid on an axis only where this arm wins that whole edge of the group
+                # reach past the grid on an axis only where this arm wins every measured cell of the
+                # rule's own edge there (its span on the other axis): the nearest evidence for the cells
+                # beyond, where the default arm would otherwise be a guess
                 edge = lambda pts: all(at.get(pt) == label for pt in pts)  # noqa: E731
-                lo, hi = _bounds(bi0, bi1, b_vals, edge((b_vals[0], n) for n in l_vals),
-                                 edge((b_vals[-1], n) for n in l_vals))
+                spans_l, spans_b = l_vals[li0:li1 + 1], b_vals[bi0:bi1 + 1]
+                lo, hi = _bounds(bi0, bi1, b_vals, edge((b_vals[0], n) for n in spans_l),
+                                 edge((b_vals[-1], n) for n in spans_l))
                 rule.update(min_batch=lo, max_batch=hi)
-                lo, hi = _bounds(li0, li1, l_vals, edge((b, l_vals[0]) for b in b_vals),
-                                 edge((b, l_vals[-1]) for b in b_vals))
+                lo, hi = _bounds(li0, li1, l_vals, edge((b, l_vals[0]) for b in spans_b),
+                                 edge((b, l_vals[-1]) for b in spans_b))
                 rule.update(min_kv_len=lo, max_kv_len=hi)
                 # min_batch = 1 and min_kv_len = 0 say nothing: leave them out
                 rule = {k: v for k, v in rule.items()
