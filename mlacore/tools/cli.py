@@ -590,6 +590,24 @@ def _read_report(path: str, flag: str):
         raise CLIError(f"{flag} {path}: cannot read measurements: {err}") from None
 
 
+def _join_reports(reports: list, paths: List[str]):
+    """One report from several runs on one machine; a cell and arm measured twice keeps the later file's row."""
+    if len(reports) == 1:
+        return reports[0]
+    from .bench import BenchReport
+
+    gpus = {str(r.fingerprint.get("gpu")) for r in reports}
+    if len(gpus) > 1:
+        raise CLIError(f"--from: the files were measured on different GPUs ({', '.join(sorted(gpus))}): "
+                       f"{', '.join(paths)}")
+    rows: Dict[tuple, Any] = {}
+    for rep in reports:
+        for row in rep.rows:
+            rows[(row.backend, row.problem)] = row
+    return BenchReport(list(rows.values()), reports[0].ceilings, " + ".join(r.grid for r in reports),
+                       reports[0].fingerprint, max(r.date for r in reports))
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -603,7 +621,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .tune import TuneError, _cell, record_validation, tune, validate, write_atomically
 
     if args.from_json:
-        report = _read_report(args.from_json, "--from")
+        report = _join_reports([_read_report(f, "--from") for f in args.from_json], args.from_json)
     else:
         report = _run_bench(args, args.grid)
         _write_outputs(report, args)
@@ -769,8 +787,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_args(p)
     p.add_argument("--write", required=True, metavar="FILE",
                    help="policy file to write or merge into (atomically; keeps its mode and symlink)")
-    p.add_argument("--from", dest="from_json", metavar="FILE",
-                   help="use measurements from `mla bench -o FILE` instead of measuring")
+    p.add_argument("--from", dest="from_json", metavar="FILE", action="append",
+                   help="use measurements from `mla bench -o FILE` instead of measuring (repeat to join several "
+                        "runs of one machine: a denser grid)")
     p.add_argument("--validate", metavar="GRID",
                    help="after writing, time the written policy against every arm on this second grid "
                         "and record mean and worst regret in [tuned.validation]")
