@@ -47,11 +47,10 @@ class NoOp(Backend):
         return NoOpSession()
 
 
-def paired_medians(fns: dict, n: int, sync) -> dict:
+def timed_rounds(fns: dict, n: int, sync) -> dict:
     """Per-call host time of each function, timed in rotating order (A B C, B C A, C A B, ...)
     with the device drained (untimed) before every round, so that neither a full launch queue
-    nor drift in clocks or caches favours one side. Returns {name: (median us, median of the
-    per-round difference to the first function in us)}."""
+    nor drift in clocks or caches favours one side. Returns {name: [us per round]}."""
     names = list(fns)
     calls = [fns[k] for k in names]
     for _ in range(50):
@@ -74,9 +73,7 @@ def paired_medians(fns: dict, n: int, sync) -> dict:
         sync()
     finally:
         gc.enable()
-    base = times[names[0]]
-    return {name: (statistics.median(ts) / 1e3,
-                   statistics.median(b - a for a, b in zip(base, ts)) / 1e3) for name, ts in times.items()}
+    return {name: [t / 1e3 for t in ts] for name, ts in times.items()}
 
 
 def measure(backend: str, device: str, registry: BackendRegistry, n: int) -> dict:
@@ -105,7 +102,7 @@ def measure(backend: str, device: str, registry: BackendRegistry, n: int) -> dic
         fns["flashinfer wrapper.run"] = lambda: wrapper.run(query=q3, kv_cache=inp.kv_cache, out=o3, lse=l2, **kw)
     fns["Planned.run"] = lambda: run(inp.q, inp.kv_cache, out, lse)
     fns["MLADecoder.run"] = lambda: dec.run(inp.q, inp.kv_cache, plan, out=out, lse=lse)
-    return paired_medians(fns, n, sync)
+    return timed_rounds(fns, n, sync)
 
 
 def main() -> None:
@@ -117,11 +114,15 @@ def main() -> None:
     reg = BackendRegistry().load()
     reg.register(NoOp())
     for name in ("noop", args.backend):
-        results = measure(name, args.device, reg, args.n)
-        first = next(iter(results))
-        for what, (median, delta) in results.items():
-            extra = "" if what == first else f"  +{delta:6.2f} us over {first} (median of per-round differences)"
-            print(f"{name:<16} {args.device}: {what:<24} {median:8.2f} us{extra}")
+        times = measure(name, args.device, reg, args.n)
+        for what, ts in times.items():
+            print(f"{name:<16} {args.device}: {what:<24} {statistics.median(ts):8.2f} us")
+        mine = times["MLADecoder.run"]
+        for what, ts in times.items():
+            if what != "MLADecoder.run":
+                delta = statistics.median(b - a for a, b in zip(ts, mine))
+                print(f"{name:<16} {args.device}: MLADecoder.run - {what:<24} {delta:+8.2f} us "
+                      "(median of per-round differences)")
         print(f"{name:<16} {args.device}: {args.n} rounds, device drained before each round")
 
 if __name__ == "__main__":
