@@ -453,3 +453,47 @@ def test_atomic_write_keeps_mode_follows_symlinks_and_fsyncs(tmp_path, monkeypat
     umask = os.umask(0)
     os.umask(umask)
     assert (fresh.stat().st_mode & 0o777) == 0o666 & ~umask
+
+
+# -- refine --------------------------------------------------------------------------
+
+
+def test_refine_proposes_the_midpoints_where_the_winner_changes():
+    from mlacore.tools.tune import refine_problems
+
+    # fa2 wins batch 1, fa3 batches 16 and 128, at both lengths: the switch lies between 1 and 16
+    report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if b == 1 else
+                          (2.0 if arm == "fa2" else 1.0))
+    cells = refine_problems(report)
+    assert sorted((p.batch_size, p.max_kv_len) for p in cells) == [(4, 1024), (4, 16384)]
+    assert all(p.num_heads == 16 and p.min_kv_len == p.max_kv_len for p in cells)
+    # measured there (fa3 wins at 4): the next round looks between 1 and 4, then stops within 1.5x
+    rows = list(report.rows)
+    for p in cells:
+        rows += [BenchRow("X:variant=fa2", p, "ok", time_us=2.0), BenchRow("X:variant=fa3", p, "ok", time_us=1.0)]
+    report2 = BenchReport(rows, CEIL, "g", {"gpu": "G"}, "2026-12-01")
+    assert sorted((p.batch_size, p.max_kv_len) for p in refine_problems(report2)) == [(2, 1024), (2, 16384)]
+    assert refine_problems(report2, min_ratio=5.0) == []
+
+
+def test_refine_follows_the_length_axis_and_skips_measured_or_tied_cells():
+    from mlacore.tools.tune import refine_problems
+
+    # fa2 wins the long length at every batch: switches lie between 1024 and 16384 (midpoint 4096)
+    report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if n == 16384 else
+                          (2.0 if arm == "fa2" else 1.0))
+    cells = refine_problems(report)
+    assert sorted((p.batch_size, p.max_kv_len) for p in cells) == [(1, 4096), (16, 4096), (128, 4096)]
+    # within the 3% tie the group's majority arm wins everywhere: nothing to refine
+    tied = _grid_report(lambda arm, h, b, n: 1.0 if arm == "fa3" else 1.01)
+    assert refine_problems(tied) == []
+
+
+def test_tune_refine_on_the_cpu_with_one_arm_stops_at_once(tmp_path):
+    from mlacore.tools.cli import main
+
+    out = tmp_path / "p.toml"
+    rc = main(["tune", "--grid", "quick", "--device", "cpu", "--backend", "reference", "--budget", "0.01",
+               "--no-progress", "--refine", "3", "--write", str(out), "-o", str(tmp_path / "m.json")])
+    assert rc == 0
+    assert out.is_file() and (tmp_path / "m.json").is_file()

@@ -590,6 +590,27 @@ def _read_report(path: str, flag: str):
         raise CLIError(f"{flag} {path}: cannot read measurements: {err}") from None
 
 
+def _refine(args: argparse.Namespace, report):
+    """`--refine N`: up to N rounds of measuring the midpoints where neighbouring cells' winners differ."""
+    from .bench import BackendSpec, run_bench
+    from .tune import refine_problems
+
+    specs = _bench_specs(args) if args.backend else [BackendSpec.parse(lbl) for lbl in
+                                                     sorted({r.backend for r in report.rows})]
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    graph = device == "cuda" and not args.no_graph
+    for round_no in range(1, args.refine + 1):
+        problems = refine_problems(report)
+        if not problems:
+            _say(f"--refine: round {round_no}: every switch of winner is placed within 1.5x; done")
+            break
+        _say(f"--refine: round {round_no}: measuring {len(problems)} midpoint cells")
+        extra = run_bench(problems, specs, device, graph, f"refine {round_no}", progress=False,
+                          budget_s=args.budget)
+        report = _join_reports([report, extra], ["<grid>", f"<refine {round_no}>"])
+    return report
+
+
 def _join_reports(reports: list, paths: List[str]):
     """One report from several runs on one machine; a cell and arm measured twice keeps the later file's row."""
     if len(reports) == 1:
@@ -624,6 +645,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         report = _join_reports([_read_report(f, "--from") for f in args.from_json], args.from_json)
     else:
         report = _run_bench(args, args.grid)
+    if args.refine:
+        report = _refine(args, report)
+    if not args.from_json or args.refine:
         _write_outputs(report, args)
     path = Path(args.write)
     try:
@@ -790,6 +814,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_json", metavar="FILE", action="append",
                    help="use measurements from `mla bench -o FILE` instead of measuring (repeat to join several "
                         "runs of one machine: a denser grid)")
+    p.add_argument("--refine", type=int, default=0, metavar="ROUNDS",
+                   help="before writing, measure up to ROUNDS rounds of midpoint cells between neighbouring "
+                        "cells whose winners differ (where the rules place a switch)")
     p.add_argument("--validate", metavar="GRID",
                    help="after writing, time the written policy against every arm on this second grid "
                         "and record mean and worst regret in [tuned.validation]")

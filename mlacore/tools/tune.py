@@ -80,6 +80,58 @@ def winners(report: BenchReport, tie: float = TIE) -> Dict[tuple, str]:
     return out
 
 
+def refine_problems(report: BenchReport, min_ratio: float = 1.5) -> List[DecodeProblem]:
+    """The cells to measure next so that a switch of winner is placed where it happens.
+
+    Between two measured points of a group that are neighbours on one axis
+    (batch, or kv length at a fixed batch) and have different winners, the
+    geometric midpoint is proposed, unless the two points are within
+    `min_ratio` of each other already or the midpoint was measured. Why: the
+    rules place a switch at the midpoint, which is only right where time
+    grows in proportion to batch and length; at small batches it does not
+    (on the H200 fa2's batch-1 time at long contexts barely grows up to
+    batch 4 while ours drops per request: a rule from points 1 and 16 was
+    122% slow at batch 4).
+    """
+    win = winners(report)
+    template: Dict[tuple, DecodeProblem] = {}
+    for r in report.rows:
+        template.setdefault(_cell(r.problem), r.problem)
+    groups: Dict[tuple, Dict[Tuple[int, int], str]] = defaultdict(dict)
+    for c, label in win.items():
+        groups[c[:5]][(c[5], c[6])] = label
+    wanted: Dict[tuple, DecodeProblem] = {}
+    for cat, at in groups.items():
+        for axis in (0, 1):
+            lines: Dict[int, List[int]] = defaultdict(list)
+            for pt in at:
+                lines[pt[1 - axis]].append(pt[axis])
+            for fixed, values in lines.items():
+                values.sort()
+                for lo, hi in zip(values, values[1:]):
+                    pt_lo = (lo, fixed) if axis == 0 else (fixed, lo)
+                    pt_hi = (hi, fixed) if axis == 0 else (fixed, hi)
+                    if at[pt_lo] == at[pt_hi] or hi < lo * min_ratio:
+                        continue
+                    mid = split_point(lo, hi)
+                    if mid in (lo, hi):
+                        continue
+                    pt = (mid, fixed) if axis == 0 else (fixed, mid)
+                    key = cat + pt
+                    if pt in at or key in template or key in wanted:
+                        continue
+                    base = template[cat + pt_lo]
+                    if axis == 0:
+                        update = {"batch_size": mid}
+                    else:
+                        spread = base.min_kv_len / base.max_kv_len if base.max_kv_len else 1.0
+                        update = {"max_kv_len": mid,
+                                  "min_kv_len": min(mid, max(base.seq_len_q if base.batch_size > 1 else mid,
+                                                             int(round(mid * spread))))}
+                    wanted[key] = base.model_copy(update=update)
+    return [wanted[k] for k in sorted(wanted, key=str)]
+
+
 def statuses(report: BenchReport) -> Dict[Tuple[tuple, str], str]:
     return {(_cell(r.problem), r.backend): r.status for r in report.rows}
 
