@@ -214,7 +214,6 @@ class MLADecoder:
         self._fast: Any = None
         # caches already checked, by id: (weak reference, page count); a cache is checked once, not per call
         self._checked_kv: Dict[int, Tuple[Any, int]] = {}
-        self._checked_out: Dict[int, Tuple[Any, tuple]] = {}
         # the (out, lse) pair the last run checked against the current plan: engines pass the same buffers to
         # every layer, so one identity test replaces two lookups (strong refs: two small buffers, dropped at plan)
         self._last_buffers: Tuple[Any, Any] = (None, None)
@@ -509,6 +508,8 @@ class MLADecoder:
                       not info.strided_q and self.q_layout == "packed", self.scale_inputs != "static",
                       self.q_layout == "packed")
         self._last_buffers = (None, None)
+        # stride patterns found aligned hold for this plan's shape only (size-1 dimensions are ignored)
+        self._aligned_strides = self._aligned_strides_pe = None
         self._plan = plan
         return plan
 
@@ -583,10 +584,13 @@ class MLADecoder:
                     and q[1].get_device() == dev and (dev >= 0 or (q[0].is_cpu and q[1].is_cpu))
                     and q[0].stride(-1) == 1 and q[1].stride(-1) == 1):
                 self._explain_q(q)
-            if (q[0].data_ptr() | q[1].data_ptr()) & 15 or (
-                    q[0].stride() != self._aligned_strides and self._strides_misaligned(q[0])) or (
-                    q[1].stride() != self._aligned_strides_pe and self._strides_misaligned(q[1], pe=True)):
-                q = (self._realign(q[0]), self._realign(q[1]))
+            bad_nope = q[0].data_ptr() & 15 or (q[0].stride() != self._aligned_strides
+                                                and self._strides_misaligned(q[0]))
+            bad_pe = q[1].data_ptr() & 15 or (q[1].stride() != self._aligned_strides_pe
+                                              and self._strides_misaligned(q[1], pe=True))
+            if bad_nope or bad_pe:
+                q = (self._realign(q[0], "q_nope") if bad_nope else q[0],
+                     self._realign(q[1], "q_pe") if bad_pe else q[1])
         seen = self._checked_kv.get(id(kv_cache))
         if seen is None or seen[0]() is not kv_cache:
             pages = self._check_cache(kv_cache)
@@ -629,47 +633,41 @@ class MLADecoder:
             self._aligned_strides = t.stride()
         return False
 
-    def _realign(self, t: torch.Tensor) -> torch.Tensor:
+    def _realign(self, t: torch.Tensor, name: str = "q") -> torch.Tensor:
         if not self._warned_realign:
             self._warned_realign = True
-            log.info("mlacore: q is not 16-byte aligned (data pointer or strides %s); copying it for the kernels",
-                     tuple(t.stride()))
+            log.warning("mlacore: %s is not 16-byte aligned (data pointer offset %d, strides %s of %d-byte "
+                        "elements); copying it on every run for the kernels (logged once per decoder)",
+                        name, t.data_ptr() % 16, tuple(t.stride()), t.element_size())
         return aligned_copy(t)
 
     def _check_buffers(self, out: Any, lse: Any, out_shape: tuple, out_dtype: Any, lse_shape: tuple
                        ) -> Tuple[Any, Any]:
-        """out/lse: allocated when None, else checked once per plan and buffer (then recognised by id and a
-        weak reference). A pair the caller gave in full is also remembered strongly for the next run's
-        identity test."""
-        checked = self._checked_out  # output buffers already checked against this plan's shapes
+        """out/lse: allocated when None, else checked inline (one combined test each: engines often pass a
+        fresh slice of a preallocated buffer per layer, so identity alone would not do); only a failing buffer
+        pays for the detailed message. A pair the caller gave in full is remembered for the next run's
+        identity test (the common engine case: the same two buffers every layer)."""
+        dev = self._dev_index
         given_out, given_lse = out is not None, lse is not None
         if out is None:
             out = torch.empty(out_shape, dtype=out_dtype, device=self.device)
-        else:
-            seen = checked.get(id(out))
-            if seen is None or seen[0]() is not out or seen[1] is not out_shape:
-                check_output("out", out, out_shape, out_dtype, self.device)
-                self._remember_output(out, out_shape)
+        elif not (isinstance(out, _Tensor) and out.shape == out_shape and out.dtype is out_dtype
+                  and out.get_device() == dev and (dev >= 0 or out.is_cpu) and out.is_contiguous()
+                  and not out.data_ptr() & 15):
+            check_output("out", out, out_shape, out_dtype, self.device)
         if lse is None:
             if self.return_lse:
                 lse = torch.empty(lse_shape, dtype=torch.float32, device=self.device)
         else:
-            seen = checked.get(id(lse))
-            if seen is None or seen[0]() is not lse or seen[1] is not lse_shape:
-                if not self.return_lse:
-                    raise MLAInputError("lse: this decoder was built with return_lse=False; pass lse=None")
+            if not self.return_lse:
+                raise MLAInputError("lse: this decoder was built with return_lse=False; pass lse=None")
+            if not (isinstance(lse, _Tensor) and lse.shape == lse_shape and lse.dtype is torch.float32
+                    and lse.get_device() == dev and (dev >= 0 or lse.is_cpu) and lse.is_contiguous()
+                    and not lse.data_ptr() & 15):
                 check_output("lse", lse, lse_shape, torch.float32, self.device)
-                self._remember_output(lse, lse_shape)
         if given_out and (given_lse or not self.return_lse):
             self._last_buffers = (out, lse)
         return out, lse
-
-    def _remember_output(self, t: torch.Tensor, shape: tuple) -> None:
-        """Remember a checked buffer with the plan shape tuple it was checked against (compared by identity:
-        a new plan makes new tuples, so every buffer is checked again once per plan)."""
-        if len(self._checked_out) > 4096:
-            self._checked_out.clear()
-        self._checked_out[id(t)] = (weakref.ref(t), shape)
 
     def _check_scales(self, kv_scale: Any, q_scale: Any) -> None:
         mode = self.scale_inputs

@@ -338,3 +338,49 @@ def test_a_misaligned_cache_or_output_is_refused_naming_it():
     out_flat = torch.empty(3 * 2 * 8 * 512 + 8, dtype=torch.bfloat16)
     with pytest.raises(MLAInputError, match=r"out: expected a 16-byte aligned tensor"):
         dec.run(inp.q, inp.kv_cache, plan, out=out_flat[3:3 + 3 * 2 * 8 * 512].view(3, 2, 8, 512))
+
+
+def test_an_aligned_stride_pattern_is_judged_again_after_a_new_plan():
+    """A stride of a size-1 dimension does not matter (batch 1), so a pattern found aligned there can be
+    misaligned at batch 2: the remembered pattern must not outlive its plan (review finding)."""
+    p = problem(batch_size=2, seq_len_q=1)
+    inp = make_inputs(p, seed=6)
+    dec = recording_decoder(p, inp)
+    H = p.num_heads
+    buf = torch.randn(2 * H * 640 + 64, dtype=inp.q.dtype)
+    odd = (H * 640 + 3, H * 640, 640, 1)  # batch stride not a multiple of 8 elements
+    plan1 = dec.plan(inp.kv_lens[:1], inp.page_table[:1], 1)
+    q1 = buf.as_strided((1, 1, H, 576), odd)
+    q1.copy_(inp.q[:1])
+    Recording.seen.clear()
+    dec.run(q1, inp.kv_cache, plan1)
+    assert Recording.seen[0][0][0] == q1.data_ptr()  # batch 1: the odd stride is irrelevant, no copy
+    plan2 = dec.plan(inp.kv_lens, inp.page_table, 1)
+    q2 = buf.as_strided((2, 1, H, 576), odd)
+    q2.copy_(inp.q)
+    Recording.seen.clear()
+    out, lse = dec.run(q2, inp.kv_cache, plan2)
+    (got,) = Recording.seen
+    assert got[0][0] != q2.data_ptr() and not got[0][1]  # copied, aligned
+    assert compare(p, out, lse, *reference_outputs(p, inp)).passed
+
+
+def test_fresh_output_slices_each_layer_are_checked_and_used():
+    """Engines often pass a fresh slice of one preallocated buffer per layer: each is checked (a wrong one
+    refused naming it) and written."""
+    p = problem()
+    inp = make_inputs(p, seed=7)
+    dec = decoder(inp, p)
+    plan = dec.plan(inp.kv_lens, inp.page_table, p.seq_len_q)
+    big_out = torch.zeros(8, 2, 8, 512, dtype=torch.bfloat16)
+    big_lse = torch.zeros(8, 2, 8)
+    want = reference_outputs(p, inp)
+    for start in (0, 3, 5):
+        out, lse = big_out[start:start + 3], big_lse[start:start + 3]
+        got_out, got_lse = dec.run(inp.q, inp.kv_cache, plan, out=out, lse=lse)
+        assert got_out is out and got_lse is lse
+        assert compare(p, big_out[start:start + 3], big_lse[start:start + 3], *want).passed
+    with pytest.raises(MLAInputError, match="out: expected shape"):
+        dec.run(inp.q, inp.kv_cache, plan, out=big_out[:2], lse=big_lse[:3])
+    with pytest.raises(MLAInputError, match="lse: expected a contiguous"):
+        dec.run(inp.q, inp.kv_cache, plan, out=big_out[:3], lse=torch.zeros(3, 2, 16)[..., :8])

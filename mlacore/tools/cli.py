@@ -612,21 +612,40 @@ def _refine(args: argparse.Namespace, report):
 
 
 def _join_reports(reports: list, paths: List[str]):
-    """One report from several runs on one machine; a cell and arm measured twice keeps the later file's row."""
+    """One report from several runs on one machine and software stack.
+
+    Runs that differ in GPU, capability, driver, torch or a backend's version
+    are refused: their times are not comparable, and the tuned file records one
+    fingerprint. A cell and arm measured twice keeps the later run's row (cells
+    are keyed as the rules see them: heads, s_q, dtypes, page, batch, length).
+    """
     if len(reports) == 1:
         return reports[0]
     from .bench import BenchReport
+    from .tune import _cell
 
-    gpus = {str(r.fingerprint.get("gpu")) for r in reports}
-    if len(gpus) > 1:
-        raise CLIError(f"--from: the files were measured on different GPUs ({', '.join(sorted(gpus))}): "
-                       f"{', '.join(paths)}")
+    first = reports[0].fingerprint
+    for path, rep in zip(paths[1:], reports[1:]):
+        fp = rep.fingerprint
+        for key in ("gpu", "capability", "driver", "torch"):
+            if str(fp.get(key)) != str(first.get(key)):
+                raise CLIError(f"--from: {path} was measured with {key}={fp.get(key)}, {paths[0]} with "
+                               f"{key}={first.get(key)}: runs to join must come from one machine and stack")
+        mine, theirs = first.get("backends") or {}, fp.get("backends") or {}
+        for name in sorted(set(mine) & set(theirs)):
+            if mine[name] != theirs[name]:
+                raise CLIError(f"--from: {path} was measured with {name} {theirs[name]}, {paths[0]} with "
+                               f"{mine[name]}: runs to join must come from one machine and stack")
     rows: Dict[tuple, Any] = {}
     for rep in reports:
         for row in rep.rows:
-            rows[(row.backend, row.problem)] = row
+            rows[(_cell(row.problem), row.backend)] = row
+    backends = {}
+    for rep in reports:
+        backends.update(rep.fingerprint.get("backends") or {})
+    fingerprint = dict(first, backends=backends) if backends else dict(first)
     return BenchReport(list(rows.values()), reports[0].ceilings, " + ".join(r.grid for r in reports),
-                       reports[0].fingerprint, max(r.date for r in reports))
+                       fingerprint, max(r.date for r in reports))
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

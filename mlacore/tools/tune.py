@@ -13,8 +13,10 @@ picks the fastest correct backend measured for every cell of the grid:
 * a rule holds where it was measured: between grid points its bounds sit
   at the geometric midpoint to the next point, where the winner changes
   hands; past the edge of the grid on an axis it reaches only where its arm
-  wins every measured cell along the rule's own edge there; head counts, dtypes and page sizes not measured are
-  left to the default arm.
+  wins every measured cell along the rule's own edge there; head counts,
+  dtypes and page sizes not measured are left to the default arm;
+* arms within `TIE` of a cell's fastest are tied there, and the tie goes to
+  the arm that wins most of the cell's group.
 
 `validate` times the written policy against every arm on a second grid
 (`mla tune --validate GRID`): regret per cell, mean and worst.
@@ -86,10 +88,13 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5) -> List[DecodeP
     Between two measured points of a group that are neighbours on one axis
     (batch, or kv length at a fixed batch) and have different winners, the
     geometric midpoint is proposed, unless the two points are within
-    `min_ratio` of each other already or the midpoint was measured. Why: the
-    rules place a switch at the midpoint, which is only right where time
-    grows in proportion to batch and length; at small batches it does not
-    (on the H200 fa2's batch-1 time at long contexts barely grows up to
+    `min_ratio` of each other already. The midpoint is measured along the
+    whole line across the other axis (every length of the group for a new
+    batch, every batch for a new length), so that the group stays a full grid
+    and no switch on another line is moved by a point measured only here.
+    Why: the rules place a switch at the midpoint, which is only right where
+    time grows in proportion to batch and length; at small batches it does
+    not (on the H200 fa2's batch-1 time at long contexts barely grows up to
     batch 4 while ours drops per request: a rule from points 1 and 16 was
     122% slow at batch 4).
     """
@@ -102,6 +107,8 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5) -> List[DecodeP
         groups[c[:5]][(c[5], c[6])] = label
     wanted: Dict[tuple, DecodeProblem] = {}
     for cat, at in groups.items():
+        b_all = sorted({b for b, _ in at})
+        l_all = sorted({n for _, n in at})
         for axis in (0, 1):
             lines: Dict[int, List[int]] = defaultdict(list)
             for pt in at:
@@ -116,19 +123,23 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5) -> List[DecodeP
                     mid = split_point(lo, hi)
                     if mid in (lo, hi):
                         continue
-                    pt = (mid, fixed) if axis == 0 else (fixed, mid)
-                    key = cat + pt
-                    if pt in at or key in template or key in wanted:
-                        continue
-                    base = template[cat + pt_lo]
-                    if axis == 0:
-                        update = {"batch_size": mid}
-                    else:
-                        spread = base.min_kv_len / base.max_kv_len if base.max_kv_len else 1.0
-                        update = {"max_kv_len": mid,
-                                  "min_kv_len": min(mid, max(base.seq_len_q if base.batch_size > 1 else mid,
-                                                             int(round(mid * spread))))}
-                    wanted[key] = base.model_copy(update=update)
+                    for other in (l_all if axis == 0 else b_all):  # the whole line: the grid stays full
+                        pt = (mid, other) if axis == 0 else (other, mid)
+                        key = cat + pt
+                        if pt in at or key in template or key in wanted:
+                            continue
+                        near = min(((pt2, template[cat + pt2]) for pt2 in at if pt2[1 - axis] == other),
+                                   key=lambda item: abs(item[0][axis] - mid), default=(None, None))[1]
+                        if near is None:
+                            continue
+                        if axis == 0:
+                            update = {"batch_size": mid}
+                        else:
+                            spread = near.min_kv_len / near.max_kv_len if near.max_kv_len else 1.0
+                            update = {"max_kv_len": mid,
+                                      "min_kv_len": min(mid, max(near.seq_len_q if near.batch_size > 1 else mid,
+                                                                 int(round(mid * spread))))}
+                        wanted[key] = near.model_copy(update=update)
     return [wanted[k] for k in sorted(wanted, key=str)]
 
 
@@ -190,6 +201,39 @@ def _bounds(lo_i: int, hi_i: int, vals: List[int], open_lo: bool = False,
     else:
         hi = None if open_hi else vals[-1]
     return lo, hi
+
+
+def _line_bounds(label: str, at: Dict[Tuple[int, int], str], spans_b: List[int], spans_l: List[int],
+                 keep_off: set) -> Optional[Tuple[Optional[int], Optional[int], Optional[int], Optional[int]]]:
+    """Bounds from the points measured on the rule's own lines (joined or refined runs leave holes: a
+    batch measured only at other lengths says nothing about where the switch lies at these lengths).
+
+    None when the box would take in a cell that must stay off this arm; the caller then uses the group's
+    grid values, which cannot.
+    """
+    b_lo, b_hi, l_lo, l_hi = spans_b[0], spans_b[-1], spans_l[0], spans_l[-1]
+    on_l = sorted({b for (b, n) in at if l_lo <= n <= l_hi})
+    on_b = sorted({n for (b, n) in at if b_lo <= b <= b_hi})
+
+    def axis(vals: List[int], lo_v: int, hi_v: int, lo_edge: bool, hi_edge: bool
+             ) -> Tuple[Optional[int], Optional[int]]:
+        below = [v for v in vals if v < lo_v]
+        above = [v for v in vals if v > hi_v]
+        lo = split_point(below[-1], lo_v) + 1 if below else (None if lo_edge else lo_v)
+        hi = split_point(hi_v, above[0]) if above else (None if hi_edge else hi_v)
+        return lo, hi
+
+    def edge_of(points) -> bool:
+        return _edge_is(label, at, points)
+
+    min_b, max_b = axis(on_l, b_lo, b_hi, edge_of((b_lo, n) for n in spans_l),
+                        edge_of((b_hi, n) for n in spans_l))
+    min_l, max_l = axis(on_b, l_lo, l_hi, edge_of((b, l_lo) for b in spans_b),
+                        edge_of((b, l_hi) for b in spans_b))
+    inside = lambda v, lo, hi: (lo is None or v >= lo) and (hi is None or v <= hi)  # noqa: E731
+    if any(inside(b, min_b, max_b) and inside(n, min_l, max_l) for (b, n) in keep_off):
+        return None
+    return min_b, max_b, min_l, max_l
 
 
 def arm_order(report: BenchReport) -> Tuple[List[str], List[str]]:
@@ -258,12 +302,13 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
                 # beyond, where the default arm would otherwise be a guess
                 edge = lambda pts: _edge_is(label, at, pts)  # noqa: E731
                 spans_l, spans_b = l_vals[li0:li1 + 1], b_vals[bi0:bi1 + 1]
-                lo, hi = _bounds(bi0, bi1, b_vals, edge((b_vals[0], n) for n in spans_l),
-                                 edge((b_vals[-1], n) for n in spans_l))
-                rule.update(min_batch=lo, max_batch=hi)
-                lo, hi = _bounds(li0, li1, l_vals, edge((b, l_vals[0]) for b in spans_b),
-                                 edge((b, l_vals[-1]) for b in spans_b))
-                rule.update(min_kv_len=lo, max_kv_len=hi)
+                bounds = _line_bounds(label, at, spans_b, spans_l, keep_off)
+                if bounds is None:  # the group's own grid values: safe against every cell (see _line_bounds)
+                    bounds = (_bounds(bi0, bi1, b_vals, edge((b_vals[0], n) for n in spans_l),
+                                      edge((b_vals[-1], n) for n in spans_l))
+                              + _bounds(li0, li1, l_vals, edge((b, l_vals[0]) for b in spans_b),
+                                        edge((b, l_vals[-1]) for b in spans_b)))
+                rule.update(min_batch=bounds[0], max_batch=bounds[1], min_kv_len=bounds[2], max_kv_len=bounds[3])
                 # min_batch = 1 and min_kv_len = 0 say nothing: leave them out
                 rule = {k: v for k, v in rule.items()
                         if v is not None and (k, v) not in (("min_batch", 1), ("min_kv_len", 0))}

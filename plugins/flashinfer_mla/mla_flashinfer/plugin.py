@@ -164,7 +164,7 @@ class _Slot:
 
 
 class _ViewCache:
-    """Views of long-lived tensors (per-layer caches, output buffers), made once per tensor object.
+    """Views of long-lived tensors (the per-layer caches), made once per tensor object.
 
     Keyed by id with a weak reference whose callback drops the entry when the
     tensor dies, so the cached views never keep a freed cache's storage alive
@@ -228,13 +228,16 @@ class FAPlanned(Planned):
     """One step of fa2/fa3. `launch="direct"`: the kernel launcher with the plan's arguments and views of
     the caller's tensors (caches and buffers viewed once per tensor); `launch="wrapper"`: wrapper.run."""
 
-    __slots__ = ("slot", "generation", "rows", "num_heads", "scales", "direct", "latent", "views")
+    __slots__ = ("slot", "generation", "rows", "num_heads", "scales", "direct", "latent", "views", "last_out")
 
     def __init__(self, slot: _Slot, generation: int, rows: int, num_heads: int, scales: Dict[str, float],
                  direct: Optional[Dict[str, Any]] = None, latent: int = 512, views: Optional[_ViewCache] = None
                  ) -> None:
         self.slot, self.generation, self.rows, self.num_heads, self.scales = slot, generation, rows, num_heads, scales
         self.direct, self.latent, self.views = direct, latent, views
+        # (out, lse, out view, lse view) of the previous run of this plan: engines pass the same buffers to
+        # every layer of a step; a new plan is a new object, so a buffer resized between steps is viewed afresh
+        self.last_out: tuple = (None, None, None, None)
 
     def run(self, q: Any, kv_cache: Any, out: torch.Tensor, lse: Optional[torch.Tensor],
             kv_scale: Any = None, q_scale: Any = None) -> None:
@@ -283,17 +286,14 @@ class FAPlanned(Planned):
             kv = views.get(kv_cache)
             if kv is None:
                 kv = views.put(kv_cache, kv_cache.detach().split(latent, -1))
-        o = views.get(out)
-        if o is None:
-            o = views.put(out, out.detach().view(rows, heads, latent))
-        lv = None
-        if lse is not None:
-            lv = views.get(lse)
-            if lv is None:
-                lv = views.put(lse, lse.detach().view(rows, heads))
+        last_out, last_lse, o, lv = self.last_out
+        if out is not last_out or lse is not last_lse:
+            o = out.view(rows, heads, latent)
+            lv = None if lse is None else lse.view(rows, heads)
+            self.last_out = (out, lse, o, lv)
         scale = 1.0
         if kv_scale is not None:
-            scale = kv_scale
+            scale = float(kv_scale)
         elif self.scales:
             scale = self.scales["ckv_scale"]
         d["run"](d["fws"], d["iws"], d["plan_info"], qn, qp, kv[0], kv[1], d["kv_indices"], o, lv, d["mask"],
@@ -323,6 +323,8 @@ class TrtllmGenPlanned(Planned):
         # info() lists split layouts for the whole backend (fa2/fa3 take them); trtllm-gen takes packed tensors only
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
+        elif not q.is_contiguous():  # info() says strided q is fine (fa2/fa3); trtllm-gen gets a packed copy
+            q = q.contiguous()
         if isinstance(kv_cache, tuple):
             kv_cache = torch.cat(kv_cache, dim=-1)
         bmm1, bmm2 = self.bmm1_scale, self.bmm2_scale
@@ -354,7 +356,7 @@ class FlashInferSession(Session):
         self._workspace: Optional[torch.Tensor] = None
         self._slots: Dict[tuple, _Slot] = {}
         self._graph_bufs: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # trtllm-gen in graph mode
-        self._views = _ViewCache()  # fa2/fa3 direct launch: views of caches and buffers, once per tensor
+        self._views = _ViewCache()  # fa2/fa3 direct launch: (ckv, kpe) views of each packed cache, once
 
     def _ws(self) -> torch.Tensor:
         import torch
