@@ -2,12 +2,7 @@
 # On the H200 (devpack set up, env.sh sourced): the cute_dsl_mla GPU tests (kernel, conformance, disk cache)
 # and the engine-interface GPU tests; then the tuned policy (re-tuned from docs/results/h200_tune_bench.json,
 # no measuring) validated against every arm on the second off-grid grid.
-set -o pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-pip install -q --no-deps --no-build-isolation --target /tmp/projsite . plugins/flashinfer_mla plugins/cute_dsl_mla 2>&1 | grep -v WARNING | tail -2
-export PYTHONPATH=/tmp/projsite:$PYTHONPATH
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/project_env.sh"
 start=$(date +%s)
 timeout ${TEST_TIMEOUT:-260} python -m pytest -q -p no:cacheprovider -m gpu -rfs plugins/cute_dsl_mla/tests tests/test_engine_interface_gpu.py 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -30

@@ -3,12 +3,7 @@
 # plugins; run the GPU tests of cute_dsl_mla (kernel tests + conformance) and
 # of the engine interface; time cute_dsl_mla beside FlashInfer fa3 and fa2
 # with `mla bench`; measure the decoder's run overhead.
-set -o pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-pip install -q --no-deps --no-build-isolation --target /tmp/projsite . plugins/flashinfer_mla plugins/cute_dsl_mla 2>&1 | grep -v WARNING | tail -2
-export PYTHONPATH=/tmp/projsite:$PYTHONPATH
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/project_env.sh"
 timeout ${TEST_TIMEOUT:-240} python -m pytest -q -p no:cacheprovider -m gpu -rfs plugins/cute_dsl_mla/tests tests/test_engine_interface_gpu.py 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -30
 [ "${BENCH_TIMEOUT:-200}" = 0 ] || timeout ${BENCH_TIMEOUT:-200} python -m mlacore bench --device cuda --grid benchmarks/grids/kernel_targets.toml \

@@ -2,12 +2,9 @@
 # On nvidia-h200-x2 (devpack set up, env.sh sourced): 2 ranks, NCCL, FlashInfer fa3 with CUDA
 # graphs per rank, checked against one process running every head; then a rank given another
 # policy must stop both ranks with the mismatch named. NVLink multicast stays off.
-set -o pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-pip install -q --no-deps --no-build-isolation --target /tmp/projsite . plugins/flashinfer_mla 2>&1 | grep -v WARNING | tail -1
-export PYTHONPATH=/tmp/projsite:$PYTHONPATH NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
+PLUGINS="plugins/flashinfer_mla"
+source "$(dirname "$0")/project_env.sh"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 printf '[mla]\norder = ["flashinfer_mla"]\nfallback = "error"\n\n[backend.flashinfer_mla.options]\nvariant = "fa3"\n' > /tmp/fa3.toml
 sed 's/fa3/fa2/' /tmp/fa3.toml > /tmp/fa2.toml
 MLA_POLICY=/tmp/fa3.toml timeout 200 python examples/tp_decode.py --world-size 2 --device cuda --heads 128 \

@@ -2,12 +2,7 @@
 # On the H200 (devpack set up, env.sh sourced): `mla tune` over fa3, fa2 and
 # cute_dsl_mla on benchmarks/grids/h200_tune.toml, the written policy then
 # validated against every arm on the off-grid benchmarks/grids/h200_offgrid.toml.
-set -o pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-pip install -q --no-deps --no-build-isolation --target /tmp/projsite . plugins/flashinfer_mla plugins/cute_dsl_mla 2>&1 | grep -v WARNING | tail -2
-export PYTHONPATH=/tmp/projsite:$PYTHONPATH
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/project_env.sh"
 cp mlacore/default_policy.toml "$OUT/h200_tuned_mla.toml"
 start=$(date +%s)
 timeout ${TUNE_TIMEOUT:-560} python -m mlacore tune --device cuda --grid benchmarks/grids/h200_tune.toml \

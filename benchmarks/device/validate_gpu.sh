@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # On the H200 (devpack set up, env.sh sourced): the policy tuned from the three stored runs (no measuring)
 # validated against every arm on a grid measured now, in a separate pass after the rules are written.
-set -o pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-pip install -q --no-deps --no-build-isolation --target /tmp/projsite . plugins/flashinfer_mla plugins/cute_dsl_mla 2>&1 | grep -v WARNING | tail -2
-export PYTHONPATH=/tmp/projsite:$PYTHONPATH
+source "$(dirname "$0")/project_env.sh"
 cp mlacore/default_policy.toml "$OUT/h200_tuned_mla.toml"
 start=$(date +%s)
 timeout ${TUNE_TIMEOUT:-280} python -m mlacore tune --from docs/results/h200_tune_bench.json \

@@ -3,6 +3,8 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Kernels compiled by the tests go to a per-session disk cache: a fresh temp dir
@@ -19,3 +21,17 @@ os.environ.pop("MLA_CUTE_DSL_DISK_CACHE", None)
 def pytest_sessionfinish(session, exitstatus):
     if not _KEEP:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A private disk cache and an empty in-process cache, restored afterwards."""
+    from mla_cute_dsl.kernels import disk_cache, kernel_cache
+
+    d = tmp_path / "kcache"
+    monkeypatch.setenv(disk_cache.ENV_DIR, str(d))
+    monkeypatch.delenv(disk_cache.ENV_ENABLE, raising=False)
+    monkeypatch.setattr(kernel_cache, "_memory", {})
+    monkeypatch.setattr(kernel_cache, "_origin", {})
+    monkeypatch.setattr(kernel_cache, "_stats", dict.fromkeys(kernel_cache._stats, 0))
+    return d

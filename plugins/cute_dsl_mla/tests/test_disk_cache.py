@@ -39,16 +39,6 @@ def _has_cutlass() -> bool:
 needs_cutlass = pytest.mark.skipif(not _has_cutlass(), reason="nvidia-cutlass-dsl not installed")
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """A private disk cache and an empty in-process cache, restored afterwards."""
-    d = tmp_path / "kcache"
-    monkeypatch.setenv(disk_cache.ENV_DIR, str(d))
-    monkeypatch.delenv(disk_cache.ENV_ENABLE, raising=False)
-    monkeypatch.setattr(kernel_cache, "_memory", {})
-    monkeypatch.setattr(kernel_cache, "_origin", {})
-    monkeypatch.setattr(kernel_cache, "_stats", dict.fromkeys(kernel_cache._stats, 0))
-    return d
 
 
 def _entries(d: Path):

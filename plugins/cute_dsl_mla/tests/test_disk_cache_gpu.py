@@ -35,16 +35,11 @@ needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an SM90 GPU")
 
 
 @needs_sm90
-def test_kernel_loaded_from_disk_in_another_process_is_bit_equal(tmp_path, monkeypatch):
+def test_kernel_loaded_from_disk_in_another_process_is_bit_equal(cache_dir, tmp_path):
     from mla_cute_dsl.kernels import cache_key, disk_cache, kernel_cache
     from mla_cute_dsl.kernels.schedule import block_m_for
 
-    cache = tmp_path / "kcache"
-    monkeypatch.setenv(disk_cache.ENV_DIR, str(cache))
-    monkeypatch.delenv(disk_cache.ENV_ENABLE, raising=False)
-    monkeypatch.setattr(kernel_cache, "_memory", {})
-    monkeypatch.setattr(kernel_cache, "_origin", {})
-    monkeypatch.setattr(kernel_cache, "_stats", dict.fromkeys(kernel_cache._stats, 0))
+    cache = cache_dir  # private disk cache, empty in-process cache (conftest)
 
     ref = [child.run_case(c) for c in child.CASES]
     specs = []
