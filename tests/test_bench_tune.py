@@ -515,3 +515,38 @@ def test_joining_runs_refuses_another_machine_or_stack_and_keeps_the_later_row()
     joined = _join_reports([a, b], ["a.json", "b.json"])
     assert len(joined.rows) == len(a.rows)
     assert set(winners(joined).values()) == {"X:variant=fa3"}  # the later run's times
+
+
+def test_rules_route_every_cell_to_its_winner_on_random_reports_with_holes_ties_and_failures():
+    """Property: on reports with holes (joined runs), near-ties, wrong and skipped arms, tune() writes rules
+    that the dispatcher's own matching routes to each measured cell's winner (tune() checks it and would
+    raise TuneError otherwise)."""
+    import random
+
+    arms = ["A", "B", "X:variant=fa2", "X:variant=fa3"]
+    for seed in range(40):
+        rng = random.Random(seed)
+        rows = []
+        bs = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64, 128], rng.randint(2, 5)))
+        ls = sorted(rng.sample([256, 1024, 4096, 16384, 65536], rng.randint(2, 4)))
+        for h in rng.sample([16, 64, 128], rng.randint(1, 2)):
+            for b in bs:
+                for n in ls:
+                    if rng.random() < 0.2:
+                        continue
+                    p = DecodeProblem(num_heads=h, batch_size=b, min_kv_len=n, max_kv_len=n, page_size=64,
+                                      device=CPU)
+                    base = rng.uniform(10, 20)
+                    for a in arms:
+                        r = rng.random()
+                        if r < 0.05:
+                            rows.append(BenchRow(a, p, "wrong"))
+                        elif r < 0.1:
+                            rows.append(BenchRow(a, p, "skipped"))
+                        else:
+                            rows.append(BenchRow(a, p, "ok", time_us=base * (1 + rng.choice([0, 0.01, 0.029, 0.2]))))
+        report = BenchReport(rows, CEIL, "rand", {"gpu": "T"}, "2026-01-01")
+        if not winners(report):
+            continue
+        text, cells = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+        assert all(w == routed for w, routed in cells.values()), seed
