@@ -183,57 +183,44 @@ def split_point(lo: int, hi: int) -> int:
     return max(lo, math.isqrt(lo * hi))
 
 
-def _bounds(lo_i: int, hi_i: int, vals: List[int], open_lo: bool = False,
-            open_hi: bool = False) -> Tuple[Optional[int], Optional[int]]:
-    """Bounds of a rule covering grid points vals[lo_i..hi_i].
+def _axis_bounds(vals: List[int], lo_v: int, hi_v: int, open_lo: bool,
+                 open_hi: bool) -> Tuple[Optional[int], Optional[int]]:
+    """Bounds on one axis of a rule covering lo_v..hi_v, given the values measured on that axis.
 
-    Between grid points the bound sits at the geometric midpoint to the next
-    point outside the rule. At the edge of the measured region the rule stops
-    at the last point measured, unless `open_lo`/`open_hi` says that the same
-    arm wins the whole edge, so reaching past it is a measured trend.
+    Next to a measured value outside the rule the bound sits at the geometric
+    midpoint, where the winner changes hands. With nothing measured beyond, the
+    rule stops at its last point unless `open_lo`/`open_hi` says that its arm
+    wins that whole edge of the rule, so reaching past it is a measured trend.
     """
-    if lo_i > 0:
-        lo: Optional[int] = split_point(vals[lo_i - 1], vals[lo_i]) + 1
-    else:
-        lo = None if open_lo else vals[0]
-    if hi_i + 1 < len(vals):
-        hi: Optional[int] = split_point(vals[hi_i], vals[hi_i + 1])
-    else:
-        hi = None if open_hi else vals[-1]
+    below = [v for v in vals if v < lo_v]
+    above = [v for v in vals if v > hi_v]
+    lo = split_point(below[-1], lo_v) + 1 if below else (None if open_lo else lo_v)
+    hi = split_point(hi_v, above[0]) if above else (None if open_hi else hi_v)
     return lo, hi
 
 
-def _line_bounds(label: str, at: Dict[Tuple[int, int], str], spans_b: List[int], spans_l: List[int],
-                 keep_off: set) -> Optional[Tuple[Optional[int], Optional[int], Optional[int], Optional[int]]]:
-    """Bounds from the points measured on the rule's own lines (joined or refined runs leave holes: a
-    batch measured only at other lengths says nothing about where the switch lies at these lengths).
+def _rule_box(label: str, at: Dict[Tuple[int, int], str], spans_b: List[int], spans_l: List[int],
+              keep_off: set, b_vals: List[int], l_vals: List[int]
+              ) -> Tuple[Optional[int], Optional[int], Optional[int], Optional[int]]:
+    """(min_batch, max_batch, min_kv_len, max_kv_len) of a rule over the grid points spans_b x spans_l.
 
-    None when the box would take in a cell that must stay off this arm; the caller then uses the group's
-    grid values, which cannot.
+    Neighbours come first from the points measured on the rule's own lines (joined or refined runs leave
+    holes: a batch measured only at other lengths says nothing about where the switch lies at these
+    lengths); if that box would take in a cell that must stay off this arm, from the group's grid values
+    `b_vals`/`l_vals`, which cannot (a midpoint never passes the next grid value).
     """
     b_lo, b_hi, l_lo, l_hi = spans_b[0], spans_b[-1], spans_l[0], spans_l[-1]
-    on_l = sorted({b for (b, n) in at if l_lo <= n <= l_hi})
-    on_b = sorted({n for (b, n) in at if b_lo <= b <= b_hi})
+    edges = (_edge_is(label, at, ((b_lo, n) for n in spans_l)), _edge_is(label, at, ((b_hi, n) for n in spans_l)),
+             _edge_is(label, at, ((b, l_lo) for b in spans_b)), _edge_is(label, at, ((b, l_hi) for b in spans_b)))
 
-    def axis(vals: List[int], lo_v: int, hi_v: int, lo_edge: bool, hi_edge: bool
-             ) -> Tuple[Optional[int], Optional[int]]:
-        below = [v for v in vals if v < lo_v]
-        above = [v for v in vals if v > hi_v]
-        lo = split_point(below[-1], lo_v) + 1 if below else (None if lo_edge else lo_v)
-        hi = split_point(hi_v, above[0]) if above else (None if hi_edge else hi_v)
-        return lo, hi
+    def box(bs: List[int], ls: List[int]) -> tuple:
+        return _axis_bounds(bs, b_lo, b_hi, edges[0], edges[1]) + _axis_bounds(ls, l_lo, l_hi, edges[2], edges[3])
 
-    def edge_of(points) -> bool:
-        return _edge_is(label, at, points)
-
-    min_b, max_b = axis(on_l, b_lo, b_hi, edge_of((b_lo, n) for n in spans_l),
-                        edge_of((b_hi, n) for n in spans_l))
-    min_l, max_l = axis(on_b, l_lo, l_hi, edge_of((b, l_lo) for b in spans_b),
-                        edge_of((b, l_hi) for b in spans_b))
+    on_lines = box(sorted({b for (b, n) in at if l_lo <= n <= l_hi}), sorted({n for (b, n) in at if b_lo <= b <= b_hi}))
     inside = lambda v, lo, hi: (lo is None or v >= lo) and (hi is None or v <= hi)  # noqa: E731
-    if any(inside(b, min_b, max_b) and inside(n, min_l, max_l) for (b, n) in keep_off):
-        return None
-    return min_b, max_b, min_l, max_l
+    if any(inside(b, *on_lines[:2]) and inside(n, *on_lines[2:]) for (b, n) in keep_off):
+        return box(b_vals, l_vals)
+    return on_lines
 
 
 def arm_order(report: BenchReport) -> Tuple[List[str], List[str]]:
@@ -300,14 +287,7 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
                 # reach past the grid on an axis only where this arm wins every measured cell of the
                 # rule's own edge there (its span on the other axis): the nearest evidence for the cells
                 # beyond, where the default arm would otherwise be a guess
-                edge = lambda pts: _edge_is(label, at, pts)  # noqa: E731
-                spans_l, spans_b = l_vals[li0:li1 + 1], b_vals[bi0:bi1 + 1]
-                bounds = _line_bounds(label, at, spans_b, spans_l, keep_off)
-                if bounds is None:  # the group's own grid values: safe against every cell (see _line_bounds)
-                    bounds = (_bounds(bi0, bi1, b_vals, edge((b_vals[0], n) for n in spans_l),
-                                      edge((b_vals[-1], n) for n in spans_l))
-                              + _bounds(li0, li1, l_vals, edge((b, l_vals[0]) for b in spans_b),
-                                        edge((b, l_vals[-1]) for b in spans_b)))
+                bounds = _rule_box(label, at, b_vals[bi0:bi1 + 1], l_vals[li0:li1 + 1], keep_off, b_vals, l_vals)
                 rule.update(min_batch=bounds[0], max_batch=bounds[1], min_kv_len=bounds[2], max_kv_len=bounds[3])
                 # min_batch = 1 and min_kv_len = 0 say nothing: leave them out
                 rule = {k: v for k, v in rule.items()
