@@ -612,40 +612,12 @@ def _refine(args: argparse.Namespace, report):
 
 
 def _join_reports(reports: list, paths: List[str]):
-    """One report from several runs on one machine and software stack.
+    from .tune import TuneError, join_reports
 
-    Runs that differ in GPU, capability, driver, torch or a backend's version
-    are refused: their times are not comparable, and the tuned file records one
-    fingerprint. A cell and arm measured twice keeps the later run's row (cells
-    are keyed as the rules see them: heads, s_q, dtypes, page, batch, length).
-    """
-    if len(reports) == 1:
-        return reports[0]
-    from .bench import BenchReport
-    from .tune import _cell
-
-    first = reports[0].fingerprint
-    for path, rep in zip(paths[1:], reports[1:]):
-        fp = rep.fingerprint
-        for key in ("gpu", "capability", "driver", "torch"):
-            if str(fp.get(key)) != str(first.get(key)):
-                raise CLIError(f"--from: {path} was measured with {key}={fp.get(key)}, {paths[0]} with "
-                               f"{key}={first.get(key)}: runs to join must come from one machine and stack")
-        mine, theirs = first.get("backends") or {}, fp.get("backends") or {}
-        for name in sorted(set(mine) & set(theirs)):
-            if mine[name] != theirs[name]:
-                raise CLIError(f"--from: {path} was measured with {name} {theirs[name]}, {paths[0]} with "
-                               f"{mine[name]}: runs to join must come from one machine and stack")
-    rows: Dict[tuple, Any] = {}
-    for rep in reports:
-        for row in rep.rows:
-            rows[(_cell(row.problem), row.backend)] = row
-    backends = {}
-    for rep in reports:
-        backends.update(rep.fingerprint.get("backends") or {})
-    fingerprint = dict(first, backends=backends) if backends else dict(first)
-    return BenchReport(list(rows.values()), reports[0].ceilings, " + ".join(r.grid for r in reports),
-                       fingerprint, max(r.date for r in reports))
+    try:
+        return join_reports(reports, paths)
+    except TuneError as err:
+        raise CLIError(f"--from: {err}") from None
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

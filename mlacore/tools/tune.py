@@ -82,6 +82,40 @@ def winners(report: BenchReport, tie: float = TIE) -> Dict[tuple, str]:
     return out
 
 
+def join_reports(reports: List[BenchReport], names: Sequence[str]) -> BenchReport:
+    """One report from several runs on one machine and software stack (`mla tune --from A --from B`,
+    and each `--refine` round joined to the grid).
+
+    Runs that differ in GPU, capability, driver, torch or a backend's version
+    are refused (TuneError): their times are not comparable, and the tuned file
+    records one fingerprint. A cell and arm measured twice keeps the later
+    run's row (cells keyed as the rules see them).
+    """
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0].fingerprint
+    for name, rep in zip(names[1:], reports[1:]):
+        fp = rep.fingerprint
+        for key in ("gpu", "capability", "driver", "torch"):
+            if str(fp.get(key)) != str(first.get(key)):
+                raise TuneError(f"{name} was measured with {key}={fp.get(key)}, {names[0]} with "
+                                f"{key}={first.get(key)}: runs to join must come from one machine and stack")
+        mine, theirs = first.get("backends") or {}, fp.get("backends") or {}
+        for backend in sorted(set(mine) & set(theirs)):
+            if mine[backend] != theirs[backend]:
+                raise TuneError(f"{name} was measured with {backend} {theirs[backend]}, {names[0]} with "
+                                f"{mine[backend]}: runs to join must come from one machine and stack")
+    rows: Dict[tuple, object] = {}
+    backends: Dict[str, object] = {}
+    for rep in reports:
+        backends.update(rep.fingerprint.get("backends") or {})
+        for row in rep.rows:
+            rows[(_cell(row.problem), row.backend)] = row
+    fingerprint = dict(first, backends=backends) if backends else dict(first)
+    return BenchReport(list(rows.values()), reports[0].ceilings, " + ".join(r.grid for r in reports),
+                       fingerprint, max(r.date for r in reports))
+
+
 def refine_problems(report: BenchReport, min_ratio: float = 1.5) -> List[DecodeProblem]:
     """The cells to measure next so that a switch of winner is placed where it happens.
 
