@@ -166,6 +166,38 @@ class BackendConformance:
         with pytest.raises(StalePlanError):
             decoder.run(inputs.q, inputs.kv_cache, plan)
 
+    def test_outputs_the_decoder_allocates_are_not_kept_alive(self) -> None:
+        """out/lse that run allocates belong to the caller: once the caller drops them, nothing the backend
+        remembered (a cached view of them, say) may keep their memory. torch.compile's CUDA graphs
+        (mode="reduce-overhead") refuse a run op whose outputs stay alive in their pool."""
+        import gc
+        import weakref
+
+        self._require_device()
+        dispatcher = self.dispatcher()
+        problem = self.problem(batch_size=3, min_kv_len=1)
+        if not self.takes(dispatcher, problem):
+            pytest.skip(f"{self.backend} does not take {problem.describe()}")
+        inputs = make_inputs(problem, self.device, seed=5)
+        cuda = self.device == "cuda"
+        with self.decoder(problem, inputs, dispatcher) as decoder:
+            plan = decoder.plan(inputs.kv_lens, inputs.page_table, problem.seq_len_q)
+            decoder.run(inputs.q, inputs.kv_cache, plan)  # first run: lazy workspaces, compiled kernels
+            if cuda:
+                torch.cuda.synchronize()
+            gc.collect()
+            before = torch.cuda.memory_allocated() if cuda else 0
+            for _ in range(3):  # several layers, each with outputs the decoder allocates
+                out, lse = decoder.run(inputs.q, inputs.kv_cache, plan)
+                refs = [weakref.ref(t) for t in (out, lse) if t is not None]
+                del out, lse
+                assert all(r() is None for r in refs), f"{self.backend} keeps run's outputs alive"
+            if cuda:
+                torch.cuda.synchronize()
+                after = torch.cuda.memory_allocated()
+                assert after == before, (f"{self.backend}: {after - before} bytes still allocated after the "
+                                         "caller dropped three runs' outputs")
+
     def test_unknown_option_is_a_policy_error(self) -> None:
         data = {"mla": {"order": [self.backend], "fallback": "error"},
                 "backend": {self.backend: {"options": {**self.options, "no_such_option_xyz": 1}}}}

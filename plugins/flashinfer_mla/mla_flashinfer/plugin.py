@@ -241,16 +241,16 @@ class FAPlanned(Planned):
     """One step of fa2/fa3. `launch="direct"`: the kernel launcher with the plan's arguments and views of
     the caller's tensors (caches and buffers viewed once per tensor); `launch="wrapper"`: wrapper.run."""
 
-    __slots__ = ("slot", "generation", "rows", "num_heads", "scales", "direct", "latent", "views", "last_out")
+    __slots__ = ("slot", "generation", "rows", "num_heads", "scales", "direct", "latent", "views")
 
     def __init__(self, slot: _Slot, generation: int, rows: int, num_heads: int, scales: Dict[str, float],
                  direct: Optional[DirectLaunch] = None, latent: int = 512, views: Optional[_ViewCache] = None
                  ) -> None:
         self.slot, self.generation, self.rows, self.num_heads, self.scales = slot, generation, rows, num_heads, scales
         self.direct, self.latent, self.views = direct, latent, views
-        # (out, lse, out view, lse view) of the previous run of this plan: engines pass the same buffers to
-        # every layer of a step; a new plan is a new object, so a buffer resized between steps is viewed afresh
-        self.last_out: tuple = (None, None, None, None)
+        # out/lse are viewed on every run, never remembered: a remembered view keeps its buffer's memory
+        # alive, and under torch.compile's CUDA graphs (mode="reduce-overhead") an output the decoder
+        # allocated inside the graph pool must be freed with its last user (found on the H200)
 
     def run(self, q: Any, kv_cache: Any, out: torch.Tensor, lse: Optional[torch.Tensor],
             kv_scale: Any = None, q_scale: Any = None) -> None:
@@ -299,11 +299,8 @@ class FAPlanned(Planned):
             kv = views.get(kv_cache)
             if kv is None:
                 kv = views.put(kv_cache, kv_cache.detach().split(latent, -1))
-        last_out, last_lse, o, lv = self.last_out
-        if out is not last_out or lse is not last_lse:
-            o = out.view(rows, heads, latent)
-            lv = None if lse is None else lse.view(rows, heads)
-            self.last_out = (out, lse, o, lv)
+        o = out.view(rows, heads, latent)
+        lv = None if lse is None else lse.view(rows, heads)
         scale = 1.0
         if kv_scale is not None:
             scale = float(kv_scale)
