@@ -71,6 +71,19 @@ def test_wgmma_against_fp64_reference(B, s_q, S, H, varlen):
 
 
 @needs_sm90
+def test_wgmma_page_size_256():
+    """Pages of 4 KV blocks: the in-page block offset (n % blocks_per_page) and
+    NaN page tails inside a page; no other GPU test uses page_size > 64."""
+    case = make_case(3, 2, 128, 1000, torch.bfloat16, varlen=True, page=256,
+                     seed=random.randrange(1 << 30))
+    out = torch.full((3, 2, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((3, 2, 128), float("nan"), dtype=torch.float32, device="cuda")
+    run_wgmma(case, out, lse)
+    torch.cuda.synchronize()
+    check(case, out, lse)
+
+
+@needs_sm90
 @pytest.mark.parametrize("B,s_q,H,S", [(2, 1, 128, 4096), (2, 2, 64, 1000)])
 def test_wgmma_large_magnitude_q(B, s_q, H, S):
     case = make_case(B, s_q, H, S, torch.bfloat16, varlen=False, q_std=100.0,

@@ -312,9 +312,14 @@ class MLADecodePartialWGMMA:
             cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
             tKcK = thr_g2s.partition_S(cKV)
             tKsK = thr_g2s.partition_D(sK)  # (CPY, N, K, STAGES)
-            # the first KV tile joins Q's commit group
-            self.load_tile(g2s, thr_g2s, mKV, mPT, b, n_start, 0, blocks_per_page, kv_len,
-                           tKcK, tKsK)
+            # the first KV tile joins Q's commit group.  Guarded: an item with no
+            # tile (kv_len 0; the schedule makes none today, but the kernel must
+            # not depend on it) would read a page-table entry that may not exist
+            # (max_pages can be 0) and load from a garbage page.  With no tile the
+            # loop below is skipped and the epilogue writes out 0 / lse -inf.
+            if n_start < n_end:
+                self.load_tile(g2s, thr_g2s, mKV, mPT, b, n_start, 0, blocks_per_page, kv_len,
+                               tKcK, tKsK)
             cute.arch.cp_async_commit_group()
 
             # ---------------- per-warpgroup MMA partitions ----------------
