@@ -1,0 +1,573 @@
+"""SM90 MLA decode, split-KV partial kernel with WGMMA (prototype, H*s_q >= 64).
+
+Status: compiles for sm_90a on the CPU; NOT yet run on a GPU.  ``api.py``
+does not use it; ``tests/test_wgmma_compile.py`` compiles it and
+``tests/test_wgmma_gpu.py`` checks it against fp64 once a GPU is at hand.
+
+Same host interface as ``sm90_decode.MLADecodePartial`` (same arguments, same
+work items, same partial buffers, same combine kernel), so ``api.py`` can pick
+it per specialization later.  Only BLOCK_M = 64 and a KV cache in the q dtype
+(bf16 / fp16) for now.
+
+Why: with H = 128 the decode is compute-bound (FLOPs/byte ~ 2 * s_q * H) and
+the mma.sync kernel stops at ~260 TFLOP/s: every 16x8x16 MMA re-loads its
+operands through ldmatrix into registers, so shared-memory -> register traffic
+and issue slots, not the tensor cores, set the pace.  WGMMA reads Q, K and V
+straight from shared memory through descriptors (64 x N x 16 per instruction,
+issued by a whole warpgroup), which is how FlashMLA and FlashInfer fa3 reach
+~600 TFLOP/s.
+
+Schedule (FlashMLA's first SM90 kernel, not yet the "seesaw" one):
+
+* CTA = 2 warpgroups (256 threads), one 64-row Q tile (``s_q * H`` rows packed,
+  row r = query ``r // H``, head ``r % H``), one work item (a range of 64-token
+  KV blocks of one request, ``schedule.py``).  The output tile 64 x 512 fp32 is
+  32768 registers: too many for one warpgroup, so warpgroup 0 owns O[:, :256]
+  and warpgroup 1 owns O[:, 256:] (128 fp32 accumulators per thread each).
+* Per KV tile n (64 tokens, 576 columns, in smem buffer n % 2):
+    all: wait for tile n (cp.async), barrier, start cp.async of tile n+1
+    WG0: S = Q K^T           WGMMA SS 64x64x576 (Q and K K-major in smem)
+         mask, online softmax in registers; P (bf16) -> sP, rescale -> sScale
+         arrive on the "P ready" named barrier
+         O_L = O_L * scale + P V[:, :256]     WGMMA RS (P stays in registers)
+    WG1: wait on "P ready"
+         O_R = O_R * sScale + sP V[:, 256:]   WGMMA SS (P from smem)
+  V is the first 512 columns of the K tile, read MN-major from the same smem
+  (a K-major SW128 K tile *is* an MN-major SW128 V^T tile: same bytes, see
+  ``_smem_layouts``), so nothing is copied or transposed.
+* S is computed once (no redundant QK): QK is 53% of the FLOPs
+  (576 / (576 + 512)) and doing it in both warpgroups would cost 1.5x.
+  The price is an imbalance: WG0 issues QK + half of PV, WG1 half of PV.
+  FlashMLA's later "seesaw" schedule (two KV tiles in flight, each warpgroup
+  computes S for one of them and exchanges P) removes that; it needs a third
+  72 KB tile or P stored over the dead RoPE columns of K, see NOTES.md.
+* KV loads: cp.async, 16 B per thread-copy, 256 threads, one page-table read
+  per tile (a 64-token block never crosses a page, page_size % 64 == 0).
+  Rows past kv_len are zero-filled in smem: page tails may hold NaN and
+  0 * NaN = NaN in P V.  (Why not TMA yet: see NOTES.md.)  cp.async writes go
+  through the generic proxy while WGMMA reads through the async proxy, hence
+  ``fence_view_async_shared`` after each wait and before the barrier.
+* Rows past ``s_q * H`` are zero in sQ and never written.  Masked scores are
+  -inf; fully masked rows give out = 0 and lse = -inf (same contract as the
+  mma.sync kernel).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+D_QK = 576
+D_V = 512
+BLOCK_M = 64
+BLOCK_N = 64
+D_V_HALF = D_V // 2  # output columns per math warpgroup
+WG_THREADS = 128
+NUM_THREADS = 2 * WG_THREADS
+STAGES = 2  # K/V tiles in smem (double buffering)
+BAR_P_READY = 1  # named barrier: WG0 arrives after writing sP/sScale, WG1 syncs
+SMEM_LIMIT = 232448  # bytes of dynamic smem per CTA on SM90 (227 KB)
+
+
+def _quad_max(v):
+    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=2, mask=-1, mask_and_clamp=31))
+    v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=1, mask=-1, mask_and_clamp=31))
+    return v
+
+
+def _quad_sum(v):
+    v = v + cute.arch.shuffle_sync_bfly(v, offset=2, mask=-1, mask_and_clamp=31)
+    v = v + cute.arch.shuffle_sync_bfly(v, offset=1, mask=-1, mask_and_clamp=31)
+    return v
+
+
+def _acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """View a WGMMA C fragment ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols).
+
+    Per thread of a warpgroup, a 64 x N accumulator holds 2 rows (r, r + 8 of
+    its warp's 16) and, per 8-column block, 2 adjacent columns: value mode
+    (col pair, row half, col block).  Rows are spread over the 4 lanes of a
+    quad, as with mma.sync, so row reductions are two butterfly shuffles.
+    """
+    lc = cute.make_layout(acc.layout.shape)
+    s, d = lc.shape, lc.stride
+    mn = cute.make_layout(
+        ((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+        stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+class MLADecodePartialWGMMA:
+    """Split-KV partial kernel, WGMMA, BLOCK_M = 64, KV in the q dtype."""
+
+    def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M):
+        if kv_dtype is not q_dtype:
+            raise NotImplementedError("WGMMA prototype: KV cache must have the q dtype (no fp8 yet)")
+        if q_dtype not in (cutlass.BFloat16, cutlass.Float16):
+            raise TypeError(f"q dtype must be bf16 or fp16, got {q_dtype}")
+        if block_m != BLOCK_M:
+            raise ValueError(f"WGMMA prototype: block_m must be {BLOCK_M}, got {block_m}")
+        self.q_dtype = q_dtype
+        self.kv_dtype = kv_dtype
+        self.mma_dtype = q_dtype
+        self.block_m = block_m
+        self.num_threads = NUM_THREADS
+
+    # ------------------------------------------------------------------ host side
+    def smem_bytes(self) -> int:
+        """Dynamic smem per CTA: sQ 72 KB + 2 x sK 72 KB + sP 8 KB + sScale 256 B."""
+        e = self.mma_dtype.width // 8
+        parts = [
+            (BLOCK_M * D_QK * e, 1024),  # sQ
+            (STAGES * BLOCK_N * D_QK * e, 1024),  # sK (V = its first 512 columns)
+            (BLOCK_M * BLOCK_N * e, 1024),  # sP
+            (BLOCK_M * 4, 16),  # sScale (per-row rescale, then v_scale / row sum)
+        ]
+        off = 0
+        for size, align in parts:
+            off = -(-off // align) * align + size
+        return off
+
+    def _smem_layouts(self):
+        """128B-swizzled (SW128) layouts, in elements, as WGMMA descriptors want them.
+
+        K-major SW128 atom: 8 rows x 64 elements (128 B), Swizzle<3,4,3>.
+        sK is that atom tiled over (64 tokens, 576 dims, stage), tokens first,
+        so element (t, d) sits in atom (t // 8, d // 64) at atom index
+        t // 8 + 8 * (d // 64).  The MN-major SW128 atom is 64 elements along
+        N x 8 along K with the same swizzle: tiling it over (512 dims, 64
+        tokens) K (tokens) first gives element (d, t) the very same offset.
+        That view is the B operand of O += P V, read from the K tile's bytes.
+        """
+        mt = self.mma_dtype
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, mt)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, mt)
+        sQ = cute.tile_to_shape(k_atom, (BLOCK_M, D_QK), (0, 1))
+        sK = cute.tile_to_shape(k_atom, (BLOCK_N, D_QK, STAGES), (0, 1, 2))
+        sP = cute.tile_to_shape(k_atom, (BLOCK_M, BLOCK_N), (0, 1))
+        v_one = cute.tile_to_shape(mn_atom, (D_V, BLOCK_N), (1, 0))
+        # stage mode with sK's stage stride (64 * 576 elements), not 64 * 512
+        v_outer = cute.make_layout(
+            (v_one.outer.shape[0], v_one.outer.shape[1], STAGES),
+            stride=(v_one.outer.stride[0], v_one.outer.stride[1], BLOCK_N * D_QK),
+        )
+        sV = cute.make_composed_layout(v_one.inner, 0, v_outer)
+        return sQ, sK, sP, sV
+
+    def _tiled_mmas(self):
+        """One warpgroup (atom layout 1x1x1) per tiled MMA.
+
+        mma_s : S = Q K^T, 64 x 64 per instruction group, A and B from smem, K-major.
+        mma_o_rs : WG0's O_L += P V_L, A = P in registers (K-major by
+                   definition), B = V MN-major from smem, N = 256.
+        mma_o_ss : WG1's O_R += sP V_R, A = P from smem (K-major), B as above.
+        """
+        mt = self.mma_dtype
+        K = cute.nvgpu.OperandMajorMode.K
+        MN = cute.nvgpu.OperandMajorMode.MN
+        f32 = cutlass.Float32
+        mma_s = cute.make_tiled_mma(
+            warpgroup.MmaF16BF16Op(mt, f32, (BLOCK_M, BLOCK_N, 16), warpgroup.OperandSource.SMEM, K, K)
+        )
+        mma_o_rs = cute.make_tiled_mma(
+            warpgroup.MmaF16BF16Op(mt, f32, (BLOCK_M, D_V_HALF, 16), warpgroup.OperandSource.RMEM, K, MN)
+        )
+        mma_o_ss = cute.make_tiled_mma(
+            warpgroup.MmaF16BF16Op(mt, f32, (BLOCK_M, D_V_HALF, 16), warpgroup.OperandSource.SMEM, K, MN)
+        )
+        return mma_s, mma_o_rs, mma_o_ss
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, R, 576) q dtype, R = s_q * H
+        mKV: cute.Tensor,  # (P, page, 576) kv dtype
+        mPT: cute.Tensor,  # (B, max_pages) int32
+        mLens: cute.Tensor,  # (B,) int32
+        mO: cute.Tensor,  # (B, R, 512) q dtype
+        mLSE: cute.Tensor,  # (B, R) fp32
+        mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot
+        mOp: cute.Tensor,  # (slots, R, 512) fp32
+        mLSEp: cute.Tensor,  # (slots, R) fp32
+        scale_log2: cutlass.Float32,  # sm_scale * kv_scale * log2(e)
+        scale_ln: cutlass.Float32,  # sm_scale * kv_scale
+        v_scale: cutlass.Float32,  # kv_scale
+        s_q: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        stream,
+    ):
+        mt = self.mma_dtype
+        sQ_layout, sK_layout, sP_layout, sV_layout = self._smem_layouts()
+        mma_s, mma_o_rs, mma_o_ss = self._tiled_mmas()
+        mma_s_first, _, _ = self._tiled_mmas()
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
+            sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK_M], 16]
+
+        # gmem -> smem, 16 B per copy, 8 threads per 64-element row chunk
+        g2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), mt, num_bits_per_copy=128
+            ),
+            cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 8)),
+        )
+        # S accumulator (C layout of mma_s) -> sP, element-wise
+        r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
+
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M),
+            cute.size(mWork.shape[0]),
+            1,
+        )
+        self.kernel(
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+            scale_log2, scale_ln, v_scale, s_q, num_heads,
+            sQ_layout, sK_layout, sP_layout, sV_layout,
+            g2s, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage,
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.jit
+    def load_tile(
+        self, g2s: cute.TiledCopy, thr_g2s, mKV: cute.Tensor, mPT: cute.Tensor,
+        b: cutlass.Int32, n: cutlass.Int32, stage: cutlass.Int32,
+        blocks_per_page: cutlass.Int32, kv_len: cutlass.Int32,
+        tKcK: cute.Tensor, tKsK: cute.Tensor,
+    ):
+        """cp.async KV block n of request b (64 x 576) into sK[:, :, stage]; rows >= kv_len zeroed."""
+        page = mPT[b, n // blocks_per_page]
+        gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
+        tKgK = thr_g2s.partition_S(gK)
+        valid = kv_len - n * BLOCK_N
+        for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+            if tKcK[0, m, 0][0] < valid:
+                cute.copy(g2s, tKgK[None, m, None], tKsK[None, m, None, stage])
+            else:
+                tKsK[None, m, None, stage].fill(0)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor,
+        mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        g2s: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
+        mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        mt = self.mma_dtype
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, wi, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wg_tidx = tidx % WG_THREADS
+        lane = tidx % 32
+
+        b = mWork[wi, 0]
+        if b >= 0:
+            kv_start = mWork[wi, 1]
+            kv_end = mWork[wi, 2]
+            slot = mWork[wi, 3]
+            kv_len = mLens[b]
+            R = mQ.shape[1]
+            blocks_per_page = mKV.shape[1] // BLOCK_N
+            n_start = kv_start // BLOCK_N
+            n_end = (kv_end + BLOCK_N - 1) // BLOCK_N
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            # swizzle moved into the pointer: WGMMA partitions want affine layouts
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+            sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+            sScale = storage.sScale.get_tensor(cute.make_layout(BLOCK_M))
+
+            # ---------------- Q: gmem -> smem (rows >= R zero), one commit group -------------
+            thr_g2s = g2s.get_slice(tidx)
+            gQ = cute.local_tile(mQ[b, None, None], (BLOCK_M, D_QK), (m_block, 0))
+            cQ = cute.local_tile(
+                cute.make_identity_tensor((mQ.shape[1], D_QK)), (BLOCK_M, D_QK), (m_block, 0)
+            )
+            tQgQ = thr_g2s.partition_S(gQ)
+            tQsQ = thr_g2s.partition_D(sQ)
+            tQcQ = thr_g2s.partition_S(cQ)
+            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+                if tQcQ[0, m, 0][0] < R:
+                    cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
+                else:
+                    tQsQ[None, m, None].fill(0)
+
+            cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
+            tKcK = thr_g2s.partition_S(cKV)
+            tKsK = thr_g2s.partition_D(sK)  # (CPY, N, K, STAGES)
+            # the first KV tile joins Q's commit group.  Guarded: an item with no
+            # tile (kv_len 0; the schedule makes none today, but the kernel must
+            # not depend on it) would read a page-table entry that may not exist
+            # (max_pages can be 0) and load from a garbage page.  With no tile the
+            # loop below is skipped and the epilogue writes out 0 / lse -inf.
+            if n_start < n_end:
+                self.load_tile(g2s, thr_g2s, mKV, mPT, b, n_start, 0, blocks_per_page, kv_len,
+                               tKcK, tKsK)
+            cute.arch.cp_async_commit_group()
+
+            # ---------------- per-warpgroup MMA partitions ----------------
+            # O is zeroed once and only ever accumulated into; S starts from zero:
+            # its first k-step uses mma_s_first (overwrite).  Set here, before the
+            # tile loop and the per-warpgroup branches: an atom field set inside a
+            # loop or branch is a value that must not be used after it (the DSL
+            # rejects the IR), and the epilogue partitions with mma_o_rs again.
+            mma_o_rs.set(warpgroup.Field.ACCUMULATE, True)
+            mma_o_ss.set(warpgroup.Field.ACCUMULATE, True)
+            mma_s.set(warpgroup.Field.ACCUMULATE, True)
+            mma_s_first.set(warpgroup.Field.ACCUMULATE, False)
+            thr_s = mma_s.get_slice(wg_tidx)
+            tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))  # (MMA, 1, 36) descriptors
+            tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))  # (MMA, 1, 36, STAGES)
+            s_shape = thr_s.partition_shape_C((BLOCK_M, BLOCK_N))
+            cS = cute.make_identity_tensor((BLOCK_M, BLOCK_N))
+            tScS = _acc_mn_view(thr_s.partition_C(cS))
+            n_rows = cute.size(tScS.shape[0])  # 2 rows per thread
+
+            # this warpgroup's 256 output columns of V: (256, 64, STAGES)
+            sV_half = cute.local_tile(sV, (D_V_HALF, BLOCK_N, STAGES), (wg, 0, 0))
+            thr_o = mma_o_rs.get_slice(wg_tidx)  # same C/B partitioning for RS and SS
+            acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_M, D_V_HALF)), cutlass.Float32)
+            acc_O.fill(0.0)
+            acc_O_mn = _acc_mn_view(acc_O)
+            is_quad_leader = lane % 4 == 0
+
+            row_lim = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
+            for r in cutlass.range_constexpr(n_rows):
+                grow = m_block * BLOCK_M + tScS[r, 0][0]
+                row_lim[r] = kv_len - s_q + grow // num_heads + 1
+            row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            row_max.fill(-cutlass.Float32.inf)
+            row_sum.fill(0.0)
+
+            for n in cutlass.range(n_start, n_end, 1):
+                stage = (n - n_start) % STAGES
+                # tile n (and Q) landed; make the generic-proxy cp.async writes
+                # visible to WGMMA's async proxy, then to every thread.  The
+                # barrier also means both warpgroups are done with tile n-1 and
+                # with sP / sScale of iteration n-1.
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier()
+                if n + 1 < n_end:
+                    self.load_tile(g2s, thr_g2s, mKV, mPT, b, n + 1, (stage + 1) % STAGES,
+                                   blocks_per_page, kv_len, tKcK, tKsK)
+                cute.arch.cp_async_commit_group()
+
+                if wg == 0:
+                    self.wg0_tile(mma_s_first, mma_s, mma_o_rs, r2s_P, tSrQ, tSrK, s_shape,
+                                  tScS, sP, sScale, sV_half, acc_O, acc_O_mn, row_lim, row_max, row_sum,
+                                  n, stage, scale_log2, wg_tidx, is_quad_leader)
+                else:
+                    self.wg1_tile(mma_o_ss, sP, sScale, sV_half, acc_O, acc_O_mn, tScS, stage,
+                                  wg_tidx)
+
+            cute.arch.cp_async_wait_group(0)
+
+            # ---------------- epilogue ----------------
+            # WG0 owns the softmax statistics: publish 1/sum (times v_scale) per row
+            cute.arch.barrier()
+            row_scale = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            row_lse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            if wg == 0:
+                for r in cutlass.range_constexpr(n_rows):
+                    s = _quad_sum(row_sum[r])
+                    ok = s > 0.0
+                    row_scale[r] = v_scale / s if ok else 0.0
+                    row_lse[r] = (
+                        row_max[r] * scale_ln + cute.math.log(s, fastmath=False)
+                        if ok
+                        else -cutlass.Float32.inf
+                    )
+                    if is_quad_leader:
+                        sScale[tScS[r, 0][0]] = row_scale[r]
+            cute.arch.barrier()
+            if wg == 1:
+                for r in cutlass.range_constexpr(n_rows):
+                    row_scale[r] = sScale[tScS[r, 0][0]]
+
+            cO = cute.make_identity_tensor((BLOCK_M, D_V_HALF))
+            tOcO = _acc_mn_view(thr_o.partition_C(cO))
+            lse_writer = is_quad_leader
+            if wg != 0:
+                lse_writer = False
+            if slot < 0:
+                gO = cute.local_tile(mO[b, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
+                tOgO = _acc_mn_view(thr_o.partition_C(gO))
+                for r in cutlass.range_constexpr(n_rows):
+                    grow = m_block * BLOCK_M + tOcO[r, 0][0]
+                    if grow < R:
+                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
+                        if lse_writer:
+                            mLSE[b, grow] = row_lse[r]
+            else:
+                gO = cute.local_tile(mOp[slot, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
+                tOgO = _acc_mn_view(thr_o.partition_C(gO))
+                for r in cutlass.range_constexpr(n_rows):
+                    grow = m_block * BLOCK_M + tOcO[r, 0][0]
+                    if grow < R:
+                        tOgO[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+                        if lse_writer:
+                            mLSEp[slot, grow] = row_lse[r]
+
+    @cute.jit
+    def wg0_tile(
+        self, mma_s_first: cute.TiledMma, mma_s: cute.TiledMma, mma_o_rs: cute.TiledMma,
+        r2s_P: cute.TiledCopy,
+        tSrQ: cute.Tensor, tSrK: cute.Tensor, s_shape: cutlass.Constexpr, tScS: cute.Tensor,
+        sP: cute.Tensor, sScale: cute.Tensor, sV_half: cute.Tensor,
+        acc_O: cute.Tensor, acc_O_mn: cute.Tensor,
+        row_lim: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+        n: cutlass.Int32, stage: cutlass.Int32, scale_log2: cutlass.Float32,
+        wg_tidx: cutlass.Int32, is_quad_leader,
+    ):
+        """Warpgroup 0, one KV tile: S = Q K^T, softmax, P -> sP, O_L += P V_L (RS)."""
+        mt = self.mma_dtype
+        # ---- S = Q K^T: 36 WGMMAs 64x64x16, one commit group ----
+        acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+            mma = mma_s_first if k == 0 else mma_s
+            cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+        # ---- mask, online softmax (rows live in quads) ----
+        acc_S_mn = _acc_mn_view(acc_S)
+        n_rows = cute.size(acc_S_mn.shape[0])
+        for r in cutlass.range_constexpr(n_rows):
+            lim = row_lim[r] - n * BLOCK_N
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+                if tScS[0, c][1] >= lim:
+                    acc_S_mn[r, c] = -cutlass.Float32.inf
+            m_cur = _quad_max(
+                acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+            )
+            m_prev = row_max[r]
+            m_new = cute.arch.fmax(m_prev, m_cur)
+            m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
+            p_row = cute.math.exp2(
+                acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
+            )
+            corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
+            row_sum[r] = row_sum[r] * corr + p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+            row_max[r] = m_new
+            acc_S_mn[r, None] = p_row
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+            if is_quad_leader:
+                sScale[tScS[r, 0][0]] = corr
+
+        # ---- P: registers (A operand of the RS WGMMA) and sP (for WG1) ----
+        # For 16-bit types the C fragment of a 64xN WGMMA and the A fragment of
+        # a 64xK RS WGMMA list a thread's values in the same order (k-block j
+        # of A = 8-column blocks 2j, 2j+1 of C), so P is a re-typed copy of S.
+        thr_o = mma_o_rs.get_slice(wg_tidx)
+        tOrP = cute.make_rmem_tensor(thr_o.partition_shape_A((BLOCK_M, BLOCK_N)), mt)
+        tOrP_as_acc = cute.make_tensor(tOrP.iterator, acc_S.layout)
+        tOrP_as_acc.store(acc_S.load().to(mt))
+        thr_r2s = r2s_P.get_slice(wg_tidx)
+        cute.copy(r2s_P, thr_r2s.retile(tOrP_as_acc), thr_r2s.partition_D(sP))
+        # generic-proxy smem writes -> visible to WG1's WGMMA (async proxy), then signal
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=BAR_P_READY, number_of_threads=NUM_THREADS)
+
+        # ---- O_L += P V_L: 4 WGMMAs 64x256x16, A from registers ----
+        tOrV = thr_o.make_fragment_B(thr_o.partition_B(sV_half))  # (MMA, 1, 4, STAGES)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.gemm(mma_o_rs, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def wg1_tile(
+        self, mma_o_ss: cute.TiledMma, sP: cute.Tensor, sScale: cute.Tensor,
+        sV_half: cute.Tensor, acc_O: cute.Tensor, acc_O_mn: cute.Tensor, tScS: cute.Tensor,
+        stage: cutlass.Int32, wg_tidx: cutlass.Int32,
+    ):
+        """Warpgroup 1, one KV tile: wait for P, O_R = O_R * scale + sP V_R (SS)."""
+        cute.arch.barrier(barrier_id=BAR_P_READY, number_of_threads=NUM_THREADS)
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * sScale[tScS[r, 0][0]]
+        thr_o = mma_o_ss.get_slice(wg_tidx)
+        tOrP = thr_o.make_fragment_A(thr_o.partition_A(sP))  # (MMA, 1, 4)
+        tOrV = thr_o.make_fragment_B(thr_o.partition_B(sV_half))  # (MMA, 1, 4, STAGES)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.gemm(mma_o_ss, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+
+# ---------------------------------------------------------------------- host helpers
+# Not wired into api.py: api.mla_decode_sm90 keeps using sm90_decode.  These let
+# the tests (and later api.py, per specialization) build and run this kernel.
+
+
+def _build_partial_wgmma(q_name: str, kv_name: str, block_m: int):
+    from . import api
+
+    k = MLADecodePartialWGMMA(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m)
+    return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
+
+
+def get_partial_kernel_wgmma(q_name: str):
+    """Compiled WGMMA partial kernel for q dtype ``q_name`` (KV in the same dtype).
+
+    Same kernel cache as api.get_partial_kernel (memory, disk, else compile),
+    under its own kind so it never collides with the mma.sync kernels.
+    """
+    from . import kernel_cache
+
+    return kernel_cache.get_or_build("partial_wgmma", (q_name, q_name, BLOCK_M),
+                                     _build_partial_wgmma)
+
+
+def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
+                          out, lse, schedule, workspace, *, check: bool = True):
+    """``api.mla_decode_sm90`` with the WGMMA partial kernel (same arguments and contract).
+
+    Needs a KV cache in the q dtype; any s_q * H works (the grid is ceil(R / 64)
+    m-blocks) but the kernel is meant for s_q * H >= 64.
+    """
+    import torch
+
+    from . import api
+
+    if check:
+        api.check_inputs(q, kv_cache, page_table, kv_lens, out, lse)
+        if schedule.s_q != q.shape[1] or schedule.num_heads != q.shape[2]:
+            raise ValueError("schedule was made for another s_q / num_heads")
+        if kv_cache.dtype != q.dtype:
+            raise ValueError("WGMMA prototype: kv_cache must have the q dtype (no fp8 yet)")
+    B, s_q, H, _ = q.shape
+    R = s_q * H
+    q_name = api._TORCH_TO_NAME[q.dtype]
+    partial = get_partial_kernel_wgmma(q_name)
+    combine = api.get_combine_kernel(q_name)
+    o_part, lse_part = workspace
+    s = float(sm_scale) * float(kv_scale)
+    stream = api._cu_stream(torch.cuda.current_stream().cuda_stream)
+    o3 = out.view(B, R, D_V)
+    l2 = lse.view(B, R)
+    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, o3, l2, schedule.work_info,
+            o_part, lse_part, s * api.LOG2_E, s, float(kv_scale), s_q, H, stream)
+    combine(o3, l2, schedule.split_info, o_part, lse_part, stream)
+    return out, lse

@@ -1,0 +1,115 @@
+"""GPU tests of the WGMMA partial kernel prototype (sm90_wgmma_decode) + the
+combine kernel against the fp64 reference of test_kernel_gpu.py.
+
+Same inputs as the mma.sync tests (shuffled pages, NaN in unused pages and
+page tails, NaN-poisoned outputs, variable lengths incl. 0 and < s_q), KV in
+bf16 only (the prototype has no fp8 path), s_q * H >= 40 (the shapes this
+kernel is for; 64-row m-blocks, partial last m-block included).  Skips
+cleanly without an SM90 GPU.
+
+    PYTHONPATH=plugins/cute_dsl_mla:. python -m pytest -q -rfs plugins/cute_dsl_mla/tests/test_wgmma_gpu.py
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from test_kernel_gpu import check, make_case  # same directory (pytest rootdir import)
+
+pytestmark = pytest.mark.gpu
+
+
+def _is_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an SM90 GPU")
+
+
+def run_wgmma(case, out, lse):
+    from mla_cute_dsl.kernels import alloc_workspace, make_schedule
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma
+
+    q = case["q"]
+    B, s_q, H, _ = q.shape
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    sched = make_schedule(case["lens_cpu"], s_q, H, n_sm)
+    ws = alloc_workspace(sched)
+    mla_decode_sm90_wgmma(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"],
+                          case["kv_scale"], out, lse, sched, ws)
+    return sched
+
+
+# (B, s_q, S, H, varlen): one split and many splits, one and several m-blocks,
+# a partial last m-block (R = 126, 40, 189), lengths 0 / 1 / < s_q
+CASES = [
+    (1, 1, 64, 64, False),      # one tile, one item (writes out directly)
+    (1, 1, 4096, 128, False),   # B=1: many splits -> partial buffers + combine
+    (2, 1, 140, 128, True),     # tail tile, varlen
+    (2, 2, 4096, 128, False),   # s_q=2 causal rows, 4 m-blocks
+    (6, 1, 20, 64, True),       # tiny lengths incl. 0 and 1
+    (6, 2, 140, 63, True),      # R = 126: partial second m-block
+    (2, 4, 1000, 16, True),     # R = 64 with 4 queries per m-block
+    (3, 8, 140, 5, True),       # R = 40: 24 zero rows in the m-block
+    (16, 1, 4096, 128, False),  # the H=128 bench shape, smaller batch
+    (3, 3, 333, 63, True),      # R = 189, odd lengths
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("B,s_q,S,H,varlen", CASES)
+def test_wgmma_against_fp64_reference(B, s_q, S, H, varlen):
+    case = make_case(B, s_q, H, S, torch.bfloat16, varlen, seed=random.randrange(1 << 30))
+    out = torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
+    run_wgmma(case, out, lse)
+    torch.cuda.synchronize()
+    check(case, out, lse)
+
+
+@needs_sm90
+def test_wgmma_page_size_256():
+    """Pages of 4 KV blocks: the in-page block offset (n % blocks_per_page) and
+    NaN page tails inside a page; no other GPU test uses page_size > 64."""
+    case = make_case(3, 2, 128, 1000, torch.bfloat16, varlen=True, page=256,
+                     seed=random.randrange(1 << 30))
+    out = torch.full((3, 2, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((3, 2, 128), float("nan"), dtype=torch.float32, device="cuda")
+    run_wgmma(case, out, lse)
+    torch.cuda.synchronize()
+    check(case, out, lse)
+
+
+@needs_sm90
+@pytest.mark.parametrize("B,s_q,H,S", [(2, 1, 128, 4096), (2, 2, 64, 1000)])
+def test_wgmma_large_magnitude_q(B, s_q, H, S):
+    case = make_case(B, s_q, H, S, torch.bfloat16, varlen=False, q_std=100.0,
+                     seed=random.randrange(1 << 30))
+    out = torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
+    run_wgmma(case, out, lse)
+    torch.cuda.synchronize()
+    check(case, out, lse, tol=2e-2)
+
+
+@needs_sm90
+def test_wgmma_matches_mma_sync_kernel():
+    """Same inputs through both partial kernels: close (not bit-equal: different
+    summation order), which separates a WGMMA bug from a reference bug."""
+    from test_kernel_gpu import run_kernel
+
+    case = make_case(4, 2, 128, 2000, torch.bfloat16, varlen=True, seed=random.randrange(1 << 30))
+    o1 = torch.full((4, 2, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    l1 = torch.full((4, 2, 128), float("nan"), dtype=torch.float32, device="cuda")
+    o2, l2 = o1.clone(), l1.clone()
+    run_kernel(case, o1, l1)
+    run_wgmma(case, o2, l2)
+    torch.cuda.synchronize()
+    d = (o1.float() - o2.float()).norm() / o1.float().norm().clamp_min(1e-30)
+    assert d < 1e-2, f"rel diff vs mma.sync kernel {d:.3e}"
+    fin = torch.isfinite(l1)
+    assert torch.equal(fin, torch.isfinite(l2))
+    assert (l1[fin] - l2[fin]).abs().max() < 1e-2
