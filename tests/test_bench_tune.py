@@ -584,3 +584,38 @@ def test_refining_places_a_nonlinear_switch_where_it_is_measured():
 
     assert worst_after(0) > 0.12  # the midpoint rule alone misplaces the switch (15% here)
     assert worst_after(3) < 0.05  # refined (batches 4, then 2 measured): 2% here
+
+
+def test_a_groups_unmeasured_space_goes_to_the_arm_that_wins_that_group():
+    """As on the H200: one backend (A) wins a whole group (H=128 here; an fp8 cache there) and so most cells
+    overall, while fa3 wins most of the other group. Joined runs leave holes: here H=16 batch 1 was measured
+    at the long length only, so no rule reaches batch 1 at short lengths. That space goes to fa3 (the
+    group's majority), not to A (the whole grid's); A keeps its own H=16 cell and the box around it."""
+    from mlacore.tools.tune import route_cells
+
+    rows = []
+    for h in (16, 128):
+        for b in (1, 16, 128):
+            for n in (1024, 16384):
+                if (h, b, n) == (16, 1, 1024):
+                    continue  # the hole
+                p = _problem(b, n, h)
+                a_wins = h == 128 or (b, n) == (128, 16384)
+                rows.append(BenchRow("A", p, "ok", time_us=1.0 if a_wins else 2.0))
+                rows.append(BenchRow("X:variant=fa3", p, "ok", time_us=2.0 if a_wins else 1.0))
+    report = BenchReport(rows, CEIL, "g", {"gpu": "G"}, "2026-12-01")
+    text, cells = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    assert all(w == routed for w, routed in cells.values())
+    pol = parse_policy_text(text)
+    assert pol.mla.order[:2] == ("X", "A")  # A wins most cells: the default, last
+
+    def route(b, n, h=16):
+        probe = BenchReport([BenchRow(a, _problem(b, n, h), "ok", time_us=1.0) for a in ("A", "X:variant=fa3")],
+                            CEIL, "probe", {}, "")
+        return next(iter(route_cells(list(pol.mla.order), pol, probe).values()))
+
+    assert route(1, 1024) == "X:variant=fa3" and route(2, 300) == "X:variant=fa3"  # the hole: fa3's group
+    assert route(128, 16384) == "A" and route(46, 4097) == "A" and route(512, 65536) == "A"  # A's cell, its box
+    assert route(45, 20000) == "X:variant=fa3" and route(512, 4096) == "X:variant=fa3"  # past its midpoints
+    assert route(1, 1024, h=128) == "A" and route(512, 300, h=128) == "A"  # A's own group
+    assert route(3, 3000, h=64) == "A"  # a head count nobody measured: the default

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# On the H200 (devpack set up, env.sh sourced): the policy tuned from the three stored runs (no measuring)
+# On the H200 (devpack set up, env.sh sourced): the policy tuned from the four stored runs (no measuring)
 # validated against every arm on a grid measured now, in a separate pass after the rules are written.
 source "$(dirname "$0")/project_env.sh"
 cp mlacore/default_policy.toml "$OUT/h200_tuned_mla.toml"
 start=$(date +%s)
 timeout ${TUNE_TIMEOUT:-280} python -m mlacore tune --from docs/results/h200_tune_bench.json \
   --from docs/results/h200_validate_offgrid_bench.json --from docs/results/h200_validate_offgrid2_bench.json \
-  --device cuda --write "$OUT/h200_tuned_mla.toml" --validate ${GRID:-benchmarks/grids/h200_offgrid3.toml} \
+  --from docs/results/h200_validate_offgrid3_bench.json \
+  --device cuda --write "$OUT/h200_tuned_mla.toml" --validate ${GRID:-benchmarks/grids/h200_offgrid4.toml} \
   --backend flashinfer_mla:variant=fa3 --backend flashinfer_mla:variant=fa2 --backend cute_dsl_mla \
-  --budget ${BUDGET:-0.08} --no-progress --validate-output "$OUT/validate3_bench.json" --worst 10 > "$OUT/validate3.txt" 2>&1
+  --budget ${BUDGET:-0.08} --no-progress --validate-output "$OUT/validate4_bench.json" --worst 10 > "$OUT/validate4.txt" 2>&1
 echo "validate rc=$? in $(( $(date +%s) - start )) s"
-tail -18 "$OUT/validate3.txt"
+tail -18 "$OUT/validate4.txt"

@@ -16,7 +16,10 @@ picks the fastest correct backend measured for every cell of the grid:
   wins every measured cell along the rule's own edge there; head counts,
   dtypes and page sizes not measured are left to the default arm;
 * arms within `TIE` of a cell's fastest are tied there, and the tie goes to
-  the arm that wins most of the cell's group.
+  the arm that wins most of the cell's group;
+* what no rule claims within a group (heads, s_q, dtypes, page size: the
+  unmeasured space between and past its points) goes to the arm that wins
+  most of that group, not to the default of the whole grid.
 
 `validate` times the written policy against every arm on a second grid
 (`mla tune --validate GRID`): regret per cell, mean and worst.
@@ -330,7 +333,72 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
                     rule["options"] = options
                 out.append(rule)
         rules.setdefault(name, []).extend(_merge(out, report))
+    for name, broad in _group_defaults(groups, win, stat, backends, arms).items():
+        rules.setdefault(name, []).extend(_merge(broad, report))  # after the specific rules: tried last
     return backends, rules, default
+
+
+def _group_defaults(groups: Dict[tuple, List[tuple]], win: Dict[tuple, str], stat: Dict[tuple, str],
+                    backends: List[str], arms: List[str]) -> Dict[str, List[dict]]:
+    """Rules that give each group's unmeasured space to the arm that wins most of that group.
+
+    Without them, whatever no rule claims goes to the default backend, the one that wins most cells
+    over the whole grid. That is the best guess across groups, not within one: on the H200 an fp8
+    cache makes our kernel win nearly everywhere while FlashInfer fa3 wins nearly every bf16 cell, so
+    a bf16 shape between or past the measured points would default to the fp8 winner. The rules cover
+    the group's (batch, kv length) plane minus the boxes of arms of later backends (the same boxes,
+    midpoints and edge reach as their own rules), so they claim no cell another arm must get.
+    """
+    out: Dict[str, List[dict]] = defaultdict(list)
+    position = {name: i for i, name in enumerate(backends)}
+    for cat, members in sorted(groups.items()):
+        counts: Dict[str, int] = defaultdict(int)
+        for c in members:
+            counts[win[c]] += 1
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], arms.index(kv[0])))
+        top, n = ranked[0]
+        if len(ranked) > 1 and ranked[1][1] == n:
+            continue  # no majority: leave the group to the default backend
+        name, options = _arm(top)
+        if position[name] == len(backends) - 1:
+            continue  # the default backend already takes the rest
+        at = {(c[5], c[6]): win[c] for c in members}
+        b_vals, l_vals = sorted({b for b, _ in at}), sorted({n for _, n in at})
+        holes: List[tuple] = []
+        for label in {w for w in at.values() if position[_arm(w)[0]] > position[name]}:
+            mine = {pt for pt, w in at.items() if w == label}
+            keep_off = {(c[5], c[6]) for c in members
+                        if win[c] != label or stat.get((c, label)) not in (OK, SKIPPED, None)}
+            keep_off -= mine
+            for bi0, bi1, li0, li1 in _rectangles(mine, keep_off, b_vals, l_vals):
+                holes.append(_rule_box(label, at, b_vals[bi0:bi1 + 1], l_vals[li0:li1 + 1], keep_off,
+                                       b_vals, l_vals))
+        for box in _complement(holes):
+            rule: Dict[str, object] = dict(zip(CAT_FIELDS, ([v] for v in cat)))
+            rule.update(min_batch=box[0], max_batch=box[1], min_kv_len=box[2], max_kv_len=box[3])
+            rule = {k: v for k, v in rule.items()
+                    if v is not None and (k, v) not in (("min_batch", 1), ("min_kv_len", 0))}
+            if options:
+                rule["options"] = options
+            out[name].append(rule)
+    return dict(out)
+
+
+def _complement(boxes: List[tuple]) -> List[tuple]:
+    """Boxes (min_batch, max_batch, min_kv_len, max_kv_len; None: unbounded) covering every (batch >= 1,
+    kv_len >= 0) point outside `boxes`: the plane cut at every box edge, free pieces joined greedily."""
+    b_cuts = sorted({1} | {b[0] for b in boxes if b[0] is not None} | {b[1] + 1 for b in boxes if b[1] is not None})
+    l_cuts = sorted({0} | {b[2] for b in boxes if b[2] is not None} | {b[3] + 1 for b in boxes if b[3] is not None})
+
+    def inside(v: int, lo: Optional[int], hi: Optional[int]) -> bool:
+        return (lo is None or v >= lo) and (hi is None or v <= hi)
+
+    taken = {(i, j) for i, b in enumerate(b_cuts) for j, n in enumerate(l_cuts)
+             if any(inside(b, x[0], x[1]) and inside(n, x[2], x[3]) for x in boxes)}
+    free = {(i, j) for i in range(len(b_cuts)) for j in range(len(l_cuts))} - taken
+    pieces = _rectangles(free, taken, list(range(len(b_cuts))), list(range(len(l_cuts))))
+    end = lambda cuts, k: None if k + 1 == len(cuts) else cuts[k + 1] - 1  # noqa: E731
+    return [(b_cuts[i0], end(b_cuts, i1), l_cuts[j0], end(l_cuts, j1)) for i0, i1, j0, j1 in pieces]
 
 
 def _edge_is(label: str, at: Dict[tuple, str], points) -> bool:
