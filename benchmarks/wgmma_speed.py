@@ -1,0 +1,325 @@
+"""Time three ways to compute the same MLA decode, side by side, on one SM90 GPU.
+
+    wgmma  mla_cute_dsl's WGMMA partial kernel + combine (sm90_wgmma_decode)
+    mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
+    fa3    FlashInfer fa3 through mlacore.MLADecoder (dispatcher forced to flashinfer_mla, variant fa3)
+
+Shapes with H * s_q >= 64, KV bf16, page 64, every request of length S.
+Per shape: the first call of each way is timed on its own (it compiles or loads
+kernels); the outputs of all ways are compared with fa3's (max abs diff of out
+and lse); then each way's calls are captured in one CUDA graph and the graph's
+replays are timed with CUDA events (median over --reps replays).  The graph
+runs the way once per input set; sets have their own q and KV cache (together
+>= 4x L2, same shuffled page table), so reads do not hit a warm L2; shapes
+whose cache is already much larger than L2 use one set.
+GB/s counts B*S*576*2 + q + out bytes; TFLOP/s counts 2*B*s_q*H*S*(576+512).
+"x fa3" = fa3 time / this way's time (> 1: faster than fa3).
+
+From the repository root, with the project and the plugins installed:
+    python benchmarks/wgmma_speed.py [--quick] [--shapes 0,3|128x128x1x4096] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+PAGE = 64
+SM_SCALE = 1.0 / math.sqrt(128 + 64)
+SHAPES = [  # (B, H, s_q, S)
+    (128, 128, 1, 4096),
+    (128, 128, 2, 4096),
+    (64, 128, 1, 8192),
+    (16, 128, 1, 4096),
+    (32, 64, 1, 4096),
+    (128, 16, 4, 4096),
+    (4, 128, 1, 16384),
+]
+QUICK_SHAPES = [0, 3]
+WAYS = ("wgmma", "mma", "fa3")
+MAX_SETS = 8
+
+
+def parse_shapes(text):
+    out = []
+    for tok in text.split(","):
+        tok = tok.strip()
+        if tok.isdigit():
+            out.append(SHAPES[int(tok)])
+        else:
+            b, h, s_q, s = (int(x) for x in tok.lower().split("x"))
+            out.append((b, h, s_q, s))
+    return out
+
+
+# -- inputs ------------------------------------------------------------------------------
+
+
+def make_sets(torch, B, H, s_q, S, l2_bytes, n_sets, seed=0):
+    """n_sets input sets, each with its own q and kv cache; one shared (shuffled) page table."""
+    pages = -(-S // PAGE)
+    P = B * pages
+    set_kv_bytes = P * PAGE * 576 * 2
+    if n_sets is None:
+        n_sets = max(1, min(MAX_SETS, math.ceil(4 * l2_bytes / set_kv_bytes)))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    table = torch.randperm(P, device="cuda", generator=g).view(B, pages).to(torch.int32)
+    lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(B, s_q, H, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+        kv = torch.randn(P, PAGE, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+        sets.append({"q": q, "kv": kv})
+    return sets, table, lens
+
+
+# -- the three ways: each returns run(i, out, lse) for input set i -------------------------
+
+
+def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
+    from mla_cute_dsl.kernels import alloc_workspace, make_schedule
+
+    if name == "wgmma":
+        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as fn
+    else:
+        from mla_cute_dsl.kernels import mla_decode_sm90 as fn
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    sched = make_schedule(lens_cpu, s_q, H, n_sm)
+    ws = alloc_workspace(sched)
+
+    def run(i, out, lse):
+        st = sets[i]
+        fn(st["q"], st["kv"], table, lens, SM_SCALE, 1.0, out, lse, sched, ws)
+
+    info = {"items": sched.num_items, "blocks_per_split": sched.blocks_per_split, "block_m": sched.block_m}
+    return run, info, None
+
+
+def way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S):
+    from mlacore import Dispatcher, MLADecoder, parse_policy
+
+    policy = parse_policy({"mla": {"order": ["flashinfer_mla"], "fallback": "error"},
+                           "backend": {"flashinfer_mla": {"options": {"variant": "fa3", "launch": "direct"}}}})
+    dec = MLADecoder(H, PAGE, kv_dtype=torch.bfloat16, device="cuda", sm_scale=SM_SCALE, kv_scale=1.0,
+                     dispatcher=Dispatcher(policy=policy, env={}), cuda_graph=True, max_batch=B, max_kv_len=S)
+    t0 = time.perf_counter()
+    plan = dec.plan(lens, table, s_q, kv_lens_host=lens_cpu, page_table_host=table.cpu())
+    plan_s = time.perf_counter() - t0
+    variant = getattr(plan.options, "variant", None)
+    if plan.backend != "flashinfer_mla" or variant != "fa3":
+        raise RuntimeError(f"planned {plan.backend} variant {variant}, wanted flashinfer_mla fa3")
+
+    def run(i, out, lse):
+        st = sets[i]
+        dec.run(st["q"], st["kv"], plan, out=out, lse=lse)
+
+    info = {"plan_s": round(plan_s, 3), "direct_launch": getattr(plan.planned, "direct", None) is not None}
+    return run, info, dec
+
+
+# -- timing --------------------------------------------------------------------------------
+
+
+def time_graph(torch, run, outs, lses, reps):
+    """Median and min µs per call: a CUDA graph of one call per input set, replays timed with events."""
+    n = len(outs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on a side stream, as torch asks before a capture
+        for i in range(n):
+            run(i, outs[i], lses[i])
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n):
+            run(i, outs[i], lses[i])
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for e0, e1 in events:
+        e0.record()
+        g.replay()
+        e1.record()
+    torch.cuda.synchronize()
+    per_call = [e0.elapsed_time(e1) * 1e3 / n for e0, e1 in events]
+    del g
+    return statistics.median(per_call), min(per_call)
+
+
+def diff(torch, out, lse, ref_out, ref_lse):
+    o, r = out.float(), ref_out.float()
+    fin = torch.isfinite(ref_lse) & torch.isfinite(lse)
+    return {
+        "out_max_abs": float((o - r).abs().max()),
+        "out_rel": float((o - r).norm() / r.norm().clamp_min(1e-30)),
+        "lse_max_abs": float((lse[fin] - ref_lse[fin]).abs().max()) if bool(fin.any()) else 0.0,
+        "nan": bool(torch.isnan(out).any() or torch.isnan(lse).any()),
+        "lse_inf_differs": bool((torch.isfinite(lse) != torch.isfinite(ref_lse)).any()),
+    }
+
+
+# -- one shape -----------------------------------------------------------------------------
+
+
+def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes):
+    B, H, s_q, S = shape
+    sets, table, lens = make_sets(torch, B, H, s_q, S, l2_bytes, n_sets)
+    lens_cpu = lens.cpu()
+    n = len(sets)
+    nbytes = B * S * 576 * 2 + B * s_q * H * (576 + 512) * 2
+    flops = 2 * B * s_q * H * S * (576 + 512)
+    rows = {}
+    runners = {}
+    first = {}
+    closers = []
+    for name in ways:
+        row = rows[name] = {"B": B, "H": H, "s_q": s_q, "S": S, "way": name, "status": "ok", "sets": n,
+                            "bytes": nbytes, "flops": flops}
+        outs = [torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
+        lses = [torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda") for _ in range(n)]
+        try:
+            if name == "fa3":
+                run, info, dec = way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S)
+                closers.append(dec)
+            else:
+                run, info, _ = way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H)
+            row.update(info)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run(0, outs[0], lses[0])
+            torch.cuda.synchronize()
+            row["first_call_s"] = round(time.perf_counter() - t0, 3)
+            first[name] = (outs[0].clone(), lses[0].clone())
+            runners[name] = (run, outs, lses)
+        except Exception as exc:  # report, keep going with the other ways
+            row["status"] = "error"
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+    ref = "fa3" if "fa3" in first else next(iter(first), None)
+    for name in first:
+        if name != ref:
+            d = diff(torch, *first[name], *first[ref])
+            rows[name].update(d, ref=ref)
+            bad = d["nan"] or d["lse_inf_differs"] or d["out_rel"] > 1e-2 or d["lse_max_abs"] > 1e-2
+            if bad:
+                rows[name]["status"] = "mismatch"
+            print(f"  check {name} vs {ref}: out max abs {d['out_max_abs']:.2e} rel {d['out_rel']:.2e}, "
+                  f"lse max abs {d['lse_max_abs']:.2e}{', NaN' if d['nan'] else ''}"
+                  f"{', -inf rows differ' if d['lse_inf_differs'] else ''}{'  MISMATCH' if bad else ''}",
+                  flush=True)
+    for name, (run, outs, lses) in runners.items():
+        row = rows[name]
+        try:
+            med, best = time_graph(torch, run, outs, lses, reps)
+        except Exception as exc:
+            row["status"] = "error"
+            row["error"] = f"timing: {type(exc).__name__}: {exc}"[:400]
+            continue
+        row.update(us=round(med, 2), min_us=round(best, 2), gbps=round(nbytes / med / 1e3, 1),
+                   tflops=round(flops / med / 1e6, 1))
+    fa3_us = rows.get("fa3", {}).get("us")
+    for row in rows.values():
+        if fa3_us and row.get("us"):
+            row["x_fa3"] = round(fa3_us / row["us"], 3)
+    for dec in closers:
+        dec.close()
+    return list(rows.values())
+
+
+def print_table(rows):
+    head = (f"{'B':>4} {'H':>4} {'s_q':>3} {'S':>6}  {'way':<6} {'status':<8} {'1st s':>7} {'med us':>9} "
+            f"{'min us':>9} {'GB/s':>6} {'TFLOP/s':>7} {'x fa3':>6} {'|dout|':>8} {'|dlse|':>8} {'sets':>4}")
+    print("\n" + head)
+    print("-" * len(head))
+    for r in rows:
+        def num(k, fmt):
+            return format(r[k], fmt) if r.get(k) is not None else "-"
+        print(f"{r['B']:>4} {r['H']:>4} {r['s_q']:>3} {r['S']:>6}  {r['way']:<6} {r['status']:<8} "
+              f"{num('first_call_s', '7.2f'):>7} {num('us', '9.1f'):>9} {num('min_us', '9.1f'):>9} "
+              f"{num('gbps', '6.0f'):>6} {num('tflops', '7.1f'):>7} {num('x_fa3', '6.2f'):>6} "
+              f"{num('out_max_abs', '8.1e'):>8} {num('lse_max_abs', '8.1e'):>8} {r['sets']:>4}"
+              + (f"  {r['error'][:100]}" if r.get("error") else ""))
+
+
+def versions():
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "flashinfer-python", "nvidia-cutlass-dsl", "mlacore", "mla-cute-dsl", "mla-flashinfer"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        description="Time the WGMMA and mma.sync CuTe DSL MLA decode kernels beside FlashInfer fa3 "
+                    "(through mlacore) on one SM90 GPU, in CUDA graphs.",
+        epilog="shapes (index: B x H x s_q x S): "
+               + ", ".join(f"{i}: {'x'.join(map(str, s))}" for i, s in enumerate(SHAPES)))
+    ap.add_argument("--shapes", help="comma-separated shape indices or BxHxSQxS (default: all)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"shapes {','.join(map(str, QUICK_SHAPES))} only (unless --shapes), 100 replays")
+    ap.add_argument("--ways", default=",".join(WAYS), help=f"subset of {','.join(WAYS)} (default: all)")
+    ap.add_argument("--reps", type=int, help="graph replays per way and shape (default 200, --quick 100)")
+    ap.add_argument("--sets", type=int, help=f"input sets (default: enough for 4x L2, at most {MAX_SETS})")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    shapes = parse_shapes(args.shapes) if args.shapes else (
+        [SHAPES[i] for i in QUICK_SHAPES] if args.quick else list(SHAPES))
+    ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    if not ways or any(w not in WAYS for w in ways):
+        ap.error(f"--ways: choose from {','.join(WAYS)}")
+    reps = args.reps or (100 if args.quick else 200)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("wgmma_speed: no CUDA device (this benchmark needs an SM90 GPU such as the H200)", file=sys.stderr)
+        return 2
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        print(f"wgmma_speed: needs an SM90 GPU, this one is sm_{cap[0]}{cap[1]}", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    l2 = int(getattr(props, "L2_cache_size", 0) or (50 << 20))
+    print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB; {reps} replays; "
+          f"ways {','.join(ways)}", flush=True)
+    t_start = time.perf_counter()
+    rows = []
+    for shape in shapes:
+        B, H, s_q, S = shape
+        print(f"B={B} H={H} s_q={s_q} S={S} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            got = bench_shape(torch, shape, ways, reps, args.sets, l2)
+        except Exception as exc:  # e.g. out of memory building the inputs
+            got = [{"B": B, "H": H, "s_q": s_q, "S": S, "way": w, "status": "error", "sets": 0,
+                    "error": f"{type(exc).__name__}: {exc}"[:400]} for w in ways]
+        rows += got
+        for r in got:
+            extra = f"{r['us']:.1f} us, first call {r.get('first_call_s')} s" if r.get("us") else r.get("error", "")
+            print(f"  {r['way']:<6} {r['status']:<8} {extra}", flush=True)
+        print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+        torch.cuda.empty_cache()
+    print_table(rows)
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    if args.json:
+        data = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": props.name, "sms": props.multi_processor_count,
+                "l2_bytes": l2, "reps": reps, "sm_scale": SM_SCALE, "page_size": PAGE, "kv_dtype": "bf16",
+                "versions": versions(), "rows": rows}
+        with open(args.json, "w") as fh:
+            json.dump(data, fh, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
