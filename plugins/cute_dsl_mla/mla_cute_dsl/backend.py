@@ -46,10 +46,18 @@ FLASHINFER_DIST = "flashinfer-python"
 # the FlashInfer releases the SM100 path's arguments and checks were read from
 FLASHINFER_RANGE = ("0.7.2", "0.7.3")
 BLOCK_N = 64
+# auto picks the WGMMA kernel from this many packed query rows (s_q * num_heads): one full 64-row tile;
+# measured faster than mma.sync at 64, 128 and 256 rows (docs/results/h200_wgmma_speed.txt)
+WGMMA_MIN_ROWS = 64
 
 
 class CuteDslOptions(BackendOptions):
     ctas_per_sm: Literal[1, 2] = Field(default=1, description="split-KV work items per SM in one wave (sm_90)")
+    mma: Literal["auto", "wgmma", "mma_sync"] = Field(
+        default="auto",
+        description="sm_90 partial kernel: wgmma (KV in q's dtype, s_q*num_heads > 32; 1.4-1.7x faster than "
+                    "mma_sync at H=64/128 on an H200), mma_sync (every shape, the fp8 path), auto: wgmma "
+                    f"from s_q*num_heads >= {WGMMA_MIN_ROWS} with KV in q's dtype, else mma_sync")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
@@ -85,6 +93,24 @@ def shape_reasons(shape: DecodeShape) -> List[str]:
     if shape.scale_inputs == "tensor":
         out.append("scale_inputs=tensor: the kernels take kv_scale as a launch argument (a host float)")
     return out
+
+
+def wgmma_reasons(shape: DecodeShape) -> List[str]:
+    """Why the WGMMA kernel cannot take a shape the mma.sync kernels take (empty: it can)."""
+    out = []
+    if shape.kv_dtype != shape.q_dtype:
+        out.append(f"mma=wgmma: kv_dtype={shape.kv_dtype} must equal q_dtype={shape.q_dtype} (no fp8 WGMMA path)")
+    if shape.seq_len_q * shape.num_heads <= 32:
+        out.append(f"mma=wgmma: s_q*num_heads={shape.seq_len_q * shape.num_heads} <= 32 (its tile is 64 query "
+                   "rows; the schedule gives such shapes 16- or 32-row tiles)")
+    return out
+
+
+def uses_wgmma(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether the sm_90 path runs the WGMMA partial kernel for this shape."""
+    if options.mma == "mma_sync" or wgmma_reasons(shape):
+        return False
+    return options.mma == "wgmma" or shape.seq_len_q * shape.num_heads >= WGMMA_MIN_ROWS
 
 
 class CuteDslBackend(Backend):
@@ -141,7 +167,10 @@ class CuteDslBackend(Backend):
 
     @hookimpl
     def can_implement(self, shape: DecodeShape, options: CuteDslOptions) -> List[str]:
-        return shape_reasons(shape)
+        reasons = shape_reasons(shape)
+        if options.mma == "wgmma" and not (shape.device.type == "cuda" and sm100.is_sm100(shape.device.capability)):
+            reasons += wgmma_reasons(shape)
+        return reasons
 
     @hookimpl
     def limits(self, shape: DecodeShape, options: CuteDslOptions) -> Limits:
@@ -160,12 +189,15 @@ class CuteDslPlanned(Planned):
     __slots__ = ("kv_lens", "page_table", "schedule", "workspace", "lse_scratch", "sm_scale", "kv_scale", "run_fn")
 
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
-                 lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float) -> None:
-        from .kernels.api import mla_decode_sm90
+                 lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float, wgmma: bool = False) -> None:
+        if wgmma:
+            from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as run_fn
+        else:
+            from .kernels.api import mla_decode_sm90 as run_fn
 
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
         self.lse_scratch, self.sm_scale, self.kv_scale = lse_scratch, sm_scale, kv_scale
-        self.run_fn = mla_decode_sm90
+        self.run_fn = run_fn
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
             kv_scale: Any = None, q_scale: Any = None) -> None:
@@ -228,7 +260,7 @@ class CuteDslSession(Session):
                 scratch = self._lse[key] = torch.empty(B, problem.seq_len_q, problem.num_heads,
                                                        dtype=torch.float32, device=self.device)
         return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
-                              self.config.kv_scale)
+                              self.config.kv_scale, wgmma=uses_wgmma(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()

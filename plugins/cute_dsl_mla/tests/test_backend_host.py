@@ -153,3 +153,23 @@ def test_blackwell_example_policy_routes_the_trtllm_admission_set():
         dec = disp.explain(prob(device=B200, num_heads=h, seq_len_q=s_q, min_kv_len=s_q, return_lse=False))
         assert dec.verdict("cute_dsl_mla").outcome == "policy", (h, s_q, dec.format_trace())
         assert dec.backend in ("cutlass_mla", "flashinfer_mla"), dec.format_trace()
+
+
+def test_the_wgmma_kernel_is_chosen_per_shape_and_refuses_with_reasons():
+    from mla_cute_dsl.backend import uses_wgmma
+
+    auto, forced, off = CuteDslOptions(), CuteDslOptions(mma="wgmma"), CuteDslOptions(mma="mma_sync")
+    # auto: from one full 64-row tile (s_q * H >= 64), KV in q's dtype only
+    assert uses_wgmma(prob(num_heads=128), auto) and uses_wgmma(prob(num_heads=16, seq_len_q=4), auto)
+    assert not uses_wgmma(prob(num_heads=63), auto) and not uses_wgmma(prob(num_heads=128, kv_dtype="fp8_e4m3"), auto)
+    assert uses_wgmma(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=64), auto)
+    assert not uses_wgmma(prob(num_heads=128), off)
+    # forced: from 33 rows (the schedule's 64-row tile); refused below that and with an fp8 cache, with reasons
+    assert uses_wgmma(prob(num_heads=33), forced) and not uses_wgmma(prob(num_heads=33), auto)
+    backend = CuteDslBackend()
+    assert backend.can_implement(prob(num_heads=33).shape, forced) == []
+    r = backend.can_implement(prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3").shape, forced)
+    assert any("no fp8 WGMMA path" in x for x in r) and any("s_q*num_heads=32 <= 32" in x for x in r)
+    assert backend.can_implement(prob(num_heads=16, kv_dtype="fp8_e4m3").shape, auto) == []
+    with pytest.raises(Exception):
+        CuteDslOptions(mma="tensor_cores")

@@ -517,8 +517,8 @@ class MLADecodePartialWGMMA:
 
 
 # ---------------------------------------------------------------------- host helpers
-# Not wired into api.py: api.mla_decode_sm90 keeps using sm90_decode.  These let
-# the tests (and later api.py, per specialization) build and run this kernel.
+# api.mla_decode_sm90 keeps using sm90_decode; the backend (mla_cute_dsl.backend, option mma) picks
+# this kernel per shape through the helpers below (also used by the tests).
 
 
 def _build_partial_wgmma(q_name: str, kv_name: str, block_m: int):
