@@ -51,6 +51,7 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LAYOUTS = ("packed", "split")
 SCALE_INPUTS = ("static", "float", "tensor")
 _Tensor = torch.Tensor
+_F32 = torch.float32
 
 log = logging.getLogger("mlacore")
 _decoder_ids = itertools.count(1)
@@ -506,7 +507,7 @@ class MLADecoder:
         self._fast = (self._q_shape, self.q_dtype, self._dev_index, self._out_shape, self.out_dtype,
                       self._lse_shape, max_page_id, self._converter(q_layout, kv_layout, info.strided_q, name),
                       not info.strided_q and self.q_layout == "packed", self.scale_inputs != "static",
-                      self.q_layout == "packed")
+                      self.q_layout == "packed", self.return_lse)
         self._last_buffers = (None, None)
         # stride patterns found aligned hold for this plan's shape only (size-1 dimensions are ignored)
         self._aligned_strides = self._aligned_strides_pe = None
@@ -564,10 +565,10 @@ class MLADecoder:
             self._explain_stale(plan)
         # one attribute read for everything the checks compare against (fixed by plan)
         (q_shape, q_dtype, dev, out_shape, out_dtype, lse_shape, max_page_id, convert, need_contig, scaled,
-         packed) = self._fast
+         packed, lse_given) = self._fast
         # dev is get_device()'s answer: -1 on the CPU, the index on CUDA (cheaper than comparing devices)
         if packed:
-            if not (isinstance(q, _Tensor) and q.shape == q_shape and q.dtype is q_dtype
+            if not (isinstance(q, _Tensor) and q.dtype is q_dtype and q.shape == q_shape
                     and q.get_device() == dev and (dev >= 0 or q.is_cpu)):
                 self._explain_q(q)
             if q.is_contiguous():
@@ -575,6 +576,8 @@ class MLADecoder:
                     q = self._realign(q)
             elif q.stride(-1) != 1:
                 self._explain_q(q)
+            elif need_contig:  # the backend takes a contiguous q only; engines pass views
+                q = q.contiguous()
             elif q.data_ptr() & 15 or (q.stride() != self._aligned_strides and self._strides_misaligned(q)):
                 q = self._realign(q)
         else:
@@ -602,14 +605,17 @@ class MLADecoder:
         last_out, last_lse = self._last_buffers
         if out is last_out and lse is last_lse and out is not None:
             pass  # the buffers the previous run of this plan checked
+        elif (lse_given and isinstance(out, _Tensor) and isinstance(lse, _Tensor) and out.dtype is out_dtype
+              and lse.dtype is _F32 and out.shape == out_shape and lse.shape == lse_shape
+              and out.get_device() == dev and lse.get_device() == dev and (dev >= 0 or (out.is_cpu and lse.is_cpu))
+              and out.is_contiguous() and lse.is_contiguous() and not (out.data_ptr() | lse.data_ptr()) & 15):
+            self._last_buffers = (out, lse)  # a fresh pair that passes (engines slice one buffer per layer)
         else:
             out, lse = self._check_buffers(out, lse, out_shape, out_dtype, lse_shape)
         if scaled or kv_scale is not None or q_scale is not None:
             self._check_scales(kv_scale, q_scale)
         if convert is not None:
             q, kv_cache = convert(q, kv_cache)
-        elif need_contig and not q.is_contiguous():  # backend takes contiguous q only; engines pass views
-            q = q.contiguous()
         try:
             if kv_scale is None and q_scale is None:
                 self._run_fn(q, kv_cache, out, lse)

@@ -58,12 +58,12 @@ class BackendConformance:
         return only_backend_dispatcher(self.backend, options=self.options or None)
 
     def problem(self, **kw: Any) -> DecodeProblem:
-        # page 16 unless the backend was given page sizes without it (the suite's single-cell tests must not all
-        # skip for a backend that takes only larger pages)
+        # page 16 and the first cache dtype of the class: the suite's single-cell tests must not all skip for a
+        # backend that takes only larger pages or other cache dtypes
         page = 16 if 16 in self.page_sizes else self.page_sizes[-1]
         base = dict(num_heads=16, seq_len_q=1, batch_size=3, min_kv_len=0, max_kv_len=self.max_kv_len,
-                    page_size=page, q_dtype=self.q_dtype, kv_dtype="bf16", device=DeviceSpec.of(self.device),
-                    return_lse=self.return_lse)
+                    page_size=page, q_dtype=self.q_dtype, kv_dtype=self.kv_dtypes[0],
+                    device=DeviceSpec.of(self.device), return_lse=self.return_lse)
         base.update(kw)
         return DecodeProblem(**base)
 
