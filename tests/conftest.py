@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,11 +36,3 @@ def with_plugins(plugin_site, monkeypatch):
     monkeypatch.syspath_prepend(str(plugin_site))
     return plugin_site
 
-
-def subprocess_env(plugin_site: Path | None = None, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_")}
-    if plugin_site is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(plugin_site), env.get("PYTHONPATH", "")])
-    env.update(extra)
-    env["COLUMNS"] = "200"
-    return env

@@ -13,7 +13,7 @@ from mlacore.tools.grid import PRESETS, load_grid
 from mlacore.policy import PolicyError, parse_policy_text
 from mlacore.problem import DecodeProblem, DeviceSpec
 from mlacore.tools.tune import build_rules, routes, tune, winners, write_atomically
-from conftest import subprocess_env
+from mla_test_helpers import subprocess_env
 
 CPU = DeviceSpec(type="cpu")
 CEIL = Ceilings(copy_gbps=100.0, matmul_tflops=2.0, how="test")

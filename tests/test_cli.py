@@ -6,7 +6,7 @@ import sys
 
 
 from mlacore.tools.cli import main
-from conftest import subprocess_env
+from mla_test_helpers import subprocess_env
 
 
 def run_cli(*args, plugin_site=None, **env):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import subprocess_env
+from mla_test_helpers import subprocess_env
 from mlacore.tools.cli import json_safe, json_text, main, problem_error_line
 
 

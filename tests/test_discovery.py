@@ -9,7 +9,7 @@ import torch
 
 from mlacore import Backend, BackendRegistry, Dispatcher, MLADecoder, parse_policy
 from mlacore.problem import DecodeProblem
-from conftest import subprocess_env
+from mla_test_helpers import subprocess_env
 
 SHAPE = DecodeProblem(num_heads=16, batch_size=1, max_kv_len=8, page_size=16).shape
 

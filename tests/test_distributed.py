@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import subprocess_env
+from mla_test_helpers import subprocess_env
 from mlacore import Dispatcher, MLADecoder, MLAError
 from mlacore.distributed import (ABSENT, RankMismatchError, ShapeClass, as_shape_class, check_same_choice,
                                  choice_fingerprint, compare_fingerprints, default_shape_classes, mismatch_error)

@@ -41,7 +41,7 @@ from mlacore.policy import effective_order
 from mlacore.problem import DecodeProblem
 from mlacore.testing import compare, make_inputs, reference_outputs
 from mlacore.validation import check_lengths_and_table
-from conftest import subprocess_env
+from mla_test_helpers import subprocess_env
 
 WT = "mla-test-wrongtypes"
 CORE_ONLY = {"MLA_DISABLE_PLUGIN_AUTOLOAD": "1"}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import subprocess_env
+from mla_test_helpers import subprocess_env
 
 CLI_ONLY = ("rich", "tomlkit", "matplotlib", "mlacore.tools", "mlacore.tools.cli", "mlacore.tools.bench",
             "mlacore.testing", "pytest")
