@@ -52,6 +52,13 @@ LAYOUTS = ("packed", "split")
 SCALE_INPUTS = ("static", "float", "tensor")
 _Tensor = torch.Tensor
 _F32 = torch.float32
+_weakref = weakref.ref
+
+
+def _NO_REF() -> None:
+    """Stands for a dead or absent weak reference (an lse of None, no pair yet)."""
+    return None
+
 
 log = logging.getLogger("mlacore")
 _decoder_ids = itertools.count(1)
@@ -215,9 +222,10 @@ class MLADecoder:
         self._fast: Any = None
         # caches already checked, by id: (weak reference, page count); a cache is checked once, not per call
         self._checked_kv: Dict[int, Tuple[Any, int]] = {}
-        # the (out, lse) pair the last run checked against the current plan: engines pass the same buffers to
-        # every layer, so one identity test replaces two lookups (strong refs: two small buffers, dropped at plan)
-        self._last_buffers: Tuple[Any, Any] = (None, None)
+        # weak references to the (out, lse) pair the last run checked against the current plan: engines pass the
+        # same buffers to every layer, so one identity test replaces the checks. Weak: a remembered buffer must
+        # not outlive its caller (an engine's op may allocate out inside a CUDA graph pool)
+        self._last_buffers: Tuple[Any, Any] = (_NO_REF, _NO_REF)
         self._aligned_strides: Any = None  # the last strided q (q_nope) stride pattern found 16-byte aligned
         self._aligned_strides_pe: Any = None
         self._warned_realign = False
@@ -297,7 +305,7 @@ class MLADecoder:
             self._closed = True
             self._generation += 1
             self._plan = None
-            self._last_buffers = (None, None)
+            self._last_buffers = (_NO_REF, _NO_REF)
         for session in sessions:
             try:
                 session.close()
@@ -504,11 +512,13 @@ class MLADecoder:
         self._qp_shape = (B, seq_len_q, H, self.qk_rope_head_dim)
         self._out_shape = tuple(plan.out_shape)
         self._lse_shape = tuple(plan.out_shape[:3])
+        convert = self._converter(q_layout, kv_layout, info.strided_q, name)
+        # a packed q copied inline only where no conversion runs (a conversion makes its own contiguous parts)
+        need_contig = not info.strided_q and self.q_layout == "packed" and convert is None
         self._fast = (self._q_shape, self.q_dtype, self._dev_index, self._out_shape, self.out_dtype,
-                      self._lse_shape, max_page_id, self._converter(q_layout, kv_layout, info.strided_q, name),
-                      not info.strided_q and self.q_layout == "packed", self.scale_inputs != "static",
+                      self._lse_shape, max_page_id, convert, need_contig, self.scale_inputs != "static",
                       self.q_layout == "packed", self.return_lse)
-        self._last_buffers = (None, None)
+        self._last_buffers = (_NO_REF, _NO_REF)
         # stride patterns found aligned hold for this plan's shape only (size-1 dimensions are ignored)
         self._aligned_strides = self._aligned_strides_pe = None
         self._plan = plan
@@ -603,13 +613,13 @@ class MLADecoder:
             raise MLAInputError(f"page_table: page id {max_page_id} is out of range for kv_cache "
                                 f"with {pages} pages")
         last_out, last_lse = self._last_buffers
-        if out is last_out and lse is last_lse and out is not None:
+        if last_out() is out and last_lse() is lse and out is not None:
             pass  # the buffers the previous run of this plan checked
         elif (lse_given and isinstance(out, _Tensor) and isinstance(lse, _Tensor) and out.dtype is out_dtype
               and lse.dtype is _F32 and out.shape == out_shape and lse.shape == lse_shape
               and out.get_device() == dev and lse.get_device() == dev and (dev >= 0 or (out.is_cpu and lse.is_cpu))
               and out.is_contiguous() and lse.is_contiguous() and not (out.data_ptr() | lse.data_ptr()) & 15):
-            self._last_buffers = (out, lse)  # a fresh pair that passes (engines slice one buffer per layer)
+            self._last_buffers = (_weakref(out), _weakref(lse))  # a fresh pair (engines slice a buffer per layer)
         else:
             out, lse = self._check_buffers(out, lse, out_shape, out_dtype, lse_shape)
         if scaled or kv_scale is not None or q_scale is not None:
@@ -672,7 +682,7 @@ class MLADecoder:
                     and not lse.data_ptr() & 15):
                 check_output("lse", lse, lse_shape, torch.float32, self.device)
         if given_out and (given_lse or not self.return_lse):
-            self._last_buffers = (out, lse)
+            self._last_buffers = (_weakref(out), _NO_REF if lse is None else _weakref(lse))
         return out, lse
 
     def _check_scales(self, kv_scale: Any, q_scale: Any) -> None:

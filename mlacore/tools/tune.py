@@ -4,7 +4,8 @@ Rules are built so that the real dispatcher, reading the written policy,
 picks the fastest correct backend measured for every cell of the grid:
 
 * the backend that wins most cells goes last among the winners and gets no
-  allow rule (it is the default for shapes the grid did not cover);
+  allow rule (it is the default for head counts, s_q, dtypes and page sizes
+  the grid did not cover);
 * every other winner, ordered from fewest wins up, gets rectangles over
   (batch, kv length) per (heads, s_q, dtypes, page size) group, grown as far
   as they can without touching a cell that a later backend must keep
@@ -334,7 +335,8 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
                 out.append(rule)
         rules.setdefault(name, []).extend(_merge(out, report))
     for name, broad in _group_defaults(groups, win, stat, backends, arms).items():
-        rules.setdefault(name, []).extend(_merge(broad, report))  # after the specific rules: tried last
+        mine = rules.setdefault(name, [])
+        mine.extend(r for r in _merge(broad, report) if r not in mine)  # after the specific rules: tried last
     return backends, rules, default
 
 
@@ -345,9 +347,14 @@ def _group_defaults(groups: Dict[tuple, List[tuple]], win: Dict[tuple, str], sta
     Without them, whatever no rule claims goes to the default backend, the one that wins most cells
     over the whole grid. That is the best guess across groups, not within one: on the H200 an fp8
     cache makes our kernel win nearly everywhere while FlashInfer fa3 wins nearly every bf16 cell, so
-    a bf16 shape between or past the measured points would default to the fp8 winner. The rules cover
-    the group's (batch, kv length) plane minus the boxes of arms of later backends (the same boxes,
-    midpoints and edge reach as their own rules), so they claim no cell another arm must get.
+    a bf16 shape between or past the measured points would default to the fp8 winner.
+
+    The rules cover the group's (batch, kv length) plane minus holes: for each arm of a later backend
+    that wins cells here, boxes grown from its cells only through cells it won, with the same
+    midpoint bounds and edge reach as rules (`_rule_box`). Those holes are never larger than that
+    arm's own rules, which may also span cells it did not win; unmeasured space inside its rules
+    but outside its holes goes to the majority arm. No measured cell changes hands: holes contain
+    every cell a later arm won, and earlier rules of the majority's backend come first.
     """
     out: Dict[str, List[dict]] = defaultdict(list)
     position = {name: i for i, name in enumerate(backends)}

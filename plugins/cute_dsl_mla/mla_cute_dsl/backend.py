@@ -52,7 +52,8 @@ WGMMA_MIN_ROWS = 64
 
 
 class CuteDslOptions(BackendOptions):
-    ctas_per_sm: Literal[1, 2] = Field(default=1, description="split-KV work items per SM in one wave (sm_90)")
+    ctas_per_sm: Literal[1, 2] = Field(default=1, description="split-KV work items per SM in one wave (sm_90; "
+                                       "the WGMMA kernel's 224 KiB of shared memory lets one CTA run per SM)")
     mma: Literal["auto", "wgmma", "mma_sync"] = Field(
         default="auto",
         description="sm_90 partial kernel: wgmma (KV in q's dtype, s_q*num_heads > 32; 1.4-1.7x faster than "
@@ -102,7 +103,7 @@ def wgmma_reasons(shape: DecodeShape) -> List[str]:
         out.append(f"mma=wgmma: kv_dtype={shape.kv_dtype} must equal q_dtype={shape.q_dtype} (no fp8 WGMMA path)")
     if shape.seq_len_q * shape.num_heads <= 32:
         out.append(f"mma=wgmma: s_q*num_heads={shape.seq_len_q * shape.num_heads} <= 32 (its tile is 64 query "
-                   "rows; the schedule gives such shapes 16- or 32-row tiles)")
+                   "rows, at least half of them padding here; the mma.sync kernel's 16/32-row tiles fit)")
     return out
 
 
