@@ -124,7 +124,7 @@ class CuteDslBackend(Backend):
     def info(self) -> BackendInfo:
         return BackendInfo(
             description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
-            notes=("sm_90 kernels checked on an H200",
+            notes=("sm_90 kernels checked on an H200 (mma.sync; WGMMA from s_q*H >= 64 with KV in q's dtype)",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
                    "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504"),
