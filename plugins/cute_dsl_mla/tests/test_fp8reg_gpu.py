@@ -42,6 +42,8 @@ def run_fp8(case, out, lse, sched=None, ws=None, ctas_per_sm=2):
         n_sm = torch.cuda.get_device_properties(0).multi_processor_count
         sched = make_schedule(case["lens_cpu"], s_q, H, n_sm, ctas_per_sm=ctas_per_sm)
         ws = alloc_workspace(sched)
+        ws[0].fill_(float("nan"))  # a partial row the kernel fails to write must not pass as old memory
+        ws[1].fill_(float("nan"))
     mla_decode_sm90_fp8(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"],
                         case["kv_scale"], out, lse, sched, ws)
     return sched, ws
@@ -55,7 +57,8 @@ def _bufs(B, s_q, H, dtype=torch.bfloat16):
 
 # (B, s_q, S, H, varlen, page): BLOCK_M 16 (R <= 16) and 32 (16 < R <= 32),
 # one item (writes out directly) and many splits (partials + combine), partial
-# m-blocks (R = 3, 12, 24), lengths 0 / 1 / < s_q, tail tiles, page 128
+# m-blocks (R = 3, 12, 21, 24: the last two leave BLOCK_M 32's second M-atom half empty),
+# lengths 0 / 1 / < s_q, tail tiles, page 128
 CASES = [
     (1, 1, 64, 16, False, 64),      # one tile, one item
     (1, 1, 4096, 16, False, 64),    # B=1: many splits
@@ -69,6 +72,8 @@ CASES = [
     (5, 4, 257, 8, True, 64),       # R = 32 from s_q 4 x H 8
     (2, 1, 1, 16, False, 64),       # length 1 everywhere
     (8, 2, 777, 16, True, 128),     # page 128, varlen, odd lengths
+    (4, 2, 300, 12, True, 64),      # R = 24, BLOCK_M 32 with a partial second atom
+    (3, 3, 150, 7, True, 128),      # R = 21, page 128
 ]
 
 
