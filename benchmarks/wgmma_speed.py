@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 
@@ -135,32 +134,18 @@ def way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S):
 # -- timing --------------------------------------------------------------------------------
 
 
-def time_graph(torch, run, outs, lses, reps):
-    """Median and min µs per call: a CUDA graph of one call per input set, replays timed with events."""
+def time_graph(run, outs, lses, reps):
+    """Median µs per call and how it was timed: `mla bench`'s timer (mlacore.tools.bench.time_calls), a CUDA
+    graph of one call per input set, its replays timed with CUDA events."""
+    from mlacore.tools.bench import time_calls
+
     n = len(outs)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up on a side stream, as torch asks before a capture
+
+    def all_sets():
         for i in range(n):
             run(i, outs[i], lses[i])
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n):
-            run(i, outs[i], lses[i])
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for e0, e1 in events:
-        e0.record()
-        g.replay()
-        e1.record()
-    torch.cuda.synchronize()
-    per_call = [e0.elapsed_time(e1) * 1e3 / n for e0, e1 in events]
-    del g
-    return statistics.median(per_call), min(per_call)
+
+    return time_calls(all_sets, n, "cuda", True, min_repeats=reps, max_repeats=reps)
 
 
 def diff(torch, out, lse, ref_out, ref_lse):
@@ -226,12 +211,12 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes):
     for name, (run, outs, lses) in runners.items():
         row = rows[name]
         try:
-            med, best = time_graph(torch, run, outs, lses, reps)
+            med, how = time_graph(run, outs, lses, reps)
         except Exception as exc:
             row["status"] = "error"
             row["error"] = f"timing: {type(exc).__name__}: {exc}"[:400]
             continue
-        row.update(us=round(med, 2), min_us=round(best, 2), gbps=round(nbytes / med / 1e3, 1),
+        row.update(us=round(med, 2), timing=how, gbps=round(nbytes / med / 1e3, 1),
                    tflops=round(flops / med / 1e6, 1))
     fa3_us = rows.get("fa3", {}).get("us")
     for row in rows.values():
@@ -244,14 +229,14 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes):
 
 def print_table(rows):
     head = (f"{'B':>4} {'H':>4} {'s_q':>3} {'S':>6}  {'way':<6} {'status':<8} {'1st s':>7} {'med us':>9} "
-            f"{'min us':>9} {'GB/s':>6} {'TFLOP/s':>7} {'x fa3':>6} {'|dout|':>8} {'|dlse|':>8} {'sets':>4}")
+            f"{'GB/s':>6} {'TFLOP/s':>7} {'x fa3':>6} {'|dout|':>8} {'|dlse|':>8} {'sets':>4}")
     print("\n" + head)
     print("-" * len(head))
     for r in rows:
         def num(k, fmt):
             return format(r[k], fmt) if r.get(k) is not None else "-"
         print(f"{r['B']:>4} {r['H']:>4} {r['s_q']:>3} {r['S']:>6}  {r['way']:<6} {r['status']:<8} "
-              f"{num('first_call_s', '7.2f'):>7} {num('us', '9.1f'):>9} {num('min_us', '9.1f'):>9} "
+              f"{num('first_call_s', '7.2f'):>7} {num('us', '9.1f'):>9} "
               f"{num('gbps', '6.0f'):>6} {num('tflops', '7.1f'):>7} {num('x_fa3', '6.2f'):>6} "
               f"{num('out_max_abs', '8.1e'):>8} {num('lse_max_abs', '8.1e'):>8} {r['sets']:>4}"
               + (f"  {r['error'][:100]}" if r.get("error") else ""))

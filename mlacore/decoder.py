@@ -667,20 +667,16 @@ class MLADecoder:
         given_out, given_lse = out is not None, lse is not None
         if out is None:
             out = torch.empty(out_shape, dtype=out_dtype, device=self.device)
-        elif not (isinstance(out, _Tensor) and out.shape == out_shape and out.dtype is out_dtype
-                  and out.get_device() == dev and (dev >= 0 or out.is_cpu) and out.is_contiguous()
-                  and not out.data_ptr() & 15):
+        elif not _buffer_ok(out, out_shape, out_dtype, dev):
             check_output("out", out, out_shape, out_dtype, self.device)
         if lse is None:
             if self.return_lse:
-                lse = torch.empty(lse_shape, dtype=torch.float32, device=self.device)
+                lse = torch.empty(lse_shape, dtype=_F32, device=self.device)
         else:
             if not self.return_lse:
                 raise MLAInputError("lse: this decoder was built with return_lse=False; pass lse=None")
-            if not (isinstance(lse, _Tensor) and lse.shape == lse_shape and lse.dtype is torch.float32
-                    and lse.get_device() == dev and (dev >= 0 or lse.is_cpu) and lse.is_contiguous()
-                    and not lse.data_ptr() & 15):
-                check_output("lse", lse, lse_shape, torch.float32, self.device)
+            if not _buffer_ok(lse, lse_shape, _F32, dev):
+                check_output("lse", lse, lse_shape, _F32, self.device)
         if given_out and (given_lse or not self.return_lse):
             self._last_buffers = (_weakref(out), _NO_REF if lse is None else _weakref(lse))
         return out, lse
@@ -724,6 +720,13 @@ class MLADecoder:
     def _explain_q(self, q: object) -> None:
         explain_q(q, self._q_shape, self.q_layout, self.q_dtype, self.device, self.qk_rope_head_dim)
         raise MLAInputError(f"q: not accepted ({type(q).__name__})")  # pragma: no cover - explain_q raised
+
+
+def _buffer_ok(t: Any, shape: tuple, dtype: torch.dtype, dev: int) -> bool:
+    """One combined test of an output buffer (check_output says what is wrong when this fails). run inlines
+    the same test for an (out, lse) pair: it is the hot path, where a call costs as much as the test."""
+    return (isinstance(t, _Tensor) and t.dtype is dtype and t.shape == shape and t.get_device() == dev
+            and (dev >= 0 or t.is_cpu) and t.is_contiguous() and not t.data_ptr() & 15)
 
 
 def _host(t: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:

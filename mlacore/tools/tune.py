@@ -320,19 +320,7 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
             b_vals = sorted({c[5] for c in members})
             l_vals = sorted({c[6] for c in members})
             at = {(c[5], c[6]): win[c] for c in members}
-            for bi0, bi1, li0, li1 in _rectangles(mine, keep_off, b_vals, l_vals):
-                rule = dict(zip(CAT_FIELDS, ([v] for v in cat)))
-                # reach past the grid on an axis only where this arm wins every measured cell of the
-                # rule's own edge there (its span on the other axis): the nearest evidence for the cells
-                # beyond, where the default arm would otherwise be a guess
-                bounds = _rule_box(label, at, b_vals[bi0:bi1 + 1], l_vals[li0:li1 + 1], keep_off, b_vals, l_vals)
-                rule.update(min_batch=bounds[0], max_batch=bounds[1], min_kv_len=bounds[2], max_kv_len=bounds[3])
-                # min_batch = 1 and min_kv_len = 0 say nothing: leave them out
-                rule = {k: v for k, v in rule.items()
-                        if v is not None and (k, v) not in (("min_batch", 1), ("min_kv_len", 0))}
-                if options:
-                    rule["options"] = options
-                out.append(rule)
+            out += [_rule(cat, box, options) for box in _arm_boxes(label, mine, keep_off, at, b_vals, l_vals)]
         rules.setdefault(name, []).extend(_merge(out, report))
     for name, broad in _group_defaults(groups, win, stat, backends, arms).items():
         mine = rules.setdefault(name, [])
@@ -377,18 +365,30 @@ def _group_defaults(groups: Dict[tuple, List[tuple]], win: Dict[tuple, str], sta
             keep_off = {(c[5], c[6]) for c in members
                         if win[c] != label or stat.get((c, label)) not in (OK, SKIPPED, None)}
             keep_off -= mine
-            for bi0, bi1, li0, li1 in _rectangles(mine, keep_off, b_vals, l_vals):
-                holes.append(_rule_box(label, at, b_vals[bi0:bi1 + 1], l_vals[li0:li1 + 1], keep_off,
-                                       b_vals, l_vals))
-        for box in _complement(holes):
-            rule: Dict[str, object] = dict(zip(CAT_FIELDS, ([v] for v in cat)))
-            rule.update(min_batch=box[0], max_batch=box[1], min_kv_len=box[2], max_kv_len=box[3])
-            rule = {k: v for k, v in rule.items()
-                    if v is not None and (k, v) not in (("min_batch", 1), ("min_kv_len", 0))}
-            if options:
-                rule["options"] = options
-            out[name].append(rule)
+            holes += _arm_boxes(label, mine, keep_off, at, b_vals, l_vals)
+        out[name] += [_rule(cat, box, options) for box in _complement(holes)]
     return dict(out)
+
+
+def _arm_boxes(label: str, mine: set, keep_off: set, at: Dict[Tuple[int, int], str], b_vals: List[int],
+               l_vals: List[int]) -> List[tuple]:
+    """(min_batch, max_batch, min_kv_len, max_kv_len) boxes over an arm's cells `mine` that avoid `keep_off`.
+
+    A box reaches past the grid on an axis only where the arm wins every measured cell of its own edge there
+    (its span on the other axis): the nearest evidence for the cells beyond, where the default arm would
+    otherwise be a guess; between grid points it ends at the midpoints (`_rule_box`)."""
+    return [_rule_box(label, at, b_vals[bi0:bi1 + 1], l_vals[li0:li1 + 1], keep_off, b_vals, l_vals)
+            for bi0, bi1, li0, li1 in _rectangles(mine, keep_off, b_vals, l_vals)]
+
+
+def _rule(cat: tuple, box: tuple, options: Dict[str, object]) -> Dict[str, object]:
+    """An allow rule for group `cat` over `box`; min_batch = 1 and min_kv_len = 0 say nothing: left out."""
+    rule: Dict[str, object] = dict(zip(CAT_FIELDS, ([v] for v in cat)))
+    rule.update(min_batch=box[0], max_batch=box[1], min_kv_len=box[2], max_kv_len=box[3])
+    rule = {k: v for k, v in rule.items() if v is not None and (k, v) not in (("min_batch", 1), ("min_kv_len", 0))}
+    if options:
+        rule["options"] = options
+    return rule
 
 
 def _complement(boxes: List[tuple]) -> List[tuple]:

@@ -18,13 +18,7 @@ import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-
-def _has_cutlass():
-    try:
-        import cutlass  # noqa: F401
-    except Exception:
-        return False
-    return True
+from test_kernel_compile import _has_cutlass  # noqa: E402  (same directory: pytest rootdir import)
 
 
 pytestmark = pytest.mark.skipif(not _has_cutlass(), reason="nvidia-cutlass-dsl not installed")

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from test_kernel_gpu import check, make_case  # same directory (pytest rootdir import)
+from test_kernel_gpu import check, make_case, run_kernel  # same directory (pytest rootdir import)
 
 pytestmark = pytest.mark.gpu
 
@@ -31,19 +31,9 @@ needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an SM90 GPU")
 
 
 def run_wgmma(case, out, lse):
-    from mla_cute_dsl.kernels import alloc_workspace, make_schedule
     from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma
 
-    q = case["q"]
-    B, s_q, H, _ = q.shape
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    sched = make_schedule(case["lens_cpu"], s_q, H, n_sm)
-    ws = alloc_workspace(sched)
-    for part in ws:  # split partials the kernel fails to write must not pass as old memory
-        part.fill_(float("nan"))
-    mla_decode_sm90_wgmma(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"],
-                          case["kv_scale"], out, lse, sched, ws)
-    return sched
+    return run_kernel(case, out, lse, decode=mla_decode_sm90_wgmma)[0]
 
 
 # (B, s_q, S, H, varlen): one split and many splits, one and several m-blocks,
@@ -102,8 +92,6 @@ def test_wgmma_large_magnitude_q(B, s_q, H, S):
 def test_wgmma_matches_mma_sync_kernel():
     """Same inputs through both partial kernels: close (not bit-equal: different
     summation order), which separates a WGMMA bug from a reference bug."""
-    from test_kernel_gpu import run_kernel
-
     case = make_case(4, 2, 128, 2000, torch.bfloat16, varlen=True, seed=random.randrange(1 << 30))
     o1 = torch.full((4, 2, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     l1 = torch.full((4, 2, 128), float("nan"), dtype=torch.float32, device="cuda")

@@ -186,7 +186,7 @@ class _ViewCache:
     def put(self, t: Any, views: Any) -> Any:
         import weakref
 
-        if len(self._entries) > 4096:  # engines have one cache per layer and a few buffers; never grow unbounded
+        if len(self._entries) > 4096:  # engines have one cache per layer; never grow unbounded
             self._entries.clear()
         key = id(t)
         entries = self._entries
@@ -239,7 +239,7 @@ _DIRECT_CLASSES = ("_BatchMLAPagedAttentionFa2Backend", "_BatchMLAPagedAttention
 
 class FAPlanned(Planned):
     """One step of fa2/fa3. `launch="direct"`: the kernel launcher with the plan's arguments and views of
-    the caller's tensors (caches and buffers viewed once per tensor); `launch="wrapper"`: wrapper.run."""
+    the caller's tensors (caches viewed once per cache, q/out/lse per run); `launch="wrapper"`: wrapper.run."""
 
     __slots__ = ("slot", "generation", "rows", "num_heads", "scales", "direct", "latent", "views")
 

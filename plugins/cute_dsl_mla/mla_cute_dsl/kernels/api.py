@@ -165,6 +165,31 @@ def check_inputs(q, kv_cache, page_table, kv_lens, out, lse):
             raise ValueError(f"{name} must be contiguous")
 
 
+def check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule: Schedule) -> None:
+    """check_inputs plus: the schedule was made for q's s_q and head count."""
+    check_inputs(q, kv_cache, page_table, kv_lens, out, lse)
+    if schedule.s_q != q.shape[1] or schedule.num_heads != q.shape[2]:
+        raise ValueError("schedule was made for another s_q / num_heads")
+
+
+def launch(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float, out, lse,
+           schedule: Schedule, workspace):
+    """One compiled partial kernel (mma.sync or WGMMA: same arguments and work items) and the combine
+    kernel on the current stream; no checks, no host work beyond argument packing."""
+    B, s_q, H, _ = q.shape
+    R = s_q * H
+    combine = get_combine_kernel(_TORCH_TO_NAME[q.dtype])
+    o_part, lse_part = workspace
+    o3 = out.view(B, R, D_V)
+    l2 = lse.view(B, R)
+    s = float(sm_scale) * float(kv_scale)
+    stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
+    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, o3, l2, schedule.work_info, o_part, lse_part,
+            s * LOG2_E, s, float(kv_scale), s_q, H, stream)
+    combine(o3, l2, schedule.split_info, o_part, lse_part, stream)
+    return out, lse
+
+
 def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                     out, lse, schedule: Schedule, workspace, *, check: bool = True,
                     layout=None):
@@ -177,22 +202,6 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     workspace = alloc_workspace(schedule).
     """
     if check:
-        check_inputs(q, kv_cache, page_table, kv_lens, out, lse)
-        if schedule.s_q != q.shape[1] or schedule.num_heads != q.shape[2]:
-            raise ValueError("schedule was made for another s_q / num_heads")
-    B, s_q, H, _ = q.shape
-    R = s_q * H
-    q_name = _TORCH_TO_NAME[q.dtype]
-    kv_name = _TORCH_TO_NAME[kv_cache.dtype]
-    partial = get_partial_kernel(q_name, kv_name, schedule.block_m, layout)
-    combine = get_combine_kernel(q_name)
-    o_part, lse_part = workspace
-    q3 = q.view(B, R, D_QK)
-    o3 = out.view(B, R, D_V)
-    l2 = lse.view(B, R)
-    s = float(sm_scale) * float(kv_scale)
-    stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
-    partial(q3, kv_cache, page_table, kv_lens, o3, l2, schedule.work_info, o_part, lse_part,
-            s * LOG2_E, s, float(kv_scale), s_q, H, stream)
-    combine(o3, l2, schedule.split_info, o_part, lse_part, stream)
-    return out, lse
+        check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
+    partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m, layout)
+    return launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule, workspace)

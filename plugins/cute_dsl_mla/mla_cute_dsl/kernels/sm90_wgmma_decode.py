@@ -728,26 +728,10 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
     works (the grid is ceil(R / 64) m-blocks) but the kernel is meant for
     s_q * H >= 64.
     """
-    import torch
-
     from . import api
 
     if check:
-        api.check_inputs(q, kv_cache, page_table, kv_lens, out, lse)
-        if schedule.s_q != q.shape[1] or schedule.num_heads != q.shape[2]:
-            raise ValueError("schedule was made for another s_q / num_heads")
-    B, s_q, H, _ = q.shape
-    R = s_q * H
-    q_name = api._TORCH_TO_NAME[q.dtype]
-    kv_name = api._TORCH_TO_NAME[kv_cache.dtype]
-    partial = get_partial_kernel_wgmma(q_name, kv_name)
-    combine = api.get_combine_kernel(q_name)
-    o_part, lse_part = workspace
-    s = float(sm_scale) * float(kv_scale)
-    stream = api._cu_stream(torch.cuda.current_stream().cuda_stream)
-    o3 = out.view(B, R, D_V)
-    l2 = lse.view(B, R)
-    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, o3, l2, schedule.work_info,
-            o_part, lse_part, s * api.LOG2_E, s, float(kv_scale), s_q, H, stream)
-    combine(o3, l2, schedule.split_info, o_part, lse_part, stream)
-    return out, lse
+        api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
+    partial = get_partial_kernel_wgmma(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype])
+    return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                      workspace)
