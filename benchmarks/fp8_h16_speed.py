@@ -148,12 +148,12 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list):
     for label, (run, outs, lses) in runners.items():
         row = rows[label]
         try:
-            med, best = time_graph(torch, run, outs, lses, reps)
+            med, how = time_graph(run, outs, lses, reps)
         except Exception as exc:
             row["status"] = "error"
             row["error"] = f"timing: {type(exc).__name__}: {exc}"[:400]
             continue
-        row.update(us=round(med, 2), min_us=round(best, 2), gbps=round(nbytes / med / 1e3, 1),
+        row.update(us=round(med, 2), timing=how, gbps=round(nbytes / med / 1e3, 1),
                    tflops=round(flops / med / 1e6, 1))
     fa3_us = rows.get("fa3", {}).get("us")
     for row in rows.values():
