@@ -4,7 +4,9 @@
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     fa3    FlashInfer fa3 through mlacore.MLADecoder (dispatcher forced to flashinfer_mla, variant fa3)
 
-Shapes with H * s_q >= 64, KV bf16, page 64, every request of length S.
+Shapes with H * s_q >= 64, KV bf16 (or fp8 e4m3 with --kv fp8, kv_scale 1; the
+WGMMA fp8 path is not verified on hardware before its GPU tests pass), page 64,
+every request of length S.
 Per shape: the first call of each way is timed on its own (it compiles or loads
 kernels); the outputs of all ways are compared with fa3's (max abs diff of out
 and lse); then each way's calls are captured in one CUDA graph and the graph's
@@ -12,11 +14,11 @@ replays are timed with CUDA events (median over --reps replays).  The graph
 runs the way once per input set; sets have their own q and KV cache (together
 >= 4x L2, same shuffled page table), so reads do not hit a warm L2; shapes
 whose cache is already much larger than L2 use one set.
-GB/s counts B*S*576*2 + q + out bytes; TFLOP/s counts 2*B*s_q*H*S*(576+512).
+GB/s counts B*S*576*kv_bytes + q + out bytes; TFLOP/s counts 2*B*s_q*H*S*(576+512).
 "x fa3" = fa3 time / this way's time (> 1: faster than fa3).
 
 From the repository root, with the project and the plugins installed:
-    python benchmarks/wgmma_speed.py [--quick] [--shapes 0,3|128x128x1x4096] [--json out.json]
+    python benchmarks/wgmma_speed.py [--quick] [--shapes 0,3|128x128x1x4096] [--kv fp8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ SHAPES = [  # (B, H, s_q, S)
 QUICK_SHAPES = [0, 3]
 WAYS = ("wgmma", "mma", "fa3")
 MAX_SETS = 8
+KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
+
+
+def kv_torch_dtype(torch):
+    return torch.float8_e4m3fn if KV["kv"] == "fp8" else torch.bfloat16
+
+
+def kv_elem_bytes():
+    return 1 if KV["kv"] == "fp8" else 2
 
 
 def parse_shapes(text):
@@ -62,7 +73,7 @@ def make_sets(torch, B, H, s_q, S, l2_bytes, n_sets, seed=0):
     """n_sets input sets, each with its own q and kv cache; one shared (shuffled) page table."""
     pages = -(-S // PAGE)
     P = B * pages
-    set_kv_bytes = P * PAGE * 576 * 2
+    set_kv_bytes = P * PAGE * 576 * kv_elem_bytes()
     if n_sets is None:
         n_sets = max(1, min(MAX_SETS, math.ceil(4 * l2_bytes / set_kv_bytes)))
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -71,7 +82,7 @@ def make_sets(torch, B, H, s_q, S, l2_bytes, n_sets, seed=0):
     sets = []
     for _ in range(n_sets):
         q = torch.randn(B, s_q, H, 576, device="cuda", generator=g, dtype=torch.bfloat16)
-        kv = torch.randn(P, PAGE, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+        kv = torch.randn(P, PAGE, 576, device="cuda", generator=g, dtype=torch.bfloat16).to(kv_torch_dtype(torch))
         sets.append({"q": q, "kv": kv})
     return sets, table, lens
 
@@ -103,7 +114,7 @@ def way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S):
 
     policy = parse_policy({"mla": {"order": ["flashinfer_mla"], "fallback": "error"},
                            "backend": {"flashinfer_mla": {"options": {"variant": "fa3", "launch": "direct"}}}})
-    dec = MLADecoder(H, PAGE, kv_dtype=torch.bfloat16, device="cuda", sm_scale=SM_SCALE, kv_scale=1.0,
+    dec = MLADecoder(H, PAGE, kv_dtype=kv_torch_dtype(torch), device="cuda", sm_scale=SM_SCALE, kv_scale=1.0,
                      dispatcher=Dispatcher(policy=policy, env={}), cuda_graph=True, max_batch=B, max_kv_len=S)
     t0 = time.perf_counter()
     plan = dec.plan(lens, table, s_q, kv_lens_host=lens_cpu, page_table_host=table.cpu())
@@ -157,14 +168,14 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes):
     sets, table, lens = make_sets(torch, B, H, s_q, S, l2_bytes, n_sets)
     lens_cpu = lens.cpu()
     n = len(sets)
-    nbytes = B * S * 576 * 2 + B * s_q * H * (576 + 512) * 2
+    nbytes = B * S * 576 * kv_elem_bytes() + B * s_q * H * (576 + 512) * 2
     flops = 2 * B * s_q * H * S * (576 + 512)
     rows = {}
     runners = {}
     first = {}
     closers = []
     for name in ways:
-        row = rows[name] = {"B": B, "H": H, "s_q": s_q, "S": S, "way": name, "status": "ok", "sets": n,
+        row = rows[name] = {"B": B, "H": H, "s_q": s_q, "S": S, "kv": KV["kv"], "way": name, "status": "ok", "sets": n,
                             "bytes": nbytes, "flops": flops}
         outs = [torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
         lses = [torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda") for _ in range(n)]
@@ -255,8 +266,10 @@ def main(argv=None):
     ap.add_argument("--ways", default=",".join(WAYS), help=f"subset of {','.join(WAYS)} (default: all)")
     ap.add_argument("--reps", type=int, help="graph replays per way and shape (default 200, --quick 100)")
     ap.add_argument("--sets", type=int, help=f"input sets (default: enough for 4x L2, at most {MAX_SETS})")
+    ap.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="KV cache dtype (q is bf16)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     args = ap.parse_args(argv)
+    KV["kv"] = args.kv
     shapes = parse_shapes(args.shapes) if args.shapes else (
         [SHAPES[i] for i in QUICK_SHAPES] if args.quick else list(SHAPES))
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
@@ -276,7 +289,7 @@ def main(argv=None):
     props = torch.cuda.get_device_properties(0)
     l2 = int(getattr(props, "L2_cache_size", 0) or (50 << 20))
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB; {reps} replays; "
-          f"ways {','.join(ways)}", flush=True)
+          f"ways {','.join(ways)}; kv {args.kv}", flush=True)
     t_start = time.perf_counter()
     rows = []
     for shape in shapes:
@@ -298,7 +311,7 @@ def main(argv=None):
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     if args.json:
         data = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": props.name, "sms": props.multi_processor_count,
-                "l2_bytes": l2, "reps": reps, "sm_scale": SM_SCALE, "page_size": PAGE, "kv_dtype": "bf16",
+                "l2_bytes": l2, "reps": reps, "sm_scale": SM_SCALE, "page_size": PAGE, "kv_dtype": args.kv,
                 "versions": versions(), "rows": rows}
         with open(args.json, "w") as fh:
             json.dump(data, fh, indent=1)

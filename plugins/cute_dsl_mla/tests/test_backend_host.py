@@ -169,7 +169,33 @@ def test_the_wgmma_kernel_is_chosen_per_shape_and_refuses_with_reasons():
     backend = CuteDslBackend()
     assert backend.can_implement(prob(num_heads=33).shape, forced) == []
     r = backend.can_implement(prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3").shape, forced)
-    assert any("no fp8 WGMMA path" in x for x in r) and any("s_q*num_heads=32 <= 32" in x for x in r)
+    assert any("not verified on hardware" in x for x in r) and any("s_q*num_heads=32 <= 32" in x for x in r)
     assert backend.can_implement(prob(num_heads=16, kv_dtype="fp8_e4m3").shape, auto) == []
     with pytest.raises(Exception):
         CuteDslOptions(mma="tensor_cores")
+
+
+def test_wgmma_fp8_is_behind_a_flag_that_is_off(monkeypatch):
+    """The WGMMA kernel's fp8 KV path is compile-checked only: off by default (auto keeps fp8 on
+    mma.sync, mma=wgmma refuses fp8 with a reason); with the flag on, fp8 is routed like KV in q's dtype."""
+    import mla_cute_dsl.backend as be
+
+    auto, forced = CuteDslOptions(), CuteDslOptions(mma="wgmma")
+    fp8 = prob(num_heads=128, kv_dtype="fp8_e4m3")
+    assert be.WGMMA_FP8_VERIFIED is False
+    r = be.wgmma_reasons(fp8.shape)
+    assert r == ["mma=wgmma: kv_dtype=fp8_e4m3: the WGMMA kernel's fp8 path is compile-checked only, not "
+                 "verified on hardware (WGMMA_FP8_VERIFIED is off)"]
+    assert not be.uses_wgmma(fp8, auto) and not be.uses_wgmma(fp8, forced)
+    assert CuteDslBackend().can_implement(fp8.shape, forced) == r
+    assert CuteDslBackend().can_implement(fp8.shape, auto) == []  # mma.sync takes it
+
+    monkeypatch.setattr(be, "WGMMA_FP8_VERIFIED", True)
+    assert be.wgmma_reasons(fp8.shape) == []
+    assert be.uses_wgmma(fp8, auto) and be.uses_wgmma(fp8, forced)
+    assert be.uses_wgmma(prob(num_heads=64, q_dtype="fp16", kv_dtype="fp8_e4m3"), auto)
+    assert not be.uses_wgmma(prob(num_heads=63, kv_dtype="fp8_e4m3"), auto)  # below one 64-row tile
+    assert not be.uses_wgmma(fp8, CuteDslOptions(mma="mma_sync"))
+    assert CuteDslBackend().can_implement(fp8.shape, forced) == []
+    # the flag opens fp8 only: other dtype mismatches stay refused
+    assert be.wgmma_reasons(prob(num_heads=128, q_dtype="bf16", kv_dtype="fp16").shape)

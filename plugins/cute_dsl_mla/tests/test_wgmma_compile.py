@@ -5,6 +5,8 @@ Level 1: smem layouts and WGMMA tiled MMAs are built, and the two facts the
          thread's values in the RS A-fragment order).
 Level 2+3: the whole kernel (mainloop + epilogue writing partial O / lse)
          compiles for sm_90a with fake tensors, through the kernel cache.
+fp8 e4m3 KV (raw fp8 ring, converted into the fp16 sK tile): the same checks
+plus the conversion's element mapping and its PTX (cvt, fences, registers).
 Nothing here runs the kernel: tests/test_wgmma_gpu.py does, on an SM90 GPU.
 """
 
@@ -28,23 +30,25 @@ if _has_cutlass():
     import cutlass.cute as cute
 
 
-def _kernel(q="bf16"):
+def _kernel(q="bf16", kv=None):
     import cutlass
 
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMA
 
-    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[q]
-    return MLADecodePartialWGMMA(dt, dt)
+    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_e4m3": cutlass.Float8E4M3FN}
+    return MLADecodePartialWGMMA(dt[q], dt[kv or q])
 
 
-def test_level1_layouts_and_tiled_mmas():
-    """Layouts + tiled MMAs trace; the V view and the P re-typing are exact."""
+@pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
+def test_level1_layouts_and_tiled_mmas(kv):
+    """Layouts + tiled MMAs trace; the V view and the P re-typing are exact
+    (fp8 KV: fp16 MMAs, one sK buffer)."""
     import cutlass
     import cutlass.cute as cute
 
     from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
-    k = _kernel()
+    k = _kernel("bf16", kv)
     facts = {}
 
     @cute.jit
@@ -56,7 +60,7 @@ def test_level1_layouts_and_tiled_mmas():
         # (dim, token, stage) of the V^T view (both share the same swizzle)
         facts["v_is_k"] = all(
             sK.outer((t, d, st)) == sV.outer((d, t, st))
-            for d in range(0, W.D_V, 5) for t in range(W.BLOCK_N) for st in range(W.STAGES)
+            for d in range(0, W.D_V, 5) for t in range(W.BLOCK_N) for st in range(k.k_bufs)
         )
         cS = cute.make_identity_tensor((W.BLOCK_M, W.BLOCK_N))
         cO = cute.make_identity_tensor((W.BLOCK_M, W.D_V_HALF))
@@ -76,7 +80,8 @@ def test_level1_layouts_and_tiled_mmas():
         facts["same_order"], facts["rows_ok"], facts["ss_eq_rs"] = same_order, rows_ok, ss_eq_rs
 
     cute.compile(probe)
-    assert facts["cosize"] == (64 * 576, 2 * 64 * 576, 64 * 64)
+    assert k.k_bufs == (1 if kv else 2)
+    assert facts["cosize"] == (64 * 576, k.k_bufs * 64 * 576, 64 * 64)
     assert facts["v_is_k"] is True
     assert facts["same_order"] is True
     assert facts["rows_ok"] is True
@@ -90,17 +95,33 @@ def test_smem_budget():
         n = _kernel(q).smem_bytes()
         assert n == 73728 + 147456 + 8192 + 256
         assert n <= W.SMEM_LIMIT
+        # fp8 KV: sQ fp16 + one fp16 sK + 2 raw fp8 tiles (= one 16-bit tile) + sP + sScale
+        k8 = _kernel(q, "fp8_e4m3")
+        assert (k8.k_bufs, k8.raw_stages) == (1, 2)
+        n8 = k8.smem_bytes()
+        assert n8 == 73728 + 73728 + 2 * 36864 + 8192 + 256 == n
+        assert n8 <= W.SMEM_LIMIT
+        # a third raw stage (or a second fp16 sK) would not fit
+        assert n8 + 36864 > W.SMEM_LIMIT
 
 
 def test_unsupported_specializations_are_refused():
     import cutlass
 
-    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMA
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMA, get_partial_kernel_wgmma
 
     with pytest.raises(NotImplementedError):
-        MLADecodePartialWGMMA(cutlass.BFloat16, cutlass.Float8E4M3FN)
+        MLADecodePartialWGMMA(cutlass.BFloat16, cutlass.Float16)
+    with pytest.raises(NotImplementedError):
+        MLADecodePartialWGMMA(cutlass.BFloat16, cutlass.Float8E5M2)
     with pytest.raises(ValueError):
         MLADecodePartialWGMMA(cutlass.BFloat16, cutlass.BFloat16, 32)
+    with pytest.raises(ValueError):
+        get_partial_kernel_wgmma("bf16", "fp16")  # refused before any compile
+    k = MLADecodePartialWGMMA(cutlass.BFloat16, cutlass.Float8E4M3FN)
+    assert (k.is_fp8, k.q_cvt, k.mma_dtype) == (True, True, cutlass.Float16)
+    k = MLADecodePartialWGMMA(cutlass.Float16, cutlass.Float8E4M3FN)
+    assert (k.is_fp8, k.q_cvt, k.mma_dtype) == (True, False, cutlass.Float16)
 
 
 @pytest.mark.parametrize("q", ["bf16", "fp16"])
@@ -113,8 +134,22 @@ def test_level3_full_kernel_compiles(q):
     fn = get_partial_kernel_wgmma(q)
     assert fn is not None
     assert get_partial_kernel_wgmma(q) is fn  # in-process cache hit
+    assert get_partial_kernel_wgmma(q, q) is fn  # same key as the single-argument form
     # the default path is untouched: api still builds the mma.sync kernel
     assert api.get_partial_kernel(q, q, 64) is not fn
+
+
+@pytest.mark.parametrize("q", ["bf16", "fp16"])
+def test_level3_fp8_kv_kernel_compiles(q):
+    """fp8 e4m3 KV: raw ring + conversion into the fp16 sK, fp16 WGMMAs, q
+    converted on load (bf16) or cp.async'ed (fp16), compile for sm_90a."""
+    from mla_cute_dsl.kernels import kernel_cache
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import get_partial_kernel_wgmma
+
+    fn = get_partial_kernel_wgmma(q, "fp8_e4m3")
+    assert fn is not None
+    assert get_partial_kernel_wgmma(q, "fp8_e4m3") is fn
+    assert kernel_cache.origin("partial_wgmma", (q, "fp8_e4m3", 64)) in ("compiled", "disk")
 
 
 # ----------------------------------------------------------------------------
@@ -127,7 +162,8 @@ def _sw128(byte_off: int) -> int:
     return byte_off ^ (((byte_off >> 7) & 7) << 4)
 
 
-def test_layouts_are_the_canonical_gmma_sw128_layouts():
+@pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
+def test_layouts_are_the_canonical_gmma_sw128_layouts(kv):
     """The bytes cp.async / st.shared write (sQ, sK, sP outer layouts, 2 B per
     element; the swizzle sits in the pointer) are where a WGMMA descriptor with
     SW128, SBO = 1024 B (K-major) resp. LBO = 8192 B, SBO = 1024 B (MN-major)
@@ -137,7 +173,7 @@ def test_layouts_are_the_canonical_gmma_sw128_layouts():
 
     from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
-    k = _kernel()
+    k = _kernel("bf16", kv)
     bad = {}
 
     @cute.jit
@@ -153,7 +189,7 @@ def test_layouts_are_the_canonical_gmma_sw128_layouts():
         )
         bad["k"] = sum(
             sK.outer((t, d, st)) * 2 != st * W.BLOCK_N * W.D_QK * 2 + kmajor(t, d)
-            for t in range(W.BLOCK_N) for d in range(0, W.D_QK, 3) for st in range(W.STAGES)
+            for t in range(W.BLOCK_N) for d in range(0, W.D_QK, 3) for st in range(k.k_bufs)
         )
         bad["p"] = sum(
             sP.outer((r, c)) * 2 != (r // 8) * 1024 + (r % 8) * 128 + c * 2
@@ -164,12 +200,12 @@ def test_layouts_are_the_canonical_gmma_sw128_layouts():
         bad["v"] = sum(
             sV.outer((d, t, st)) * 2
             != st * W.BLOCK_N * W.D_QK * 2 + (d // 64) * 8192 + (t // 8) * 1024 + (t % 8) * 128 + (d % 64) * 2
-            for d in range(0, W.D_V, 3) for t in range(W.BLOCK_N) for st in range(W.STAGES)
+            for d in range(0, W.D_V, 3) for t in range(W.BLOCK_N) for st in range(k.k_bufs)
         )
         # 1024 B alignment of every stage / V half / k-block start a descriptor points at
         bad["align"] = sum(
             (sK.outer((0, 64 * j, st)) * 2) % 1024 != 0 or (sV.outer((256 * w, 0, st)) * 2) % 1024 != 0
-            for j in range(W.D_QK // 64) for st in range(W.STAGES) for w in range(2)
+            for j in range(W.D_QK // 64) for st in range(k.k_bufs) for w in range(2)
         )
 
     cute.compile(probe)
@@ -280,31 +316,39 @@ def _nv_info_attrs(cubin: bytes):
     return out
 
 
-@pytest.mark.parametrize("q", ["bf16", "fp16"])
-def test_ptx_structure_registers_and_descriptors(q, tmp_path):
-    """What the compiled kernel does, read from its PTX and cubin:
-    registers <= 255 with no stack frame (no spills), 256 threads, 36 QK + 8 PV
-    WGMMAs, SW128 descriptors with the canonical strides, and the fence /
-    barrier sequence of the mainloop."""
-    import re
-
+def _compile_dump(q, kv, tmp_path):
+    """Compile one specialization with --keep-ptx/--keep-cubin; (ptx, regs, stack frame bytes)."""
     import cutlass.cute as cute
 
     from mla_cute_dsl.kernels import api
 
-    k = _kernel(q)
-    cute.compile(k, *api._fake_args_partial(q, q),
+    k = _kernel(q, kv)
+    cute.compile(k, *api._fake_args_partial(q, kv or q),
                  options=api.COMPILE_OPTIONS + f" --keep-ptx --keep-cubin --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     cubin = b"".join(p.read_bytes() for p in tmp_path.glob("*.cubin"))
-
     attrs = _nv_info_attrs(cubin)
     regs = max(v for a, v in attrs if a == 0x2F)  # EIATTR_REGCOUNT
     frame = max((v for a, v in attrs if a == 0x11), default=0)  # EIATTR_FRAME_SIZE
+    return ptx, regs, frame
+
+
+@pytest.mark.parametrize("q,kv", [("bf16", None), ("fp16", None), ("bf16", "fp8_e4m3"),
+                                  ("fp16", "fp8_e4m3")])
+def test_ptx_structure_registers_and_descriptors(q, kv, tmp_path):
+    """What the compiled kernel does, read from its PTX and cubin:
+    registers <= 255 with no stack frame (no spills), 256 threads, 36 QK + 8 PV
+    WGMMAs, SW128 descriptors with the canonical strides, and the fence /
+    barrier sequence of the mainloop.  fp8 KV: fp16 WGMMAs, the conversion
+    (cvt.rn.f16x2.e4m3x2, one per 2 elements) and its fence before the barrier
+    that releases the WGMMAs."""
+    import re
+
+    ptx, regs, frame = _compile_dump(q, kv, tmp_path)
     assert regs <= 255 and frame == 0, (regs, frame)
     assert ".reqntid 256, 1, 1" in ptx
 
-    t = "bf16" if q == "bf16" else "f16"
+    t = "f16" if (kv or q) != "bf16" else "bf16"
     assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.{t}\.{t}", ptx)) == 36
     assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.{t}\.{t}", ptx)) == 8
     # QK: scale-d is a predicate from a constant: exactly one 0 (first k-step)
@@ -322,10 +366,86 @@ def test_ptx_structure_registers_and_descriptors(q, tmp_path):
     assert descs == {(16, 1024, 0), (8192, 1024, 0)}, descs
 
     flat = re.sub(r"\s+", " ", ptx)
-    # mainloop top: cp.async writes landed -> async-proxy fence -> CTA barrier
-    assert re.search(r"cp\.async\.wait_group 0; fence\.proxy\.async\.shared::cta; bar\.sync 0;", flat)
+    if kv is None:
+        # mainloop top: cp.async writes landed -> async-proxy fence -> CTA barrier
+        assert re.search(r"cp\.async\.wait_group 0; fence\.proxy\.async\.shared::cta; bar\.sync 0;", flat)
+        assert "cvt.rn.f16x2.e4m3x2" not in flat
+    else:
+        # raw tile landed -> barrier (no fence: the raw ring is read by ld.shared, generic proxy)
+        assert "cp.async.wait_group 0; bar.sync 0;" in flat
+        # conversion: 144 elements per thread and tile = 18 x (64-bit ld.shared of 8 fp8,
+        # 4 cvt.rn.f16x2.e4m3x2, 128-bit st.shared); no other path (e.g. via f32)
+        assert flat.count("cvt.rn.f16x2.e4m3x2") == 72
+        assert flat.count("ld.shared.v2.b32") == 18
+        assert not re.search(r"cvt\.[a-z.]*e4m3 |cvt\.f32\.e4m3", flat)
+        # raw ring: 9 cp.async of 16 B per thread per tile (prologue + loop), and Q: cp.async
+        # for fp16 q (18), else 18 x (128-bit ld.global, cvt bf16 -> f32 -> f16, st.shared)
+        n_q_cp = 18 if q == "fp16" else 0
+        assert flat.count("cp.async.cg.shared.global") == 2 * 9 + n_q_cp
+        # 128-bit st.shared: 18 converted K chunks + 18 Q chunks (bf16 q: converted q;
+        # fp16 q: the zero fill of rows >= R, the cp.async path's else branch)
+        assert flat.count("st.shared.v4.b32") == 18 + 18
+        if q == "bf16":
+            assert flat.count("ld.global.v4") == 18 and flat.count("cvt.f32.bf16") == 144
+        # rows past kv_len: the converted values are selected to 0 (not multiplied: NaN tails)
+        assert flat.count("selp.b32") >= 72
+        # last converted st.shared -> async-proxy fence -> barrier -> WGMMAs
+        m = re.search(r"st\.shared\.v4\.b32 \[[^\]]*\], \{[^}]*\}; fence\.proxy\.async\.shared::cta; "
+                      r"bar\.sync 0;", flat)
+        assert m, "conversion: st.shared -> fence -> barrier"
+        # ... and the next thing WG0 does is its QK WGMMAs (no smem write or barrier between)
+        gap = flat[m.end(): flat.index("wgmma.fence", m.end())]
+        assert "st.shared" not in gap and "bar." not in gap, gap
+    assert flat.count("fence.proxy.async") == 2
     # P handoff: st.shared of P -> fence -> arrive; WG1 syncs on the same barrier
     assert re.search(r"st\.shared\.b32 \[%r\d+\], %r\d+; fence\.proxy\.async\.shared::cta; "
                      r"(// [^;]*?)?bar\.arrive 1, 256;", flat), "P fence/arrive"
     assert "bar.sync 1, 256;" in flat
     assert flat.count("bar.arrive") == 1 and flat.count("bar.sync 1,") == 1
+
+
+def test_fp8_conversion_copies_map_each_element_once():
+    """The fp8 path's copies agree on a 64 x 576 tile: the cp.async of the raw
+    ring covers each element exactly once (all 256 threads), and for a sample
+    of threads from every warp the ld.shared (fp8), st.shared (fp16) and the
+    converting Q load (ld.global q) partitions list the same (row, col) at
+    every position, so the conversion is element-wise, and each 8-element
+    chunk m lies in the one row the tail mask tests."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
+    k = _kernel("bf16", "fp8_e4m3")
+    res = {}
+
+    @cute.jit
+    def probe():
+        g2s_raw, s2r_raw, r2s, g2r_q = k._fp8_copies()
+        c = cute.make_identity_tensor((W.BLOCK_N, W.D_QK))
+        # (comprehensions only: a plain `for` over range() would be traced as a device loop)
+        cps, same, n_pos, rows_ok = [], True, set(), True
+        for t in cutlass.range_constexpr(W.NUM_THREADS):  # static thread ids
+            # cp.async: first element of each 16-element vector (contiguous: value layout (1, 16))
+            a = g2s_raw.get_slice(t).partition_D(c)
+            res["vec"] = cute.size(a.shape[0])
+            cps += [tuple(a[0, m, k]) for m in range(cute.size(a.shape[1])) for k in range(cute.size(a.shape[2]))]
+        for t in cutlass.range_constexpr(0, W.NUM_THREADS, 9):  # 29 threads: every warp, varied lanes
+            src = s2r_raw.get_slice(t).partition_S(c)
+            dst = r2s.get_slice(t).partition_D(c)
+            qs = g2r_q.get_slice(t).partition_S(c)
+            n_pos |= {(cute.size(src), cute.size(dst), cute.size(qs))}
+            same &= all(src[i] == dst[i] and dst[i] == qs[i] for i in range(cute.size(dst)))
+            # the row mask uses one row per chunk m (tCcK[0, m, 0]): every value of chunk m
+            # of this thread is in row t // 8 + 32 m
+            rows_ok &= all(dst[v, m, k][0] == t // 8 + 32 * m for v in range(cute.size(dst.shape[0]))
+                           for m in range(cute.size(dst.shape[1])) for k in range(cute.size(dst.shape[2])))
+        res["cps"], res["same"], res["n_pos"], res["rows_ok"] = cps, same, n_pos, rows_ok
+
+    cute.compile(probe)
+    cps = res["cps"]
+    assert res["vec"] == 16 and all(col % 16 == 0 for _, col in cps)
+    assert len(cps) == len(set(cps)) == W.BLOCK_N * W.D_QK // 16  # each element once
+    assert res["same"] is True
+    assert res["n_pos"] == {(144, 144, 144)}  # 64 * 576 / 256 elements per thread
+    assert res["rows_ok"] is True

@@ -3,9 +3,10 @@ combine kernel against the fp64 reference of test_kernel_gpu.py.
 
 Same inputs as the mma.sync tests (shuffled pages, NaN in unused pages and
 page tails, NaN-poisoned outputs, variable lengths incl. 0 and < s_q), KV in
-bf16 only (the prototype has no fp8 path), s_q * H >= 40 (the shapes this
-kernel is for; 64-row m-blocks, partial last m-block included).  Skips
-cleanly without an SM90 GPU.
+bf16, and fp8 e4m3 (the ``*_fp8`` tests, branch wgmma-fp8: e4m3 NaN 0x7F in
+page tails, kv_scale 0.37, bf16 and fp16 q; same tolerances as the mma.sync
+fp8 tests), s_q * H >= 40 (the shapes this kernel is for; 64-row m-blocks,
+partial last m-block included).  Skips cleanly without an SM90 GPU.
 
     PYTHONPATH=plugins/cute_dsl_mla:. python -m pytest -q -rfs plugins/cute_dsl_mla/tests/test_wgmma_gpu.py
 """
@@ -103,3 +104,108 @@ def test_wgmma_matches_mma_sync_kernel():
     fin = torch.isfinite(l1)
     assert torch.equal(fin, torch.isfinite(l2))
     assert (l1[fin] - l2[fin]).abs().max() < 1e-2
+
+
+# ---------------------------------------------------------------------------- fp8 e4m3 KV
+# (B, s_q, S, H, varlen, page, q dtype): H 64 / 128 / 126, s_q 1 / 2, one and many splits,
+# lengths 0 / 1 / < s_q (varlen), partial last m-block (R = 126, 252), page 64 and 256
+
+
+FP8_CASES = [
+    (1, 1, 64, 64, False, 64, "bf16"),      # one tile, one item: the smallest case, run first
+    (1, 1, 4096, 128, False, 64, "bf16"),   # many splits -> partial buffers + combine
+    (2, 1, 140, 128, True, 64, "bf16"),     # tail tile (NaN page tail), varlen
+    (6, 1, 20, 64, True, 64, "bf16"),       # lengths 0 / 1 / 20
+    (6, 2, 140, 126, True, 64, "bf16"),     # R = 252: partial 4th m-block, lengths 0 / 1 (< s_q)
+    (2, 2, 4096, 128, False, 64, "bf16"),   # s_q=2 causal rows
+    (3, 2, 1000, 128, True, 256, "bf16"),   # page 256: in-page block offset, NaN tails inside pages
+    (4, 1, 333, 126, True, 256, "bf16"),    # page 256, H=126 (R = 126: partial 2nd m-block)
+    (16, 1, 4096, 128, False, 64, "bf16"),  # the H=128 bench shape, smaller batch
+    (2, 1, 140, 128, True, 64, "fp16"),     # fp16 q: cp.async Q path, fp16 output
+    (6, 2, 333, 64, True, 256, "fp16"),     # fp16 q, s_q=2, page 256, lengths 0 / 1
+]
+
+
+def _fp8_case(B, s_q, H, S, varlen, page=64, q_dtype="bf16", q_std=1.0):
+    case = make_case(B, s_q, H, S, torch.float8_e4m3fn, varlen, q_std=q_std, page=page,
+                     seed=random.randrange(1 << 30))
+    dt = torch.float16 if q_dtype == "fp16" else torch.bfloat16
+    case["q"] = case["q"].to(dt)
+    out = torch.full((B, s_q, H, 512), float("nan"), dtype=dt, device="cuda")
+    lse = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
+    return case, out, lse
+
+
+@needs_sm90
+@pytest.mark.parametrize("B,s_q,S,H,varlen,page,q_dtype", FP8_CASES)
+def test_wgmma_fp8_against_fp64_reference(B, s_q, S, H, varlen, page, q_dtype):
+    case, out, lse = _fp8_case(B, s_q, H, S, varlen, page, q_dtype)
+    run_wgmma(case, out, lse)
+    torch.cuda.synchronize()
+    check(case, out, lse)
+
+
+@needs_sm90
+@pytest.mark.parametrize("B,s_q,H,S", [(2, 1, 128, 4096), (2, 2, 64, 1000)])
+def test_wgmma_fp8_large_magnitude_q(B, s_q, H, S):
+    """|q| ~ 100 (bf16 q converted to fp16 for the fp16 MMAs: exact range, 11-bit mantissa)."""
+    case, out, lse = _fp8_case(B, s_q, H, S, varlen=False, q_std=100.0)
+    run_wgmma(case, out, lse)
+    torch.cuda.synchronize()
+    check(case, out, lse, tol=2e-2)
+
+
+@needs_sm90
+def test_wgmma_fp8_matches_mma_sync_kernel():
+    """fp8 KV through both partial kernels (both fp16 MMAs on the same converted
+    values): close, which separates a WGMMA/conversion bug from a reference bug."""
+    from test_kernel_gpu import run_kernel
+
+    case, o1, l1 = _fp8_case(4, 2, 128, 2000, varlen=True)
+    o2, l2 = o1.clone(), l1.clone()
+    run_kernel(case, o1, l1)
+    run_wgmma(case, o2, l2)
+    torch.cuda.synchronize()
+    d = (o1.float() - o2.float()).norm() / o1.float().norm().clamp_min(1e-30)
+    assert d < 1e-2, f"rel diff vs mma.sync kernel {d:.3e}"
+    fin = torch.isfinite(l1)
+    assert torch.equal(fin, torch.isfinite(l2))
+    assert (l1[fin] - l2[fin]).abs().max() < 1e-2
+
+
+@needs_sm90
+def test_wgmma_fp8_graph_replay_equals_eager():
+    """Captured once, replayed on new q: equal to an eager call (bitwise)."""
+    from mla_cute_dsl.kernels import alloc_workspace, make_schedule
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma
+
+    case, out, lse = _fp8_case(6, 2, 64, 1000, varlen=True)
+    q = case["q"]
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    sched = make_schedule(case["lens_cpu"], 2, 64, n_sm)
+    ws = alloc_workspace(sched)
+
+    def call():
+        mla_decode_sm90_wgmma(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"],
+                              case["kv_scale"], out, lse, sched, ws)
+
+    call()  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        with torch.cuda.graph(g):
+            call()
+    torch.cuda.current_stream().wait_stream(st)
+    q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    o_graph, l_graph = out.clone(), lse.clone()
+    check(case, o_graph, l_graph)
+    out.fill_(float("nan"))
+    call()
+    torch.cuda.synchronize()
+    assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)

@@ -1,13 +1,13 @@
 """SM90 MLA decode, split-KV partial kernel with WGMMA (prototype, H*s_q >= 64).
 
-Status: compiles for sm_90a on the CPU; NOT yet run on a GPU.  ``api.py``
-does not use it; ``tests/test_wgmma_compile.py`` compiles it and
-``tests/test_wgmma_gpu.py`` checks it against fp64 once a GPU is at hand.
+Status: bf16 / fp16 KV verified on an H200 (``tests/test_wgmma_gpu.py``) and
+picked by the backend (``backend.py``, option ``mma``).  fp8 e4m3 KV (branch
+wgmma-fp8): compiles for sm_90a on the CPU, NOT yet run on a GPU; the backend
+keeps it off (``backend.WGMMA_FP8_VERIFIED``).
 
 Same host interface as ``sm90_decode.MLADecodePartial`` (same arguments, same
-work items, same partial buffers, same combine kernel), so ``api.py`` can pick
-it per specialization later.  Only BLOCK_M = 64 and a KV cache in the q dtype
-(bf16 / fp16) for now.
+work items, same partial buffers, same combine kernel).  Only BLOCK_M = 64;
+KV cache in the q dtype (bf16 / fp16) or fp8 e4m3.
 
 Why: with H = 128 the decode is compute-bound (FLOPs/byte ~ 2 * s_q * H) and
 the mma.sync kernel stops at ~260 TFLOP/s: every 16x8x16 MMA re-loads its
@@ -47,6 +47,16 @@ Schedule (FlashMLA's first SM90 kernel, not yet the "seesaw" one):
   0 * NaN = NaN in P V.  (Why not TMA yet: see NOTES.md.)  cp.async writes go
   through the generic proxy while WGMMA reads through the async proxy, hence
   ``fence_view_async_shared`` after each wait and before the barrier.
+* fp8 e4m3 KV (as ``sm90_decode``): MMAs in fp16 (e4m3 -> f16 is exact; q
+  converted bf16 -> fp16 when loaded, |q| < 65504), kv_scale folded into the
+  softmax scale and the output.  Smem: one 16-bit sK tile and a ring of two
+  raw fp8 tiles (2 x 36 KB = one 72 KB tile, so the total is unchanged).  Per
+  tile: wait for raw tile n, barrier, cp.async raw tile n+1 into the other
+  slot, all 256 threads convert raw tile n into sK (SW128, rows past kv_len
+  zeroed: ld.shared 64 bit, 4 x ``cvt.rn.f16x2.e4m3x2``, st.shared 128 bit per
+  8 elements), ``fence_view_async_shared`` (generic st.shared -> WGMMA's async
+  proxy), barrier, then the same WG0 / WG1 math with sK buffer 0.  The
+  conversion does not overlap the WGMMAs (one sK buffer; see NOTES.md).
 * Rows past ``s_q * H`` are zero in sQ and never written.  Masked scores are
   -inf; fully masked rows give out = 0 and lse = -inf (same contract as the
   mma.sync kernel).
@@ -65,7 +75,8 @@ BLOCK_N = 64
 D_V_HALF = D_V // 2  # output columns per math warpgroup
 WG_THREADS = 128
 NUM_THREADS = 2 * WG_THREADS
-STAGES = 2  # K/V tiles in smem (double buffering)
+STAGES = 2  # K/V tiles in smem (double buffering), 16-bit KV
+RAW_STAGES = 2  # fp8 KV: raw fp8 tiles in smem (the ring cp.async fills); one 16-bit sK
 BAR_P_READY = 1  # named barrier: WG0 arrives after writing sP/sScale, WG1 syncs
 SMEM_LIMIT = 232448  # bytes of dynamic smem per CTA on SM90 (227 KB)
 
@@ -103,25 +114,42 @@ class MLADecodePartialWGMMA:
     """Split-KV partial kernel, WGMMA, BLOCK_M = 64, KV in the q dtype."""
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M):
-        if kv_dtype is not q_dtype:
-            raise NotImplementedError("WGMMA prototype: KV cache must have the q dtype (no fp8 yet)")
         if q_dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise TypeError(f"q dtype must be bf16 or fp16, got {q_dtype}")
+        if kv_dtype is not q_dtype and kv_dtype is not cutlass.Float8E4M3FN:
+            raise NotImplementedError(
+                f"WGMMA kernel: KV cache must have the q dtype or be fp8 e4m3, got {kv_dtype}")
         if block_m != BLOCK_M:
             raise ValueError(f"WGMMA prototype: block_m must be {BLOCK_M}, got {block_m}")
         self.q_dtype = q_dtype
         self.kv_dtype = kv_dtype
-        self.mma_dtype = q_dtype
+        self.is_fp8 = kv_dtype is cutlass.Float8E4M3FN
+        # fp8 KV: MMAs in fp16 (e4m3 -> f16 is exact), q converted to fp16 on load
+        self.mma_dtype = cutlass.Float16 if self.is_fp8 else q_dtype
+        self.q_cvt = self.q_dtype is not self.mma_dtype  # bf16 q with fp8 KV
+        # 16-bit K/V tiles in sK: 2 (double buffer) for 16-bit KV; 1 for fp8 KV,
+        # whose double buffer is the raw fp8 ring (RAW_STAGES tiles, 36 KB each)
+        self.k_bufs = 1 if self.is_fp8 else STAGES
+        self.raw_stages = RAW_STAGES if self.is_fp8 else 0
         self.block_m = block_m
         self.num_threads = NUM_THREADS
 
     # ------------------------------------------------------------------ host side
     def smem_bytes(self) -> int:
-        """Dynamic smem per CTA: sQ 72 KB + 2 x sK 72 KB + sP 8 KB + sScale 256 B."""
+        """Dynamic smem per CTA.
+
+        16-bit KV: sQ 72 KB + 2 x sK 72 KB + sP 8 KB + sScale 256 B = 229,632 B.
+        fp8 KV:    sQ 72 KB + 1 x sK 72 KB + 2 x raw fp8 36 KB + sP 8 KB + sScale
+                   256 B = 229,632 B (the same: two raw fp8 tiles = one 16-bit tile).
+        """
         e = self.mma_dtype.width // 8
         parts = [
             (BLOCK_M * D_QK * e, 1024),  # sQ
-            (STAGES * BLOCK_N * D_QK * e, 1024),  # sK (V = its first 512 columns)
+            (self.k_bufs * BLOCK_N * D_QK * e, 1024),  # sK (V = its first 512 columns)
+        ]
+        if self.is_fp8:
+            parts.append((self.raw_stages * BLOCK_N * D_QK, 1024))  # sKraw (fp8 ring)
+        parts += [
             (BLOCK_M * BLOCK_N * e, 1024),  # sP
             (BLOCK_M * 4, 16),  # sScale (per-row rescale, then v_scale / row sum)
         ]
@@ -145,12 +173,12 @@ class MLADecodePartialWGMMA:
         k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, mt)
         mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, mt)
         sQ = cute.tile_to_shape(k_atom, (BLOCK_M, D_QK), (0, 1))
-        sK = cute.tile_to_shape(k_atom, (BLOCK_N, D_QK, STAGES), (0, 1, 2))
+        sK = cute.tile_to_shape(k_atom, (BLOCK_N, D_QK, self.k_bufs), (0, 1, 2))
         sP = cute.tile_to_shape(k_atom, (BLOCK_M, BLOCK_N), (0, 1))
         v_one = cute.tile_to_shape(mn_atom, (D_V, BLOCK_N), (1, 0))
         # stage mode with sK's stage stride (64 * 576 elements), not 64 * 512
         v_outer = cute.make_layout(
-            (v_one.outer.shape[0], v_one.outer.shape[1], STAGES),
+            (v_one.outer.shape[0], v_one.outer.shape[1], self.k_bufs),
             stride=(v_one.outer.stride[0], v_one.outer.stride[1], BLOCK_N * D_QK),
         )
         sV = cute.make_composed_layout(v_one.inner, 0, v_outer)
@@ -179,6 +207,41 @@ class MLADecodePartialWGMMA:
         )
         return mma_s, mma_o_rs, mma_o_ss
 
+    def _fp8_copies(self):
+        """Tiled copies of the fp8 path (256 threads; built for every kernel, used by fp8 KV only).
+
+        g2s_raw: gmem fp8 -> raw ring, 16 B (16 elements) per cp.async, 4 threads
+                 per 64-element row chunk: 9 per thread per 64 x 576 tile.
+        s2r_raw: raw ring -> registers, 8 fp8 (64 bit) per ld.shared.
+        r2s:     registers -> sK / sQ, 8 x 16 bit (128 bit) per st.shared.
+        g2r_q:   q (gmem, q dtype) -> registers, 8 elements (128 bit) per ld.global.
+        s2r_raw, r2s and g2r_q share one thread-value layout (that of g2s), so
+        element (v, m, k) of a thread's partitions is the same (row, col) of the
+        tile in all three (checked in the CPU test).
+        """
+        f8 = cutlass.Float8E4M3FN
+        thr8 = cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1))
+        g2s_raw = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), f8, num_bits_per_copy=128
+            ),
+            cute.make_layout((NUM_THREADS // 4, 4), stride=(4, 1)),
+            cute.make_layout((1, 16)),
+        )
+        s2r_raw = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f8, num_bits_per_copy=64),
+            thr8, cute.make_layout((1, 8)),
+        )
+        r2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=128),
+            thr8, cute.make_layout((1, 8)),
+        )
+        g2r_q = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.q_dtype, num_bits_per_copy=128),
+            thr8, cute.make_layout((1, 8)),
+        )
+        return g2s_raw, s2r_raw, r2s, g2r_q
+
     @cute.jit
     def __call__(
         self,
@@ -203,12 +266,30 @@ class MLADecodePartialWGMMA:
         mma_s, mma_o_rs, mma_o_ss = self._tiled_mmas()
         mma_s_first, _, _ = self._tiled_mmas()
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
-            sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK_M], 16]
+        f8 = cutlass.Float8E4M3FN
+        # raw fp8 ring (fp8 KV only): row-major (64, 576) tiles, RAW_STAGES of them
+        sKraw_layout = cute.make_layout(
+            (BLOCK_N, D_QK, RAW_STAGES), stride=(D_QK, 1, BLOCK_N * D_QK)
+        )
+
+        if cutlass.const_expr(self.is_fp8):
+
+            @cute.struct
+            class SharedStorage:
+                sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+                sKraw: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sKraw_layout)], 1024]
+                sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
+                sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK_M], 16]
+
+        else:
+
+            @cute.struct
+            class SharedStorage:
+                sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+                sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
+                sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BLOCK_M], 16]
 
         # gmem -> smem, 16 B per copy, 8 threads per 64-element row chunk
         g2s = cute.make_tiled_copy_tv(
@@ -218,6 +299,8 @@ class MLADecodePartialWGMMA:
             cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
             cute.make_layout((1, 8)),
         )
+        # fp8 KV only (built always, unused otherwise)
+        g2s_raw, s2r_raw, r2s, g2r_q = self._fp8_copies()
         # S accumulator (C layout of mma_s) -> sP, element-wise
         r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
 
@@ -229,8 +312,9 @@ class MLADecodePartialWGMMA:
         self.kernel(
             mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
-            sQ_layout, sK_layout, sP_layout, sV_layout,
-            g2s, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage,
+            sQ_layout, sK_layout, sP_layout, sV_layout, sKraw_layout,
+            g2s, r2s_P, g2s_raw, s2r_raw, r2s, g2r_q,
+            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -252,6 +336,43 @@ class MLADecodePartialWGMMA:
             else:
                 tKsK[None, m, None, stage].fill(0)
 
+    @cute.jit
+    def load_tile_raw(
+        self, g2s_raw: cute.TiledCopy, thr_g2s_raw, mKV: cute.Tensor, mPT: cute.Tensor,
+        b: cutlass.Int32, n: cutlass.Int32, rstage: cutlass.Int32,
+        blocks_per_page: cutlass.Int32, tRsR: cute.Tensor,
+    ):
+        """fp8 KV: cp.async KV block n of request b (64 x 576 fp8) into raw ring slot rstage.
+
+        The whole tile: rows past kv_len stay inside the page (a 64-token block
+        never crosses a page) and are zeroed by the conversion, not here.
+        """
+        page = mPT[b, n // blocks_per_page]
+        gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
+        cute.copy(g2s_raw, thr_g2s_raw.partition_S(gK), tRsR[None, None, None, rstage])
+
+    @cute.jit
+    def convert_tile(
+        self, s2r_raw: cute.TiledCopy, r2s: cute.TiledCopy, tCsR: cute.Tensor, tCsK: cute.Tensor,
+        tCcK: cute.Tensor, rstage: cutlass.Int32, valid: cutlass.Int32,
+    ):
+        """fp8 KV: raw ring slot rstage (fp8) -> sK (fp16, SW128), rows >= valid zeroed.
+
+        All 256 threads, 144 elements each: per 64-element row chunk one 64-bit
+        ld.shared, 4 cvt.rn.f16x2.e4m3x2, one 128-bit st.shared.  Done one
+        chunk row (m) at a time so that at most 72 converted values are live
+        (the O accumulators hold 128 registers across the whole loop).
+        """
+        mt = self.mma_dtype
+        for m in cutlass.range_constexpr(cute.size(tCsK.shape[1])):
+            rF8 = cute.make_rmem_tensor_like(tCsR[None, m, None, 0])
+            cute.copy(s2r_raw, tCsR[None, m, None, rstage], rF8)
+            rH = cute.make_rmem_tensor_like(tCsK[None, m, None, 0], mt)
+            rH.store(rF8.load().to(mt))
+            if tCcK[0, m, 0][0] >= valid:
+                rH.fill(0)
+            cute.copy(r2s, rH, tCsK[None, m, None, 0])
+
     @cute.kernel
     def kernel(
         self,
@@ -261,8 +382,9 @@ class MLADecodePartialWGMMA:
         scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
         s_q: cutlass.Int32, num_heads: cutlass.Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sKraw_layout: cute.Layout,
         g2s: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        g2s_raw: cute.TiledCopy, s2r_raw: cute.TiledCopy, r2s: cute.TiledCopy, g2r_q: cute.TiledCopy,
         mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
         mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -300,26 +422,59 @@ class MLADecodePartialWGMMA:
             cQ = cute.local_tile(
                 cute.make_identity_tensor((mQ.shape[1], D_QK)), (BLOCK_M, D_QK), (m_block, 0)
             )
-            tQgQ = thr_g2s.partition_S(gQ)
-            tQsQ = thr_g2s.partition_D(sQ)
-            tQcQ = thr_g2s.partition_S(cQ)
-            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-                if tQcQ[0, m, 0][0] < R:
-                    cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
-                else:
-                    tQsQ[None, m, None].fill(0)
+            if cutlass.const_expr(self.q_cvt):
+                # bf16 q with fp8 KV: ld.global (q dtype) -> cvt to fp16 -> st.shared,
+                # one chunk row (m: 32 rows of the 64) at a time; rows >= R zero.  The
+                # st.shared writes are generic-proxy: the fence before the first WGMMA
+                # (after the first conversion) covers them.
+                thr_q = g2r_q.get_slice(tidx)
+                thr_r2s_q = r2s.get_slice(tidx)
+                tQgQ = thr_q.partition_S(gQ)
+                tQcQ = thr_q.partition_S(cQ)
+                tQsQ = thr_r2s_q.partition_D(sQ)
+                for m in cutlass.range_constexpr(cute.size(tQgQ.shape[1])):
+                    rQ = cute.make_rmem_tensor_like(tQgQ[None, m, None])
+                    rQ.fill(0)
+                    if tQcQ[0, m, 0][0] < R:
+                        cute.copy(g2r_q, tQgQ[None, m, None], rQ)
+                    rQm = cute.make_rmem_tensor_like(tQsQ[None, m, None], mt)
+                    rQm.store(rQ.load().to(mt))
+                    cute.copy(r2s, rQm, tQsQ[None, m, None])
+            else:
+                tQgQ = thr_g2s.partition_S(gQ)
+                tQsQ = thr_g2s.partition_D(sQ)
+                tQcQ = thr_g2s.partition_S(cQ)
+                for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+                    if tQcQ[0, m, 0][0] < R:
+                        cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
+                    else:
+                        tQsQ[None, m, None].fill(0)
 
             cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
             tKcK = thr_g2s.partition_S(cKV)
-            tKsK = thr_g2s.partition_D(sK)  # (CPY, N, K, STAGES)
+            tKsK = thr_g2s.partition_D(sK)  # (CPY, N, K, k_bufs)
+            # fp8 KV: raw ring and the conversion partitions (raw -> sK[:, :, 0])
+            thr_g2s_raw = g2s_raw.get_slice(tidx)
+            thr_s2r_raw = s2r_raw.get_slice(tidx)
+            thr_r2s = r2s.get_slice(tidx)
+            tCcK = thr_r2s.partition_D(cKV)  # (CPY, N, K) coordinates
+            tCsK = thr_r2s.partition_D(sK)  # (CPY, N, K, 1)
+            if cutlass.const_expr(self.is_fp8):
+                sKraw = storage.sKraw.get_tensor(sKraw_layout)
+                tRsR = thr_g2s_raw.partition_D(sKraw)  # (CPY, N, K, RAW_STAGES), cp.async
+                tCsR = thr_s2r_raw.partition_S(sKraw)  # (CPY, N, K, RAW_STAGES), ld.shared
             # the first KV tile joins Q's commit group.  Guarded: an item with no
             # tile (kv_len 0; the schedule makes none today, but the kernel must
             # not depend on it) would read a page-table entry that may not exist
             # (max_pages can be 0) and load from a garbage page.  With no tile the
             # loop below is skipped and the epilogue writes out 0 / lse -inf.
             if n_start < n_end:
-                self.load_tile(g2s, thr_g2s, mKV, mPT, b, n_start, 0, blocks_per_page, kv_len,
-                               tKcK, tKsK)
+                if cutlass.const_expr(self.is_fp8):
+                    self.load_tile_raw(g2s_raw, thr_g2s_raw, mKV, mPT, b, n_start, 0,
+                                       blocks_per_page, tRsR)
+                else:
+                    self.load_tile(g2s, thr_g2s, mKV, mPT, b, n_start, 0, blocks_per_page, kv_len,
+                                   tKcK, tKsK)
             cute.arch.cp_async_commit_group()
 
             # ---------------- per-warpgroup MMA partitions ----------------
@@ -341,7 +496,7 @@ class MLADecodePartialWGMMA:
             n_rows = cute.size(tScS.shape[0])  # 2 rows per thread
 
             # this warpgroup's 256 output columns of V: (256, 64, STAGES)
-            sV_half = cute.local_tile(sV, (D_V_HALF, BLOCK_N, STAGES), (wg, 0, 0))
+            sV_half = cute.local_tile(sV, (D_V_HALF, BLOCK_N, self.k_bufs), (wg, 0, 0))
             thr_o = mma_o_rs.get_slice(wg_tidx)  # same C/B partitioning for RS and SS
             acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_M, D_V_HALF)), cutlass.Float32)
             acc_O.fill(0.0)
@@ -359,24 +514,43 @@ class MLADecodePartialWGMMA:
 
             for n in cutlass.range(n_start, n_end, 1):
                 stage = (n - n_start) % STAGES
-                # tile n (and Q) landed; make the generic-proxy cp.async writes
-                # visible to WGMMA's async proxy, then to every thread.  The
-                # barrier also means both warpgroups are done with tile n-1 and
-                # with sP / sScale of iteration n-1.
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier()
-                if n + 1 < n_end:
-                    self.load_tile(g2s, thr_g2s, mKV, mPT, b, n + 1, (stage + 1) % STAGES,
-                                   blocks_per_page, kv_len, tKcK, tKsK)
-                cute.arch.cp_async_commit_group()
+                kst = stage  # sK buffer the WGMMAs of tile n read
+                if cutlass.const_expr(self.is_fp8):
+                    kst = 0
+                    # raw tile n (and Q) landed, visible to every thread.  The
+                    # barrier also means both warpgroups are done with tile n-1
+                    # (sK, sP, sScale; their WGMMAs waited) and every thread is
+                    # done converting raw slot (stage + 1) % 2 (tile n-1).
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier()
+                    if n + 1 < n_end:
+                        self.load_tile_raw(g2s_raw, thr_g2s_raw, mKV, mPT, b, n + 1,
+                                           (stage + 1) % RAW_STAGES, blocks_per_page, tRsR)
+                    cute.arch.cp_async_commit_group()
+                    # raw -> sK (fp16); the generic-proxy st.shared writes (and Q's, on
+                    # the first tile) -> visible to WGMMA's async proxy, then to all
+                    self.convert_tile(s2r_raw, r2s, tCsR, tCsK, tCcK, stage, kv_len - n * BLOCK_N)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier()
+                else:
+                    # tile n (and Q) landed; make the generic-proxy cp.async writes
+                    # visible to WGMMA's async proxy, then to every thread.  The
+                    # barrier also means both warpgroups are done with tile n-1 and
+                    # with sP / sScale of iteration n-1.
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier()
+                    if n + 1 < n_end:
+                        self.load_tile(g2s, thr_g2s, mKV, mPT, b, n + 1, (stage + 1) % STAGES,
+                                       blocks_per_page, kv_len, tKcK, tKsK)
+                    cute.arch.cp_async_commit_group()
 
                 if wg == 0:
                     self.wg0_tile(mma_s_first, mma_s, mma_o_rs, r2s_P, tSrQ, tSrK, s_shape,
                                   tScS, sP, sScale, sV_half, acc_O, acc_O_mn, row_lim, row_max, row_sum,
-                                  n, stage, scale_log2, wg_tidx, is_quad_leader)
+                                  n, kst, scale_log2, wg_tidx, is_quad_leader)
                 else:
-                    self.wg1_tile(mma_o_ss, sP, sScale, sV_half, acc_O, acc_O_mn, tScS, stage,
+                    self.wg1_tile(mma_o_ss, sP, sScale, sV_half, acc_O, acc_O_mn, tScS, kst,
                                   wg_tidx)
 
             cute.arch.cp_async_wait_group(0)
@@ -528,15 +702,20 @@ def _build_partial_wgmma(q_name: str, kv_name: str, block_m: int):
     return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
 
 
-def get_partial_kernel_wgmma(q_name: str):
-    """Compiled WGMMA partial kernel for q dtype ``q_name`` (KV in the same dtype).
+def get_partial_kernel_wgmma(q_name: str, kv_name: str | None = None):
+    """Compiled WGMMA partial kernel for q dtype ``q_name`` and KV dtype ``kv_name``
+    (``q_name`` or ``"fp8_e4m3"``; default: ``q_name``, the single-argument form).
 
     Same kernel cache as api.get_partial_kernel (memory, disk, else compile),
-    under its own kind so it never collides with the mma.sync kernels.
+    under its own kind so it never collides with the mma.sync kernels; the key
+    (q, kv, 64) of the 16-bit kernels is the one they always had.
     """
     from . import kernel_cache
 
-    return kernel_cache.get_or_build("partial_wgmma", (q_name, q_name, BLOCK_M),
+    kv_name = q_name if kv_name is None else kv_name
+    if kv_name not in (q_name, "fp8_e4m3"):
+        raise ValueError(f"WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
+    return kernel_cache.get_or_build("partial_wgmma", (q_name, kv_name, BLOCK_M),
                                      _build_partial_wgmma)
 
 
@@ -544,15 +723,15 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
                           out, lse, schedule, workspace, *, check: bool = True):
     """``api.mla_decode_sm90`` with the WGMMA partial kernel (same arguments and contract).
 
-    Needs a KV cache in the q dtype; any s_q * H works (the grid is ceil(R / 64)
-    m-blocks) but the kernel is meant for s_q * H >= 64.
+    KV cache in the q dtype or float8_e4m3fn (k = kv * kv_scale; the MMAs then
+    run in fp16, q converted on load: |q| must stay below 65504); any s_q * H
+    works (the grid is ceil(R / 64) m-blocks) but the kernel is meant for
+    s_q * H >= 64.
     """
     from . import api
 
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
-        if kv_cache.dtype != q.dtype:
-            raise ValueError("WGMMA kernel: kv_cache must have the q dtype (no fp8 path yet)")
-    partial = get_partial_kernel_wgmma(api._TORCH_TO_NAME[q.dtype])
+    partial = get_partial_kernel_wgmma(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype])
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
