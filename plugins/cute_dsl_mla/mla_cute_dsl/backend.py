@@ -47,23 +47,27 @@ FLASHINFER_DIST = "flashinfer-python"
 FLASHINFER_RANGE = ("0.7.2", "0.7.3")
 BLOCK_N = 64
 # auto picks the WGMMA kernel from this many packed query rows (s_q * num_heads): one full 64-row tile;
-# measured faster than mma.sync at 64, 128 and 256 rows (docs/results/h200_wgmma_speed.txt)
+# measured faster than mma.sync at 64, 128 and 256 rows (docs/results/h200_wgmma_speed.txt) and, with an
+# fp8 cache, at 128 rows (docs/results/h200_wgmma_fp8_speed.txt)
 WGMMA_MIN_ROWS = 64
-# The WGMMA kernel's fp8 e4m3 KV path (raw fp8 ring converted into its fp16 K/V tile) compiles
-# and passes the CPU checks but has not run on hardware: off until tests/test_wgmma_gpu.py's
-# fp8 tests pass on an H200. Off: fp8 caches keep the mma.sync kernel (auto) and mma=wgmma
-# refuses them with a reason; on: fp8 caches are treated like KV in q's dtype.
-WGMMA_FP8_VERIFIED = False
+# the fp8-register kernel (sm90_decode_fp8) takes an fp8 cache with at most this many packed rows
+# (BLOCK_M 16 / 32); measured 1.4-1.5x faster than mma.sync at 16 and 32 rows with two CTAs per SM
+# (docs/results/h200_fp8_h16_speed.txt)
+FP8REG_MAX_ROWS = 32
+
+PartialKernel = Literal["wgmma", "mma_sync", "fp8reg"]
 
 
 class CuteDslOptions(BackendOptions):
-    ctas_per_sm: Literal[1, 2] = Field(default=1, description="split-KV work items per SM in one wave (sm_90; "
-                                       "the WGMMA kernel's 224 KiB of shared memory lets one CTA run per SM)")
-    mma: Literal["auto", "wgmma", "mma_sync"] = Field(
+    ctas_per_sm: Literal["auto", 1, 2] = Field(
+        default="auto", description="split-KV work items per SM in one wave (sm_90). auto: 2 for the fp8reg kernel "
+        "(its 94-115 KB of shared memory lets two CTAs share an SM), else 1 (the WGMMA kernel's 224 KiB allows one)")
+    mma: Literal["auto", "wgmma", "mma_sync", "fp8reg"] = Field(
         default="auto",
-        description="sm_90 partial kernel: wgmma (KV in q's dtype, s_q*num_heads > 32; 1.4-1.7x faster than "
-                    "mma_sync at H=64/128 on an H200), mma_sync (every shape, the fp8 path), auto: wgmma "
-                    f"from s_q*num_heads >= {WGMMA_MIN_ROWS} with KV in q's dtype, else mma_sync")
+        description="sm_90 partial kernel: wgmma (s_q*num_heads > 32; 1.4-1.7x faster than mma_sync at H=64/128 on "
+                    "an H200, bf16 or fp8 KV), fp8reg (fp8 KV, s_q*num_heads <= 32: fp8 B fragments converted in "
+                    "registers), mma_sync (every shape). auto: fp8reg for fp8 KV up to "
+                    f"{FP8REG_MAX_ROWS} rows, wgmma from s_q*num_heads >= {WGMMA_MIN_ROWS}, else mma_sync")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
@@ -103,24 +107,38 @@ def shape_reasons(shape: DecodeShape) -> List[str]:
 
 def wgmma_reasons(shape: DecodeShape) -> List[str]:
     """Why the WGMMA kernel cannot take a shape the mma.sync kernels take (empty: it can)."""
-    out = []
-    if shape.kv_dtype == "fp8_e4m3" and shape.kv_dtype != shape.q_dtype:
-        if not WGMMA_FP8_VERIFIED:
-            out.append("mma=wgmma: kv_dtype=fp8_e4m3: the WGMMA kernel's fp8 path is compile-checked only, not "
-                       "verified on hardware (WGMMA_FP8_VERIFIED is off)")
-    elif shape.kv_dtype != shape.q_dtype:
-        out.append(f"mma=wgmma: kv_dtype={shape.kv_dtype} must equal q_dtype={shape.q_dtype} or be fp8_e4m3")
     if shape.seq_len_q * shape.num_heads <= 32:
-        out.append(f"mma=wgmma: s_q*num_heads={shape.seq_len_q * shape.num_heads} <= 32 (its tile is 64 query "
-                   "rows, at least half of them padding here; the mma.sync kernel's 16/32-row tiles fit)")
+        return [f"mma=wgmma: s_q*num_heads={shape.seq_len_q * shape.num_heads} <= 32 (its tile is 64 query "
+                "rows, at least half of them padding here; the mma.sync kernels' 16/32-row tiles fit)"]
+    return []
+
+
+def fp8reg_reasons(shape: DecodeShape) -> List[str]:
+    """Why the fp8-register kernel cannot take a shape the mma.sync kernels take (empty: it can)."""
+    out = []
+    if shape.kv_dtype != "fp8_e4m3":
+        out.append(f"mma=fp8reg: kv_dtype={shape.kv_dtype}: this kernel reads an fp8_e4m3 cache only")
+    if shape.seq_len_q * shape.num_heads > FP8REG_MAX_ROWS:
+        out.append(f"mma=fp8reg: s_q*num_heads={shape.seq_len_q * shape.num_heads} > {FP8REG_MAX_ROWS} "
+                   "(its tiles are 16 or 32 query rows)")
     return out
 
 
-def uses_wgmma(shape: DecodeShape, options: CuteDslOptions) -> bool:
-    """Whether the sm_90 path runs the WGMMA partial kernel for this shape."""
-    if options.mma == "mma_sync" or wgmma_reasons(shape):
-        return False
-    return options.mma == "wgmma" or shape.seq_len_q * shape.num_heads >= WGMMA_MIN_ROWS
+def partial_kernel(shape: DecodeShape, options: CuteDslOptions) -> PartialKernel:
+    """Which sm_90 partial kernel runs this shape (forced values the shape refuses are refused in can_implement)."""
+    if options.mma != "auto":
+        return options.mma
+    rows = shape.seq_len_q * shape.num_heads
+    if shape.kv_dtype == "fp8_e4m3" and rows <= FP8REG_MAX_ROWS:
+        return "fp8reg"
+    return "wgmma" if rows >= WGMMA_MIN_ROWS else "mma_sync"
+
+
+def ctas_per_sm(kernel: PartialKernel, options: CuteDslOptions) -> int:
+    """Split-KV work items per SM for the schedule: the option, or auto's choice for the kernel."""
+    if options.ctas_per_sm != "auto":
+        return options.ctas_per_sm
+    return 2 if kernel == "fp8reg" else 1
 
 
 class CuteDslBackend(Backend):
@@ -133,7 +151,8 @@ class CuteDslBackend(Backend):
     def info(self) -> BackendInfo:
         return BackendInfo(
             description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
-            notes=("sm_90 kernels checked on an H200 (mma.sync; WGMMA from s_q*H >= 64 with KV in q's dtype)",
+            notes=("sm_90 kernels checked on an H200: WGMMA from s_q*H >= 64, fp8reg for an fp8 cache up to "
+                   "s_q*H = 32, mma.sync otherwise",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
                    "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504"),
@@ -178,8 +197,11 @@ class CuteDslBackend(Backend):
     @hookimpl
     def can_implement(self, shape: DecodeShape, options: CuteDslOptions) -> List[str]:
         reasons = shape_reasons(shape)
-        if options.mma == "wgmma" and not (shape.device.type == "cuda" and sm100.is_sm100(shape.device.capability)):
-            reasons += wgmma_reasons(shape)
+        if not (shape.device.type == "cuda" and sm100.is_sm100(shape.device.capability)):
+            if options.mma == "wgmma":
+                reasons += wgmma_reasons(shape)
+            elif options.mma == "fp8reg":
+                reasons += fp8reg_reasons(shape)
         return reasons
 
     @hookimpl
@@ -199,9 +221,12 @@ class CuteDslPlanned(Planned):
     __slots__ = ("kv_lens", "page_table", "schedule", "workspace", "lse_scratch", "sm_scale", "kv_scale", "run_fn")
 
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
-                 lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float, wgmma: bool = False) -> None:
-        if wgmma:
+                 lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
+                 kernel: PartialKernel = "mma_sync") -> None:
+        if kernel == "wgmma":
             from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as run_fn
+        elif kernel == "fp8reg":
+            from .kernels.sm90_decode_fp8 import mla_decode_sm90_fp8 as run_fn
         else:
             from .kernels.api import mla_decode_sm90 as run_fn
 
@@ -238,15 +263,16 @@ class CuteDslSession(Session):
         from .kernels.schedule import alloc_workspace, make_schedule
 
         s_q, B = problem.seq_len_q, problem.batch_size
+        ctas = ctas_per_sm(partial_kernel(problem, self.options), self.options)
         found = self._schedules.get(s_q)
         env = self.config.envelope
         if found is not None and found[0].split_info.shape[0] >= B:
-            make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, ctas_per_sm=self.options.ctas_per_sm,
+            make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, ctas_per_sm=ctas,
                           device=self.device, out=found[0])
             return found
         max_batch = env.max_batch if env is not None else B
         schedule = make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, max_batch=max_batch,
-                                 ctas_per_sm=self.options.ctas_per_sm, device=self.device)
+                                 ctas_per_sm=ctas, device=self.device)
         found = (schedule, alloc_workspace(schedule, device=self.device))
         self._schedules[s_q] = found
         return found
@@ -270,7 +296,7 @@ class CuteDslSession(Session):
                 scratch = self._lse[key] = torch.empty(B, problem.seq_len_q, problem.num_heads,
                                                        dtype=torch.float32, device=self.device)
         return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
-                              self.config.kv_scale, wgmma=uses_wgmma(problem, self.options))
+                              self.config.kv_scale, kernel=partial_kernel(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()

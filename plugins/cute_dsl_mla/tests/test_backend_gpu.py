@@ -28,18 +28,34 @@ class TestCuteDslConformance(BackendConformance):
 
 
 class TestCuteDslWgmmaConformance(TestCuteDslConformance):
-    """The WGMMA partial kernel forced through the backend option (auto takes it from s_q*H >= 64);
-    shapes it refuses (fp8 KV, s_q*H <= 32) are skipped with the backend's reason."""
+    """The WGMMA partial kernel forced through the backend option (auto takes it from s_q*H >= 64),
+    bf16 and fp8 KV; shapes it refuses (s_q*H <= 32) are skipped with the backend's reason."""
 
     options = {"mma": "wgmma"}
     num_heads = (16, 63, 64, 126, 128)
-    kv_dtypes = ("bf16",)
     single_cell_heads = 128  # the suite's default H=16 gives 16 rows: refused by design
 
 
 class TestCuteDslWgmmaFp16Conformance(TestCuteDslWgmmaConformance):
     q_dtype = "fp16"
-    kv_dtypes = ("fp16",)
+    kv_dtypes = ("fp16", "fp8_e4m3")
+
+
+class TestCuteDslFp8RegConformance(TestCuteDslConformance):
+    """The fp8-register kernel forced (auto takes it for fp8 caches up to 32 rows), two CTAs per SM;
+    shapes it refuses (bf16 KV, s_q*H > 32) are skipped with the backend's reason."""
+
+    options = {"mma": "fp8reg"}
+    num_heads = (1, 3, 8, 16, 32)
+    kv_dtypes = ("fp8_e4m3",)
+
+
+class TestCuteDslMmaSyncConformance(TestCuteDslConformance):
+    """The mma.sync kernel forced at every shape (auto now routes most shapes elsewhere)."""
+
+    options = {"mma": "mma_sync"}
+    num_heads = (1, 16, 64, 128)
+    seq_lens_q = (1, 2, 8)
 
 
 def _sm100():

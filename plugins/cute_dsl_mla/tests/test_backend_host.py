@@ -155,47 +155,48 @@ def test_blackwell_example_policy_routes_the_trtllm_admission_set():
         assert dec.backend in ("cutlass_mla", "flashinfer_mla"), dec.format_trace()
 
 
-def test_the_wgmma_kernel_is_chosen_per_shape_and_refuses_with_reasons():
-    from mla_cute_dsl.backend import uses_wgmma
+def test_the_partial_kernel_is_chosen_per_shape_and_forced_values_are_refused_with_reasons():
+    from mla_cute_dsl.backend import partial_kernel
 
     auto, forced, off = CuteDslOptions(), CuteDslOptions(mma="wgmma"), CuteDslOptions(mma="mma_sync")
-    # auto: from one full 64-row tile (s_q * H >= 64), KV in q's dtype only
-    assert uses_wgmma(prob(num_heads=128), auto) and uses_wgmma(prob(num_heads=16, seq_len_q=4), auto)
-    assert not uses_wgmma(prob(num_heads=63), auto) and not uses_wgmma(prob(num_heads=128, kv_dtype="fp8_e4m3"), auto)
-    assert uses_wgmma(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=64), auto)
-    assert not uses_wgmma(prob(num_heads=128), off)
-    # forced: from 33 rows (the schedule's 64-row tile); refused below that and with an fp8 cache, with reasons
-    assert uses_wgmma(prob(num_heads=33), forced) and not uses_wgmma(prob(num_heads=33), auto)
+    # auto: WGMMA from one full 64-row tile (s_q * H >= 64), bf16/fp16 or fp8 KV
+    assert partial_kernel(prob(num_heads=128), auto) == "wgmma"
+    assert partial_kernel(prob(num_heads=16, seq_len_q=4), auto) == "wgmma"
+    assert partial_kernel(prob(num_heads=128, kv_dtype="fp8_e4m3"), auto) == "wgmma"
+    assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=64), auto) == "wgmma"
+    assert partial_kernel(prob(num_heads=63), auto) == "mma_sync"
+    assert partial_kernel(prob(num_heads=63, kv_dtype="fp8_e4m3"), auto) == "mma_sync"  # 33..63 rows
+    # auto: an fp8 cache with at most 32 rows goes to the fp8-register kernel
+    assert partial_kernel(prob(num_heads=16, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
+    assert partial_kernel(prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
+    assert partial_kernel(prob(num_heads=1, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
+    assert partial_kernel(prob(num_heads=16), auto) == "mma_sync"
+    assert partial_kernel(prob(num_heads=128), off) == "mma_sync"
+    assert partial_kernel(prob(num_heads=33), forced) == "wgmma" and partial_kernel(prob(num_heads=33), auto) == "mma_sync"
     backend = CuteDslBackend()
     assert backend.can_implement(prob(num_heads=33).shape, forced) == []
-    r = backend.can_implement(prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3").shape, forced)
-    assert any("not verified on hardware" in x for x in r) and any("s_q*num_heads=32 <= 32" in x for x in r)
+    assert backend.can_implement(prob(num_heads=128, kv_dtype="fp8_e4m3").shape, forced) == []
+    assert backend.can_implement(prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3").shape, forced) == [
+        "mma=wgmma: s_q*num_heads=32 <= 32 (its tile is 64 query rows, at least half of them padding here; "
+        "the mma.sync kernels' 16/32-row tiles fit)"]
     assert backend.can_implement(prob(num_heads=16, kv_dtype="fp8_e4m3").shape, auto) == []
     with pytest.raises(Exception):
         CuteDslOptions(mma="tensor_cores")
 
 
-def test_wgmma_fp8_is_behind_a_flag_that_is_off(monkeypatch):
-    """The WGMMA kernel's fp8 KV path is compile-checked only: off by default (auto keeps fp8 on
-    mma.sync, mma=wgmma refuses fp8 with a reason); with the flag on, fp8 is routed like KV in q's dtype."""
-    import mla_cute_dsl.backend as be
+def test_fp8reg_takes_fp8_caches_up_to_32_rows_and_refuses_the_rest_with_reasons():
+    from mla_cute_dsl.backend import ctas_per_sm, partial_kernel
 
-    auto, forced = CuteDslOptions(), CuteDslOptions(mma="wgmma")
-    fp8 = prob(num_heads=128, kv_dtype="fp8_e4m3")
-    assert be.WGMMA_FP8_VERIFIED is False
-    r = be.wgmma_reasons(fp8.shape)
-    assert r == ["mma=wgmma: kv_dtype=fp8_e4m3: the WGMMA kernel's fp8 path is compile-checked only, not "
-                 "verified on hardware (WGMMA_FP8_VERIFIED is off)"]
-    assert not be.uses_wgmma(fp8, auto) and not be.uses_wgmma(fp8, forced)
-    assert CuteDslBackend().can_implement(fp8.shape, forced) == r
-    assert CuteDslBackend().can_implement(fp8.shape, auto) == []  # mma.sync takes it
-
-    monkeypatch.setattr(be, "WGMMA_FP8_VERIFIED", True)
-    assert be.wgmma_reasons(fp8.shape) == []
-    assert be.uses_wgmma(fp8, auto) and be.uses_wgmma(fp8, forced)
-    assert be.uses_wgmma(prob(num_heads=64, q_dtype="fp16", kv_dtype="fp8_e4m3"), auto)
-    assert not be.uses_wgmma(prob(num_heads=63, kv_dtype="fp8_e4m3"), auto)  # below one 64-row tile
-    assert not be.uses_wgmma(fp8, CuteDslOptions(mma="mma_sync"))
-    assert CuteDslBackend().can_implement(fp8.shape, forced) == []
-    # the flag opens fp8 only: other dtype mismatches stay refused
-    assert be.wgmma_reasons(prob(num_heads=128, q_dtype="bf16", kv_dtype="fp16").shape)
+    fp8reg = CuteDslOptions(mma="fp8reg")
+    backend = CuteDslBackend()
+    assert backend.can_implement(prob(num_heads=32, kv_dtype="fp8_e4m3").shape, fp8reg) == []
+    assert partial_kernel(prob(num_heads=32, kv_dtype="fp8_e4m3"), fp8reg) == "fp8reg"
+    r = backend.can_implement(prob(num_heads=16).shape, fp8reg)
+    assert r == ["mma=fp8reg: kv_dtype=bf16: this kernel reads an fp8_e4m3 cache only"]
+    r = backend.can_implement(prob(num_heads=16, seq_len_q=4, kv_dtype="fp16", q_dtype="fp16").shape, fp8reg)
+    assert len(r) == 2 and "s_q*num_heads=64 > 32" in r[1]
+    # CTAs per SM: auto gives the fp8-register kernel two, the others one; a set value wins
+    assert ctas_per_sm("fp8reg", CuteDslOptions()) == 2
+    assert ctas_per_sm("wgmma", CuteDslOptions()) == 1 and ctas_per_sm("mma_sync", CuteDslOptions()) == 1
+    assert ctas_per_sm("fp8reg", CuteDslOptions(ctas_per_sm=1)) == 1
+    assert ctas_per_sm("mma_sync", CuteDslOptions(ctas_per_sm=2)) == 2

@@ -1,9 +1,7 @@
-"""SM90 MLA decode, split-KV partial kernel with WGMMA (prototype, H*s_q >= 64).
+"""SM90 MLA decode, split-KV partial kernel with WGMMA (H*s_q >= 64).
 
-Status: bf16 / fp16 KV verified on an H200 (``tests/test_wgmma_gpu.py``) and
-picked by the backend (``backend.py``, option ``mma``).  fp8 e4m3 KV (branch
-wgmma-fp8): compiles for sm_90a on the CPU, NOT yet run on a GPU; the backend
-keeps it off (``backend.WGMMA_FP8_VERIFIED``).
+Status: bf16 / fp16 and fp8 e4m3 KV verified on an H200 (``tests/test_wgmma_gpu.py``)
+and picked by the backend (``backend.py``, option ``mma``).
 
 Same host interface as ``sm90_decode.MLADecodePartial`` (same arguments, same
 work items, same partial buffers, same combine kernel).  Only BLOCK_M = 64;
