@@ -252,6 +252,7 @@ class CuteDslSession(Session):
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._schedules: Dict[int, Tuple[Any, Any]] = {}  # s_q -> (schedule, workspace)
         self._lse: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._combines: set = set()  # q dtypes whose two combine kernels are built
         env = config.envelope
         self._lens_buf = self._table_buf = None
         if env is not None:
@@ -281,6 +282,12 @@ class CuteDslSession(Session):
         import torch
 
         B = problem.batch_size
+        if problem.q_dtype not in self._combines:  # both combine kernels now (a step picks one by its splits),
+            from .kernels.api import get_combine_kernel  # so that warmup builds both and no step compiles
+
+            get_combine_kernel(problem.q_dtype, wide=False)
+            get_combine_kernel(problem.q_dtype, wide=True)
+            self._combines.add(problem.q_dtype)
         schedule, workspace = self._schedule(problem, step.kv_lens_host)
         lens, table = step.kv_lens, step.page_table
         if self._lens_buf is not None:

@@ -42,12 +42,33 @@ def test_compile_partial(spec):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("q", ["bf16", "fp16"])
-def test_compile_combine(q):
+def test_compile_combine(q, wide):
     from mla_cute_dsl.kernels import api
 
-    fn = api.get_combine_kernel(q)
-    assert fn is not None and api.get_combine_kernel(q) is fn
+    fn = api.get_combine_kernel(q, wide=wide)
+    assert fn is not None and api.get_combine_kernel(q, wide=wide) is fn
+    assert fn is not api.get_combine_kernel(q, wide=not wide)
+
+
+def test_the_wide_combine_is_chosen_for_requests_split_many_ways():
+    import torch
+
+    from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels.schedule import make_schedule
+
+    picked = []
+    real = api.get_combine_kernel
+    try:
+        api.get_combine_kernel = lambda q, wide=False: picked.append(wide)
+        for lens in ([4096], [4096] * 64, [16384] * 4, [0, 0, 70]):
+            sched = make_schedule(torch.tensor(lens, dtype=torch.int32), 1, 16, 132, device="cpu")
+            api.combine_kernel_for("bf16", sched, len(lens))
+            assert picked[-1] == (sched.num_items >= api.WIDE_COMBINE_MIN_SPLITS * len(lens))
+    finally:
+        api.get_combine_kernel = real
+    assert picked == [True, False, True, False]
 
 
 @needs_cutlass

@@ -198,3 +198,29 @@ def test_graph_replay_equals_eager(kv):
     torch.cuda.synchronize()
     assert torch.equal(o_graph, out)
     assert torch.equal(l_graph, lse)
+
+
+@needs_sm90
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("B,s_q,S,H,kv,varlen,q_std", [
+    (1, 1, 16384, 16, "fp8", False, 1.0), (1, 2, 4096, 128, "bf16", False, 1.0),
+    (2, 4, 4096, 3, "bf16", True, 1.0), (6, 1, 140, 63, "fp8", True, 1.0),
+    (1, 1, 4096, 16, "bf16", False, 100.0), (64, 1, 4096, 16, "fp8", True, 1.0),
+])
+def test_each_combine_kernel_against_fp64_reference(monkeypatch, wide, B, s_q, S, H, kv, varlen, q_std):
+    """Both combine kernels on the same kinds of input, whatever the schedule would pick: the wide one
+    (warps share out the splits) and the per-row one, with lengths 0 and < s_q, NaN-poisoned split buffers."""
+    from mla_cute_dsl.kernels import api
+
+    monkeypatch.setattr(api, "WIDE_COMBINE_MIN_SPLITS", 0 if wide else 1 << 30)
+    picked = []
+    real = api.get_combine_kernel
+    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False: picked.append(wide) or real(q, wide))
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    case = make_case(B, s_q, H, S, kv_dtype, varlen, q_std=q_std, seed=random.randrange(1 << 30))
+    out = torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
+    run_kernel(case, out, lse)
+    torch.cuda.synchronize()
+    assert picked == [wide]
+    check(case, out, lse, tol=2e-2 if q_std > 1 else 1e-2)

@@ -117,6 +117,15 @@ def _build_combine(q_name: str):
                         options=COMPILE_OPTIONS)
 
 
+def _build_combine_wide(q_name: str):
+    import cutlass.cute as cute
+
+    from .combine import MLACombineWide
+
+    return cute.compile(MLACombineWide(_cutlass_dtype(q_name)), *_fake_args_combine(q_name),
+                        options=COMPILE_OPTIONS)
+
+
 def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None):
     """Compiled partial kernel for one specialization (memory, disk, else compile).
 
@@ -127,9 +136,21 @@ def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None):
     return kernel_cache.get_or_build("partial", (q_name, kv_name, block_m, layout), _build_partial)
 
 
-def get_combine_kernel(q_name: str):
-    """Compiled combine kernel for one q dtype (memory, disk, else compile)."""
+def get_combine_kernel(q_name: str, wide: bool = False):
+    """Compiled combine kernel for one q dtype (memory, disk, else compile); wide: MLACombineWide."""
+    if wide:
+        return kernel_cache.get_or_build("combine_wide", (q_name,), _build_combine_wide)
     return kernel_cache.get_or_build("combine", (q_name,), _build_combine)
+
+
+# from this many work items per request on average, the combine's per-row walk over the splits is
+# long enough that MLACombineWide (warps share out the splits, 4 CTAs per row) pays for its extra CTAs
+WIDE_COMBINE_MIN_SPLITS = 8
+
+
+def combine_kernel_for(q_name: str, schedule: Schedule, batch: int):
+    """The combine kernel for this step's schedule: the wide one when requests are split many ways."""
+    return get_combine_kernel(q_name, wide=schedule.num_items >= WIDE_COMBINE_MIN_SPLITS * max(batch, 1))
 
 
 def _cu_stream(handle: int):
@@ -178,7 +199,7 @@ def launch(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     kernel on the current stream; no checks, no host work beyond argument packing."""
     B, s_q, H, _ = q.shape
     R = s_q * H
-    combine = get_combine_kernel(_TORCH_TO_NAME[q.dtype])
+    combine = combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule, B)
     o_part, lse_part = workspace
     o3 = out.view(B, R, D_V)
     l2 = lse.view(B, R)
