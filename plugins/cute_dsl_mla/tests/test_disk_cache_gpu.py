@@ -46,7 +46,8 @@ def test_kernel_loaded_from_disk_in_another_process_is_bit_equal(cache_dir, tmp_
     for q, kv, B, s_q, H, S, seed in child.CASES:
         bm = block_m_for(s_q * H)
         assert kernel_cache.origin("partial", (q, kv, bm, None)) == "compiled"
-        assert kernel_cache.origin("combine", (q,)) == "compiled"
+        # the step's schedule picks one of the two combine kernels (MLACombineWide for many splits)
+        assert "compiled" in (kernel_cache.origin("combine", (q,)), kernel_cache.origin("combine_wide", (q,)))
         specs.append(["partial", q, kv, bm])
     n_kernels = kernel_cache.stats()["compiled"]
     assert kernel_cache.stats()["disk_writes"] == n_kernels

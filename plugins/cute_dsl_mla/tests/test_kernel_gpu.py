@@ -210,9 +210,9 @@ def test_graph_replay_equals_eager(kv):
 def test_each_combine_kernel_against_fp64_reference(monkeypatch, wide, B, s_q, S, H, kv, varlen, q_std):
     """Both combine kernels on the same kinds of input, whatever the schedule would pick: the wide one
     (warps share out the splits) and the per-row one, with lengths 0 and < s_q, NaN-poisoned split buffers."""
-    from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels import api, schedule
 
-    monkeypatch.setattr(api, "WIDE_COMBINE_MIN_SPLITS", 0 if wide else 1 << 30)
+    monkeypatch.setattr(schedule, "wide_combine_for", lambda *args: wide)
     picked = []
     real = api.get_combine_kernel
     monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False: picked.append(wide) or real(q, wide))

@@ -143,14 +143,9 @@ def get_combine_kernel(q_name: str, wide: bool = False):
     return kernel_cache.get_or_build("combine", (q_name,), _build_combine)
 
 
-# from this many work items per request on average, the combine's per-row walk over the splits is
-# long enough that MLACombineWide (warps share out the splits, 4 CTAs per row) pays for its extra CTAs
-WIDE_COMBINE_MIN_SPLITS = 8
-
-
-def combine_kernel_for(q_name: str, schedule: Schedule, batch: int):
-    """The combine kernel for this step's schedule: the wide one when requests are split many ways."""
-    return get_combine_kernel(q_name, wide=schedule.num_items >= WIDE_COMBINE_MIN_SPLITS * max(batch, 1))
+def combine_kernel_for(q_name: str, schedule: Schedule):
+    """The combine kernel this step's schedule asks for (``Schedule.wide_combine``)."""
+    return get_combine_kernel(q_name, wide=schedule.wide_combine)
 
 
 def _cu_stream(handle: int):
@@ -199,7 +194,7 @@ def launch(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     kernel on the current stream; no checks, no host work beyond argument packing."""
     B, s_q, H, _ = q.shape
     R = s_q * H
-    combine = combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule, B)
+    combine = combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule)
     o_part, lse_part = workspace
     o3 = out.view(B, R, D_V)
     l2 = lse.view(B, R)

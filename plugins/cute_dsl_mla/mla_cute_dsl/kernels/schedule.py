@@ -48,6 +48,21 @@ def slots_for(rows: int, num_sms: int, ctas_per_sm: int = 1) -> int:
     return 2 * (num_sms * ctas_per_sm) // m_blocks + 2
 
 
+# MLACombine gives a query row one warp, 4 rows per CTA, walking all of its request's splits
+COMBINE_ROWS_PER_CTA = 4
+# below this many work items per request on average, that walk is short enough
+WIDE_COMBINE_MIN_SPLITS = 8
+
+
+def wide_combine_for(num_items: int, batch: int, rows: int, num_sms: int) -> bool:
+    """Whether MLACombineWide (one CTA per row and 128-column chunk, warps share out the splits) should merge
+    this step: when requests are split many ways and MLACombine would not fill the GPU. On an H200 the wide
+    kernel took B=1 H=16 S=4096 from 35.5 to 11.8 us and was the same or slower once MLACombine had at
+    least one CTA per SM (H=128 s_q=2 B=4: 19.4 -> 24.4 us)."""
+    narrow_ctas = batch * -(-rows // COMBINE_ROWS_PER_CTA)
+    return num_items >= WIDE_COMBINE_MIN_SPLITS * max(batch, 1) and narrow_ctas < num_sms
+
+
 @dataclass
 class Schedule:
     """Device-side split-KV schedule plus the host numbers that made it."""
@@ -61,6 +76,7 @@ class Schedule:
     num_slots: int
     num_items: int = 0
     blocks_per_split: int = 0
+    wide_combine: bool = False  # run MLACombineWide for this step (wide_combine_for)
 
     @property
     def rows(self) -> int:
@@ -172,6 +188,7 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
         out.split_info.copy_(spl, non_blocking=False)
     out.num_items = len(items)
     out.blocks_per_split = bps
+    out.wide_combine = wide_combine_for(len(items), batch, rows, num_sms)
     return out
 
 

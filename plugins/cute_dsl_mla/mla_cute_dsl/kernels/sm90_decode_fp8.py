@@ -565,7 +565,7 @@ def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_sc
     R = s_q * H
     q_name = api._TORCH_TO_NAME[q.dtype]
     partial = get_partial_kernel_fp8(q_name, schedule.block_m, layout, stages)
-    combine = api.combine_kernel_for(q_name, schedule, B)
+    combine = api.combine_kernel_for(q_name, schedule)
     o_part, lse_part = workspace
     s = float(sm_scale) * float(kv_scale)
     stream = api._cu_stream(torch.cuda.current_stream().cuda_stream)
