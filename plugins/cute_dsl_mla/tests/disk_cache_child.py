@@ -105,7 +105,7 @@ def cpu_probe(fn, q_name: str, kv_name: str, rows: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--specs", default="[]", help='JSON list of ["partial", q, kv, bm] / ["combine", q]')
+    ap.add_argument("--specs", default="[]", help='JSON list of ["partial", q, kv, bm] / ["combine", q] / ["combine_wide", q]')
     ap.add_argument("--forbid-compile", action="store_true")
     ap.add_argument("--probe-cpu", action="store_true")
     ap.add_argument("--run-gpu", default="")
@@ -129,7 +129,7 @@ def main() -> None:
             if a.probe_cpu:
                 report["probes"].append(cpu_probe(fn, spec[1], spec[2], spec[3]))
         else:
-            fn = api.get_combine_kernel(spec[1])
+            fn = api.get_combine_kernel(spec[1], wide=spec[0] == "combine_wide")
         report["types"].append(type(fn).__name__)
     if a.run_gpu:
         import torch

@@ -200,3 +200,42 @@ def test_fp8reg_takes_fp8_caches_up_to_32_rows_and_refuses_the_rest_with_reasons
     assert ctas_per_sm("wgmma", CuteDslOptions()) == 1 and ctas_per_sm("mma_sync", CuteDslOptions()) == 1
     assert ctas_per_sm("fp8reg", CuteDslOptions(ctas_per_sm=1)) == 1
     assert ctas_per_sm("mma_sync", CuteDslOptions(ctas_per_sm=2)) == 2
+
+
+@pytest.mark.parametrize("kv_dtype,heads,s_q,kernel,ctas", [
+    ("fp8_e4m3", 16, 2, "fp8reg", 2), ("fp8_e4m3", 128, 1, "wgmma", 1), ("bf16", 16, 1, "mma_sync", 1),
+])
+def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_combines(
+        monkeypatch, kv_dtype, heads, s_q, kernel, ctas):
+    """CuteDslSession.plan on the CPU (device properties patched, schedule tensors kept on the CPU): the
+    schedule is made for the kernel's CTAs per SM, the Planned runs that kernel's function, and both combine
+    kernels are built at the first plan (so warmup builds them and no step compiles)."""
+    import types
+
+    from mla_cute_dsl import backend as be
+    from mla_cute_dsl.kernels import api, schedule
+    from mlacore import SessionConfig, StepInputs
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(
+        multi_processor_count=132))
+    made, built = [], []
+    real_make, real_alloc = schedule.make_schedule, schedule.alloc_workspace
+    monkeypatch.setattr(schedule, "make_schedule", lambda *a, **k: made.append(k["ctas_per_sm"]) or real_make(
+        *a, **{**k, "device": "cpu"}))
+    monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None: real_alloc(sched, device="cpu"))
+    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False: built.append((q, wide)))
+    config = SessionConfig(num_heads=heads, page_size=64, q_dtype="bf16", kv_dtype=kv_dtype, out_dtype="bf16",
+                           kv_lora_rank=512, qk_rope_head_dim=64, causal=True, return_lse=True, sm_scale=0.1,
+                           kv_scale=1.0, q_scale=1.0, device=H200)
+    session = CuteDslBackend().open(config, CuteDslOptions())
+    lens = torch.tensor([4096, 100], dtype=torch.int32)
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=2, kv_dtype=kv_dtype)
+    planned = session.plan(problem, StepInputs(lens, table, lens, table))
+    assert made == [ctas]
+    assert built == [("bf16", False), ("bf16", True)]
+    runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma", "mma_sync": "mla_decode_sm90"}
+    assert planned.run_fn.__name__ == runs[kernel]
+    session.plan(problem, StepInputs(lens, table, lens, table))
+    assert built == [("bf16", False), ("bf16", True)] and made == [ctas, ctas]  # once per session
+    assert be.partial_kernel(problem, CuteDslOptions()) == kernel

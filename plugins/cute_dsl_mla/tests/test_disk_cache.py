@@ -173,14 +173,16 @@ def test_second_process_loads_from_disk_without_compiling(cache_dir):
 
     api.get_partial_kernel("bf16", "fp8_e4m3", 64)
     api.get_combine_kernel("bf16")
-    assert kernel_cache.stats()["compiled"] == 2 and kernel_cache.stats()["disk_writes"] == 2
+    api.get_combine_kernel("bf16", wide=True)
+    assert kernel_cache.stats()["compiled"] == 3 and kernel_cache.stats()["disk_writes"] == 3
     assert kernel_cache.origin("combine", ("bf16",)) == "compiled"
-    assert len(_entries(cache_dir)) == 2
+    assert kernel_cache.origin("combine_wide", ("bf16",)) == "compiled"
+    assert len(_entries(cache_dir)) == 3
 
-    specs = json.dumps([["partial", "bf16", "fp8_e4m3", 64], ["combine", "bf16"]])
+    specs = json.dumps([["partial", "bf16", "fp8_e4m3", 64], ["combine", "bf16"], ["combine_wide", "bf16"]])
     rep, err = _child(cache_dir, "--specs", specs, "--forbid-compile", "--probe-cpu")
-    assert rep["stats"]["compiled"] == 0 and rep["stats"]["disk_hits"] == 2, rep
-    assert rep["types"] == ["Function", "Function"]  # tvm_ffi.Function from the object file
+    assert rep["stats"]["compiled"] == 0 and rep["stats"]["disk_hits"] == 3, rep
+    assert rep["types"] == ["Function"] * 3  # tvm_ffi.Function from the object file
     assert "from the disk cache" in err
     # the loaded host entry ran: it checks its arguments and wants CUDA tensors
     probe = rep["probes"][0]

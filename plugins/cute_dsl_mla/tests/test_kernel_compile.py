@@ -52,7 +52,7 @@ def test_compile_combine(q, wide):
     assert fn is not api.get_combine_kernel(q, wide=not wide)
 
 
-def test_the_wide_combine_is_chosen_when_requests_split_many_ways_and_the_per_row_one_would_not_fill_the_gpu():
+def test_the_wide_combine_is_chosen_when_the_per_row_one_would_not_fill_the_gpu():
     import torch
 
     from mla_cute_dsl.kernels import api
@@ -63,16 +63,19 @@ def test_the_wide_combine_is_chosen_when_requests_split_many_ways_and_the_per_ro
     try:
         api.get_combine_kernel = lambda q, wide=False: picked.append(wide)
         for lens, s_q, H in (([4096], 1, 16), ([4096] * 64, 1, 16), ([16384] * 4, 1, 16), ([0, 0, 70], 1, 16),
-                             ([4096] * 4, 2, 128), ([4096], 2, 128)):
+                             ([4096] * 4, 2, 128), ([4096], 2, 128), ([64], 1, 16)):
             sched = make_schedule(torch.tensor(lens, dtype=torch.int32), s_q, H, 132, device="cpu")
             api.combine_kernel_for("bf16", sched)
             assert picked[-1] == sched.wide_combine
     finally:
         api.get_combine_kernel = real
-    # B=4 H=128 s_q=2: 256 per-row CTAs already fill 132 SMs (measured slower with the wide kernel)
-    assert picked == [True, False, True, False, False, True]
-    assert wide_combine_for(64, 1, 16, 132) and not wide_combine_for(7, 1, 16, 132)
-    assert not wide_combine_for(64, 1, 4 * 132, 132) and wide_combine_for(64, 1, 4 * 131, 132)
+    # B=64 H=16: 256 per-row CTAs; B=4 H=128 s_q=2: 256 (measured slower with the wide kernel)
+    assert picked == [True, False, True, True, False, True, True]
+    assert wide_combine_for(1, 16, 132) and wide_combine_for(32, 16, 132) and not wide_combine_for(33, 16, 132)
+    assert wide_combine_for(1, 4 * 131, 132) and not wide_combine_for(1, 4 * 132, 132)
+    # the choice follows batch and rows only: the same for every length of one batch size (graph replay)
+    for lens in ([1], [64], [100000]):
+        assert make_schedule(torch.tensor(lens, dtype=torch.int32), 1, 16, 132, device="cpu").wide_combine
 
 
 @needs_cutlass

@@ -50,17 +50,16 @@ def slots_for(rows: int, num_sms: int, ctas_per_sm: int = 1) -> int:
 
 # MLACombine gives a query row one warp, 4 rows per CTA, walking all of its request's splits
 COMBINE_ROWS_PER_CTA = 4
-# below this many work items per request on average, that walk is short enough
-WIDE_COMBINE_MIN_SPLITS = 8
 
 
-def wide_combine_for(num_items: int, batch: int, rows: int, num_sms: int) -> bool:
-    """Whether MLACombineWide (one CTA per row and 128-column chunk, warps share out the splits) should merge
-    this step: when requests are split many ways and MLACombine would not fill the GPU. On an H200 the wide
-    kernel took B=1 H=16 S=4096 from 35.5 to 11.8 us and was the same or slower once MLACombine had at
-    least one CTA per SM (H=128 s_q=2 B=4: 19.4 -> 24.4 us)."""
-    narrow_ctas = batch * -(-rows // COMBINE_ROWS_PER_CTA)
-    return num_items >= WIDE_COMBINE_MIN_SPLITS * max(batch, 1) and narrow_ctas < num_sms
+def wide_combine_for(batch: int, rows: int, num_sms: int) -> bool:
+    """Whether MLACombineWide (one CTA per row and 128-column chunk, warps share out the splits) merges a
+    step: when MLACombine would have fewer CTAs than the GPU has SMs. Small batches are split many ways
+    (the schedule fills every SM), so each of those few warps walks a long list. On an H200 the wide kernel
+    took B=1 H=16 S=4096 from 35.5 to 11.8 us; with 128 per-row CTAs or more it was the same or slower
+    (H=128 s_q=2 B=4, 256 CTAs: 19.4 -> 24.4 us). Batch and rows only, never the lengths: a CUDA graph
+    captured at one step replays the same combine at every later step of its batch size."""
+    return batch * -(-rows // COMBINE_ROWS_PER_CTA) < num_sms
 
 
 @dataclass
@@ -188,7 +187,7 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
         out.split_info.copy_(spl, non_blocking=False)
     out.num_items = len(items)
     out.blocks_per_split = bps
-    out.wide_combine = wide_combine_for(len(items), batch, rows, num_sms)
+    out.wide_combine = wide_combine_for(batch, rows, num_sms)
     return out
 
 
