@@ -821,15 +821,15 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     # ---------------------------------------------------------------- device side
     @cute.jit
     def load_part(
-        self, g2s_wg: cute.TiledCopy, thr_g2s_wg, mKV: cute.Tensor, mPT: cute.Tensor,
-        b: cutlass.Int32, n: cutlass.Int32, stage: cutlass.Constexpr, blocks: cutlass.Constexpr,
+        self, g2s_wg: cute.TiledCopy, thr_g2s_wg, mKV: cute.Tensor, page: cutlass.Int32,
+        n: cutlass.Int32, stage: cutlass.Constexpr, blocks: cutlass.Constexpr,
         blocks_per_page: cutlass.Int32, kv_len: cutlass.Int32,
         tKcK: cute.Tensor, tKsK: cute.Tensor, mbar_ptr,
     ):
-        """This warpgroup's 64-column blocks ``blocks`` of KV block n -> sK[:, :, stage] (cp.async,
-        rows >= kv_len zero-filled), then arrive on ``mbar_ptr``: once when the cp.asyncs land
-        (noinc) and once now (release: orders the zero-fill stores)."""
-        page = mPT[b, n // blocks_per_page]
+        """This warpgroup's 64-column blocks ``blocks`` of KV block n (in cache page ``page``, read
+        from the page table ahead of time) -> sK[:, :, stage] (cp.async, rows >= kv_len
+        zero-filled), then arrive on ``mbar_ptr``: once when the cp.asyncs land (noinc) and once
+        now (release: orders the zero-fill stores)."""
         gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
         tKgK = thr_g2s_wg.partition_S(gK)  # (CPY, 4, 9)
         valid = kv_len - n * BLOCK_N
@@ -1029,20 +1029,19 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
             tKcK = thr_g2s_wg.partition_S(cKV)  # (CPY, 4, 9)
             tKsK = thr_g2s_wg.partition_D(sK)  # (CPY, 4, 9, STAGES)
-            if wg == 0:
-                if T > 0:
-                    self.load_part(g2s_wg, thr_g2s_wg, mKV, mPT, b, n_start, 0, SEESAW_LOAD_BLOCKS[0][0],
-                                   blocks_per_page, kv_len, tKcK, tKsK, mbar + 0)
-                if T > 1:
-                    self.load_part(g2s_wg, thr_g2s_wg, mKV, mPT, b, n_start + 1, 1,
-                                   SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len, tKcK, tKsK, mbar + 2)
-            else:
-                if T > 0:
-                    self.load_part(g2s_wg, thr_g2s_wg, mKV, mPT, b, n_start, 0, SEESAW_LOAD_BLOCKS[1][1],
-                                   blocks_per_page, kv_len, tKcK, tKsK, mbar + 1)
-                if T > 1:
-                    self.load_part(g2s_wg, thr_g2s_wg, mKV, mPT, b, n_start + 1, 1,
-                                   SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len, tKcK, tKsK, mbar + 3)
+            # WG w loads blocks SEESAW_LOAD_BLOCKS[w][0] of the tile it owns (w) and
+            # SEESAW_LOAD_BLOCKS[w][1] of the other one; mbarrier 2 * buffer + w
+            for t in cutlass.range_constexpr(2):
+                if T > t:
+                    pg = mPT[b, (n_start + t) // blocks_per_page]
+                    if wg == 0:
+                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg, n_start + t, t,
+                                       SEESAW_LOAD_BLOCKS[0][t], blocks_per_page, kv_len, tKcK, tKsK,
+                                       mbar + 2 * t)
+                    else:
+                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg, n_start + t, t,
+                                       SEESAW_LOAD_BLOCKS[1][1 - t], blocks_per_page, kv_len, tKcK,
+                                       tKsK, mbar + 2 * t + 1)
             cute.arch.cp_async_commit_group()
             # Q landed (the KV group may still fly), visible to the async proxy and to all threads
             cute.arch.cp_async_wait_group(1)
@@ -1086,6 +1085,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             for p in cutlass.range(0, (T + 1) // 2, 1):
                 ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
                 parity = p % 2
+                # cache pages of the next pair's tiles, read now so that the loads issued after
+                # this pair's P V WGMMAs do not wait for the page table (clamped: always a valid
+                # entry of this request; unused when the tile does not exist)
+                pg2 = mPT[b, (n_start + (ta + 2 if ta + 2 < T else T - 1)) // blocks_per_page]
+                pg3 = mPT[b, (n_start + (ta + 3 if ta + 3 < T else T - 1)) // blocks_per_page]
                 if wg == 0:
                     # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
                     self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
@@ -1097,7 +1101,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
                     # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
                     if ta + 2 < T:
-                        self.load_part(g2s_wg, thr_g2s_wg, mKV, mPT, b, n_start + ta + 2, 0,
+                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg2, n_start + ta + 2, 0,
                                        SEESAW_LOAD_BLOCKS[0][0], blocks_per_page, kv_len, tKcK, tKsK,
                                        mbar + 0)
                     if ta + 1 < T:
@@ -1106,7 +1110,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                        row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
                         # columns 0..255 and P's block of buffer 1 are free: tile b+2's
                         if ta + 3 < T:
-                            self.load_part(g2s_wg, thr_g2s_wg, mKV, mPT, b, n_start + ta + 3, 1,
+                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg3, n_start + ta + 3, 1,
                                            SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len, tKcK,
                                            tKsK, mbar + 2)
                 else:
@@ -1126,7 +1130,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     warpgroup.wait_group(0)
                     # columns 256..575 of buffer 0 are free: tile a+2's
                     if ta + 2 < T:
-                        self.load_part(g2s_wg, thr_g2s_wg, mKV, mPT, b, n_start + ta + 2, 0,
+                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg2, n_start + ta + 2, 0,
                                        SEESAW_LOAD_BLOCKS[1][1], blocks_per_page, kv_len, tKcK, tKsK,
                                        mbar + 1)
                     if ta + 1 < T:
@@ -1134,7 +1138,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                             acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
                         self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
                         if ta + 3 < T:
-                            self.load_part(g2s_wg, thr_g2s_wg, mKV, mPT, b, n_start + ta + 3, 1,
+                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg3, n_start + ta + 3, 1,
                                            SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len, tKcK,
                                            tKsK, mbar + 3)
 
