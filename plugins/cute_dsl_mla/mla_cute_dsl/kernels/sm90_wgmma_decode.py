@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.experimental.primitives.nvvm_wrapper as _nvw  # cp.async.bulk.prefetch.L2 (seesaw)
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 D_QK = 576
@@ -845,6 +846,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         cute.arch.mbarrier_arrive(mbar_ptr)
 
     @cute.jit
+    def prefetch_tile_l2(self, mKV: cute.Tensor, page: cutlass.Int32, n: cutlass.Int32,
+                         blocks_per_page: cutlass.Int32):
+        """KV block n (64 tokens x 576, contiguous inside its page) -> L2, one
+        ``cp.async.bulk.prefetch.L2.global`` (best effort, no completion to wait for)."""
+        gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
+        _nvw.cp_async_bulk_prefetch(gK.iterator, BLOCK_N * D_QK * (self.mma_dtype.width // 8))
+
+    @cute.jit
     def qk(
         self, mma_s_first: cute.TiledMma, mma_s: cute.TiledMma, acc_S: cute.Tensor,
         tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: cutlass.Constexpr, order: cutlass.Constexpr,
@@ -1082,14 +1091,30 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             row_max.fill(-cutlass.Float32.inf)
             row_sum.fill(0.0)
 
+            pg_next2 = cutlass.Int32(0)
+            pg_next3 = cutlass.Int32(0)
+            if T > 2:
+                pg_next2 = mPT[b, (n_start + 2) // blocks_per_page]
+            if T > 3:
+                pg_next3 = mPT[b, (n_start + 3) // blocks_per_page]
             for p in cutlass.range(0, (T + 1) // 2, 1):
                 ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
                 parity = p % 2
-                # cache pages of the next pair's tiles, read now so that the loads issued after
-                # this pair's P V WGMMAs do not wait for the page table (clamped: always a valid
-                # entry of this request; unused when the tile does not exist)
-                pg2 = mPT[b, (n_start + (ta + 2 if ta + 2 < T else T - 1)) // blocks_per_page]
-                pg3 = mPT[b, (n_start + (ta + 3 if ta + 3 < T else T - 1)) // blocks_per_page]
+                # cache pages of the next pair's tiles (tiles a+2, b+2), read one pair ahead so
+                # that neither the L2 prefetch below nor the cp.asyncs after this pair's P V
+                # WGMMAs wait for the page table (clamped: always a valid entry of this
+                # request; unused when the tile does not exist)
+                pg2 = pg_next2
+                pg3 = pg_next3
+                # tiles a+2, b+2 -> L2 now (one bulk prefetch each: a 64-token block of a page is
+                # contiguous), so that their cp.asyncs later in this pair hit L2
+                if tidx == 0:
+                    if ta + 2 < T:
+                        self.prefetch_tile_l2(mKV, pg2, n_start + ta + 2, blocks_per_page)
+                    if ta + 3 < T:
+                        self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
+                pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
+                pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
                 if wg == 0:
                     # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
                     self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
