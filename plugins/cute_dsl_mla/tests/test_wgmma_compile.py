@@ -637,6 +637,11 @@ def test_seesaw_ptx_structure(q, tmp_path):
         assert re.search(r"st\.shared\.b32 \[%r\d+\], %r\d+; fence\.proxy\.async\.shared::cta; "
                          rf"(// [^;]*?)?bar\.arrive {bar}, 256;", flat), bar
         assert flat.count(f"bar.arrive {bar}, 256;") == 1 and flat.count(f"bar.sync {bar}, 256;") == 1
+    # thread 0 prefetches the next pair's two tiles into L2: one 72 KB bulk prefetch each
+    pf = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", flat)
+    assert len(pf) == 2, pf
+    for reg in pf:
+        assert f"mov.b32 {reg}, 73728;" in flat
     # all wgmma groups waited with 0 (nothing in flight across the pair loop's back edge)
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
     assert "cvt.rn.f16x2.e4m3x2" not in flat
