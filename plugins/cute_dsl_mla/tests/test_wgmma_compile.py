@@ -637,6 +637,8 @@ def test_seesaw_ptx_structure(q, tmp_path):
         assert re.search(r"st\.shared\.b32 \[%r\d+\], %r\d+; fence\.proxy\.async\.shared::cta; "
                          rf"(// [^;]*?)?bar\.arrive {bar}, 256;", flat), bar
         assert flat.count(f"bar.arrive {bar}, 256;") == 1 and flat.count(f"bar.sync {bar}, 256;") == 1
+        # the non-owner: barrier -> async-proxy fence before anything else
+        assert re.search(rf"bar\.sync {bar}, 256; fence\.proxy\.async\.shared::cta;", flat), bar
     # thread 0 prefetches the next pair's two tiles into L2: one 72 KB bulk prefetch each
     pf = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", flat)
     assert len(pf) == 2, pf

@@ -942,8 +942,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         row_max: cute.Tensor, row_sum: cute.Tensor, buf: cutlass.Constexpr, wg_tidx: cutlass.Int32,
         bar_id: cutlass.Constexpr, wait: cutlass.Constexpr,
     ):
-        """Non-owner: wait for the owner's P, take its scale and max, O *= scale, O += sP V (SS)."""
+        """Non-owner: wait for the owner's P, take its scale and max, O *= scale, O += sP V (SS).
+
+        The V columns read here were cp.async'ed by this warpgroup but their landing was
+        observed (mbarrier) by the owner before it published P; the async-proxy fence after
+        the barrier mirrors the one after each mbarrier wait (consumer side)."""
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=NUM_THREADS)
+        cute.arch.fence_view_async_shared()
         for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
             row = tScS[r, 0][0]
             corr = sScale[row, buf]
