@@ -895,9 +895,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         n_rows = cute.size(acc_S_mn.shape[0])
         for r in cutlass.range_constexpr(n_rows):
             lim = row_lim[r] - n * BLOCK_N
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
-                if tScS[0, c][1] >= lim:
-                    acc_S_mn[r, c] = -cutlass.Float32.inf
+            if lim < BLOCK_N:  # only the last tiles of a row have masked columns
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+                    if tScS[0, c][1] >= lim:
+                        acc_S_mn[r, c] = -cutlass.Float32.inf
             m_cur = _quad_max(
                 acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
             )
