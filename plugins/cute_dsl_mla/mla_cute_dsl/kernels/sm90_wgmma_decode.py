@@ -66,8 +66,12 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.experimental.primitives.nvvm_wrapper as _nvw  # cp.async.bulk.prefetch.L2 (seesaw)
 from cutlass.cute.nvgpu import cpasync, warpgroup
+
+try:  # cp.async.bulk.prefetch.L2 (seesaw kernel only; without it the kernel skips the prefetch)
+    import cutlass.experimental.primitives.nvvm_wrapper as _nvw
+except ImportError:  # pragma: no cover - other DSL versions
+    _nvw = None
 
 D_QK = 576
 D_V = 512
@@ -850,8 +854,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                          blocks_per_page: cutlass.Int32):
         """KV block n (64 tokens x 576, contiguous inside its page) -> L2, one
         ``cp.async.bulk.prefetch.L2.global`` (best effort, no completion to wait for)."""
-        gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
-        _nvw.cp_async_bulk_prefetch(gK.iterator, BLOCK_N * D_QK * (self.mma_dtype.width // 8))
+        if cutlass.const_expr(_nvw is not None):
+            gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
+            _nvw.cp_async_bulk_prefetch(gK.iterator, BLOCK_N * D_QK * (self.mma_dtype.width // 8))
 
     @cute.jit
     def qk(
