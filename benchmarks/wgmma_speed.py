@@ -1,6 +1,7 @@
-"""Time three ways to compute the same MLA decode, side by side, on one SM90 GPU.
+"""Time four ways to compute the same MLA decode, side by side, on one SM90 GPU.
 
     wgmma  mla_cute_dsl's WGMMA partial kernel + combine (sm90_wgmma_decode)
+    seesaw the same module's seesaw-schedule WGMMA kernel (MLADecodePartialWGMMASeesaw; KV in q's dtype only)
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     fa3    FlashInfer fa3 through mlacore.MLADecoder (dispatcher forced to flashinfer_mla, variant fa3)
 
@@ -41,7 +42,7 @@ SHAPES = [  # (B, H, s_q, S)
     (4, 128, 1, 16384),
 ]
 QUICK_SHAPES = [0, 3]
-WAYS = ("wgmma", "mma", "fa3")
+WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
 
@@ -87,7 +88,7 @@ def make_sets(torch, B, H, s_q, S, l2_bytes, n_sets, seed=0):
     return sets, table, lens
 
 
-# -- the three ways: each returns run(i, out, lse) for input set i -------------------------
+# -- the ways: each returns run(i, out, lse) for input set i -------------------------
 
 
 def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
@@ -95,6 +96,8 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
 
     if name == "wgmma":
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as fn
+    elif name == "seesaw":
+        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw as fn
     else:
         from mla_cute_dsl.kernels import mla_decode_sm90 as fn
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count

@@ -449,3 +449,201 @@ def test_fp8_conversion_copies_map_each_element_once():
     assert res["same"] is True
     assert res["n_pos"] == {(144, 144, 144)}  # 64 * 576 / 256 elements per thread
     assert res["rows_ok"] is True
+
+
+# ----------------------------------------------------------------------------
+# Seesaw schedule (MLADecodePartialWGMMASeesaw, branch wgmma-overlap): both
+# warpgroups compute S for alternate KV tiles and exchange P through the dead
+# RoPE columns of their K tiles; per-warpgroup cp.async loads complete on mbarriers.
+# ----------------------------------------------------------------------------
+
+
+def _seesaw(q="bf16"):
+    import cutlass
+
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
+
+    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+    return MLADecodePartialWGMMASeesaw(dt[q], dt[q])
+
+
+def test_seesaw_schedule_tables_are_consistent():
+    """Who loads what and in which order the owner issues QK: for either owner the two
+    warpgroups' blocks tile the 9 64-column blocks of a K tile exactly once; WG w's V half
+    (blocks 4w..4w+3, the only columns it reads in P V) is always loaded by WG w; the
+    RoPE block (where the owner writes P and the non-owner reads it) is loaded by the
+    non-owner; the owner's QK issues its own blocks' 16 k-steps first, then the rest."""
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
+    for owner in (0, 1):
+        own = W.SEESAW_LOAD_BLOCKS[owner][0]
+        other = W.SEESAW_LOAD_BLOCKS[1 - owner][1]
+        assert sorted(own + other) == list(range(9))
+        assert 8 in other and 8 not in own
+        first, rest = W.SEESAW_QK_ORDER[owner]
+        assert sorted(first + rest) == list(range(36))
+        assert sorted(first) == [4 * c + i for c in own for i in range(4)]
+        assert sorted(rest) == [4 * c + i for c in other for i in range(4)]
+    for w in (0, 1):
+        for role in (0, 1):
+            assert set(range(4 * w, 4 * w + 4)) <= set(W.SEESAW_LOAD_BLOCKS[w][role])
+            assert not set(range(4 * (1 - w), 4 * (1 - w) + 4)) & set(W.SEESAW_LOAD_BLOCKS[w][role])
+    assert W.BAR_P_OF == (1, 2)
+
+
+def test_seesaw_smem_budget_and_refusals():
+    import cutlass
+
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
+    for q in ("bf16", "fp16"):
+        k = _seesaw(q)
+        assert k.k_bufs == 2
+        # sQ + 2 sK (P lives over each K tile's RoPE columns) + sScale/sMax/sL + 4 mbarriers
+        assert k.smem_bytes() == 73728 + 2 * 73728 + 3 * 2 * 64 * 4 + 4 * 8 == 222752
+        assert k.smem_bytes() <= W.SMEM_LIMIT
+    with pytest.raises(NotImplementedError):
+        W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN)
+    with pytest.raises(NotImplementedError):
+        W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float16)
+    with pytest.raises(ValueError):
+        W.get_partial_kernel_wgmma_seesaw("bf16", "fp8_e4m3")  # refused before any compile
+
+
+def test_seesaw_p_over_rope_columns_and_wg_loads():
+    """(1) sP of buffer j (the kernel's pointer offset j * 64 * 576 + 8 * 64 * 64 elements
+    with the sP layout) addresses exactly the bytes of sK[r, 512 + c, j]: P (row r, token c)
+    replaces K's RoPE element (token r, dim 512 + c), a 1024-aligned 8 KB block, so the
+    pointer swizzle phase is the same.  (2) The per-warpgroup cp.async partition
+    (128 threads) gives thread t, row pass m, block c the row t // 8 + 16 m and 8
+    contiguous columns inside [64 c, 64 c + 64), and covers every element of a block
+    exactly once."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
+    k = _seesaw()
+    res = {}
+
+    @cute.jit
+    def probe():
+        _, sK, sP, _ = k._smem_layouts()
+        p_off = (W.D_QK // 64 - 1) * W.BLOCK_N * 64
+        res["p_bad"] = sum(
+            sK.outer((r, 512 + c, j)) != j * W.BLOCK_N * W.D_QK + p_off + sP.outer((r, c))
+            for r in range(W.BLOCK_M) for c in range(W.BLOCK_N) for j in range(2)
+        )
+        res["p_align"] = [(j * W.BLOCK_N * W.D_QK + p_off) * 2 % 1024 for j in range(2)]
+        cp = k._wg_copy()
+        c = cute.make_identity_tensor((W.BLOCK_N, W.D_QK))
+        # (comprehensions only: a plain `for` over range() would be traced as a device loop)
+        for t in cutlass.range_constexpr(W.WG_THREADS):  # static thread ids
+            a = cp.get_slice(t).partition_S(c)
+            n_v, n_m, n_b = cute.size(a.shape[0]), cute.size(a.shape[1]), cute.size(a.shape[2])
+            res[("shape", t)] = (n_v, n_m, n_b)
+            res[("elems", t)] = [[[tuple(a[v, m, blk]) for v in range(n_v)] for blk in range(n_b)]
+                                 for m in range(n_m)]
+
+    cute.compile(probe)
+    assert res["p_bad"] == 0
+    assert res["p_align"] == [0, 0]
+    cover, rows_ok, cols_ok = [], True, True
+    for t in range(W.WG_THREADS):
+        assert res[("shape", t)] == (8, 4, 9)
+        for m, per_m in enumerate(res[("elems", t)]):
+            for blk, vals in enumerate(per_m):
+                rows_ok &= all(r == t // 8 + 16 * m for r, _ in vals)
+                cols = [col for _, col in vals]
+                cols_ok &= cols == list(range(cols[0], cols[0] + 8)) and 64 * blk <= cols[0] < 64 * blk + 57
+                cover += vals
+    assert (rows_ok, cols_ok) == (True, True)
+    assert len(cover) == len(set(cover)) == W.BLOCK_N * W.D_QK
+
+
+@pytest.mark.parametrize("q", ["bf16", "fp16"])
+def test_seesaw_kernel_compiles(q):
+    from mla_cute_dsl.kernels import kernel_cache
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import get_partial_kernel_wgmma, get_partial_kernel_wgmma_seesaw
+
+    fn = get_partial_kernel_wgmma_seesaw(q)
+    assert fn is not None
+    assert get_partial_kernel_wgmma_seesaw(q, q) is fn  # in-process cache hit, same key
+    assert kernel_cache.origin("partial_wgmma_seesaw", (q, q, 64)) in ("compiled", "disk")
+    assert get_partial_kernel_wgmma(q) is not fn  # the one-S kernel stays selectable
+
+
+def _compile_dump_seesaw(q, tmp_path):
+    import cutlass.cute as cute
+
+    from mla_cute_dsl.kernels import api
+
+    k = _seesaw(q)
+    cute.compile(k, *api._fake_args_partial(q, q),
+                 options=api.COMPILE_OPTIONS + f" --keep-ptx --keep-cubin --dump-dir={tmp_path}")
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    cubin = b"".join(p.read_bytes() for p in tmp_path.glob("*.cubin"))
+    attrs = _nv_info_attrs(cubin)
+    regs = max(v for a, v in attrs if a == 0x2F)  # EIATTR_REGCOUNT
+    frame = max((v for a, v in attrs if a == 0x11), default=0)  # EIATTR_FRAME_SIZE
+    return ptx, regs, frame
+
+
+@pytest.mark.parametrize("q", ["bf16", "fp16"])
+def test_seesaw_ptx_structure(q, tmp_path):
+    """The seesaw kernel's PTX/cubin: no spills, one QK site per warpgroup (2 x 36
+    m64n64k16), per warpgroup 4 RS + 4 SS m64n256k16, the canonical SW128 descriptors,
+    P handed over through the RoPE block of buffer 0 / 1 (st.shared -> fence ->
+    bar.arrive 1 / 2; SS descriptors based at sK + 64 KB and sK + 136 KB), the cp.async
+    loads completing on 4 mbarriers (noinc + release arrive, count 256), and every
+    mbarrier wait followed by an async-proxy fence before the WGMMAs."""
+    import re
+
+    ptx, regs, frame = _compile_dump_seesaw(q, tmp_path)
+    assert regs <= 255 and frame == 0, (regs, frame)
+    assert ".reqntid 256, 1, 1" in ptx
+    t = "f16" if q == "fp16" else "bf16"
+    assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.{t}\.{t}", ptx)) == 72
+    assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.{t}\.{t}", ptx)) == 16
+    assert len(re.findall(r"m64n256k16[^\n]*\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+, p, 1,  1, 1;", ptx)) == 8
+    assert len(re.findall(r"m64n256k16[^\n]*\}, %rd\d+, %rd\d+, p, 1,  1, 0, 1;", ptx)) == 8
+    assert len(re.findall(r"m64n64k16[^\n]*\}, %rd\d+, %rd\d+, p, 1,  1, 0, 0;", ptx)) == 72
+    descs = set()
+    for c in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx):
+        v = int(c)
+        if v >> 62 == 1:
+            descs.add((((v >> 16) & 0x3FFF) * 16, ((v >> 32) & 0x3FFF) * 16, (v >> 49) & 7))
+    assert descs == {(16, 1024, 0), (8192, 1024, 0)}, descs
+
+    flat = re.sub(r"\s+", " ", ptx)
+    # sK starts at 72 KB: P of buffer 0 at 72 + 64 KB = 139264 B, of buffer 1 at 212992 B
+    assert "139264" in flat and "212992" in flat
+    # Q: 18 cp.async per thread; KV: per tile 16 (own V half) + 20 (other V half + RoPE),
+    # 4 call sites each (tiles 0 / 1 in the prologue, a+2 / b+2 in the loop)
+    assert flat.count("cp.async.cg.shared.global") == 18 + 4 * (16 + 20)
+    assert flat.count("cp.async.mbarrier.arrive.noinc.shared.b64") == 8
+    assert len(re.findall(r"(?<!cp\.async\.)mbarrier\.arrive\.shared\.b64", flat)) == 8
+    inits = re.findall(r"mbarrier\.init\.shared\.b64 \[[^\]]*\], (%r\d+|\d+);", flat)
+    assert len(inits) == 4
+    # each load_part: zero-fill stores -> fence -> noinc arrive -> release arrive
+    assert len(re.findall(r"fence\.proxy\.async\.shared::cta; cp\.async\.mbarrier\.arrive\.noinc", flat)) == 8
+    # every mbarrier wait (retry loop) -> async-proxy fence -> wgmma.fence
+    waits = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64 P1, \[[^\]]*\], %r\d+, \d+; @P1 bra\.uni DONE; "
+                       r"bra\.uni LAB_WAIT; DONE: \} // end inline asm fence\.proxy\.async\.shared::cta; "
+                       r"wgmma\.fence\.sync\.aligned;", flat)
+    assert len(waits) == flat.count("mbarrier.try_wait") == 4
+    # P handoff: 16 st.shared of P -> fence -> bar.arrive (WG0 on 1, WG1 on 2); the other syncs
+    for bar in (1, 2):
+        assert re.search(r"st\.shared\.b32 \[%r\d+\], %r\d+; fence\.proxy\.async\.shared::cta; "
+                         rf"(// [^;]*?)?bar\.arrive {bar}, 256;", flat), bar
+        assert flat.count(f"bar.arrive {bar}, 256;") == 1 and flat.count(f"bar.sync {bar}, 256;") == 1
+        # the non-owner: barrier -> async-proxy fence before anything else
+        assert re.search(rf"bar\.sync {bar}, 256; fence\.proxy\.async\.shared::cta;", flat), bar
+    # thread 0 prefetches the next pair's two tiles into L2: one 72 KB bulk prefetch each
+    pf = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", flat)
+    assert len(pf) == 2, pf
+    for reg in pf:
+        assert f"mov.b32 {reg}, 73728;" in flat
+    # all wgmma groups waited with 0 (nothing in flight across the pair loop's back edge)
+    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
+    assert "cvt.rn.f16x2.e4m3x2" not in flat

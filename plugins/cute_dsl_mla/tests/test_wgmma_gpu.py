@@ -6,7 +6,10 @@ page tails, NaN-poisoned outputs, variable lengths incl. 0 and < s_q), KV in
 bf16, and fp8 e4m3 (the ``*_fp8`` tests, branch wgmma-fp8: e4m3 NaN 0x7F in
 page tails, kv_scale 0.37, bf16 and fp16 q; same tolerances as the mma.sync
 fp8 tests), s_q * H >= 40 (the shapes this kernel is for; 64-row m-blocks,
-partial last m-block included).  Skips cleanly without an SM90 GPU.
+partial last m-block included).  The 16-bit tests run both schedules of the
+module (``variant``: ``wgmma`` = MLADecodePartialWGMMA, ``seesaw`` =
+MLADecodePartialWGMMASeesaw, branch wgmma-overlap), plus seesaw-only tests
+(every tile count per item, fp16, graph replay).  Skips cleanly without an SM90 GPU.
 
     PYTHONPATH=plugins/cute_dsl_mla:. python -m pytest -q -rfs plugins/cute_dsl_mla/tests/test_wgmma_gpu.py
 """
@@ -30,10 +33,17 @@ def _is_sm90():
 needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an SM90 GPU")
 
 
-def run_wgmma(case, out, lse):
-    from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma
+def run_wgmma(case, out, lse, variant="wgmma", sched=None, ws=None):
+    """One decode with the WGMMA kernel: ``wgmma`` (one warpgroup computes S) or ``seesaw``
+    (MLADecodePartialWGMMASeesaw: both warpgroups compute S for alternate tiles)."""
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma, mla_decode_sm90_wgmma_seesaw
 
-    return run_kernel(case, out, lse, decode=mla_decode_sm90_wgmma)[0]
+    decode = {"wgmma": mla_decode_sm90_wgmma, "seesaw": mla_decode_sm90_wgmma_seesaw}[variant]
+    return run_kernel(case, out, lse, sched=sched, ws=ws, decode=decode)[0]
+
+
+# the 16-bit KV tests run both schedules (fp8 KV: the one-S kernel only)
+VARIANTS = ["wgmma", "seesaw"]
 
 
 # (B, s_q, S, H, varlen): one split and many splits, one and several m-blocks,
@@ -53,43 +63,47 @@ CASES = [
 
 
 @needs_sm90
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("B,s_q,S,H,varlen", CASES)
-def test_wgmma_against_fp64_reference(B, s_q, S, H, varlen):
+def test_wgmma_against_fp64_reference(B, s_q, S, H, varlen, variant):
     case = make_case(B, s_q, H, S, torch.bfloat16, varlen, seed=random.randrange(1 << 30))
     out = torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
-    run_wgmma(case, out, lse)
+    run_wgmma(case, out, lse, variant)
     torch.cuda.synchronize()
     check(case, out, lse)
 
 
 @needs_sm90
-def test_wgmma_page_size_256():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_wgmma_page_size_256(variant):
     """Pages of 4 KV blocks: the in-page block offset (n % blocks_per_page) and
     NaN page tails inside a page; no other GPU test uses page_size > 64."""
     case = make_case(3, 2, 128, 1000, torch.bfloat16, varlen=True, page=256,
                      seed=random.randrange(1 << 30))
     out = torch.full((3, 2, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((3, 2, 128), float("nan"), dtype=torch.float32, device="cuda")
-    run_wgmma(case, out, lse)
+    run_wgmma(case, out, lse, variant)
     torch.cuda.synchronize()
     check(case, out, lse)
 
 
 @needs_sm90
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("B,s_q,H,S", [(2, 1, 128, 4096), (2, 2, 64, 1000)])
-def test_wgmma_large_magnitude_q(B, s_q, H, S):
+def test_wgmma_large_magnitude_q(B, s_q, H, S, variant):
     case = make_case(B, s_q, H, S, torch.bfloat16, varlen=False, q_std=100.0,
                      seed=random.randrange(1 << 30))
     out = torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
-    run_wgmma(case, out, lse)
+    run_wgmma(case, out, lse, variant)
     torch.cuda.synchronize()
     check(case, out, lse, tol=2e-2)
 
 
 @needs_sm90
-def test_wgmma_matches_mma_sync_kernel():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_wgmma_matches_mma_sync_kernel(variant):
     """Same inputs through both partial kernels: close (not bit-equal: different
     summation order), which separates a WGMMA bug from a reference bug."""
     case = make_case(4, 2, 128, 2000, torch.bfloat16, varlen=True, seed=random.randrange(1 << 30))
@@ -97,13 +111,90 @@ def test_wgmma_matches_mma_sync_kernel():
     l1 = torch.full((4, 2, 128), float("nan"), dtype=torch.float32, device="cuda")
     o2, l2 = o1.clone(), l1.clone()
     run_kernel(case, o1, l1)
-    run_wgmma(case, o2, l2)
+    run_wgmma(case, o2, l2, variant)
     torch.cuda.synchronize()
     d = (o1.float() - o2.float()).norm() / o1.float().norm().clamp_min(1e-30)
     assert d < 1e-2, f"rel diff vs mma.sync kernel {d:.3e}"
     fin = torch.isfinite(l1)
     assert torch.equal(fin, torch.isfinite(l2))
     assert (l1[fin] - l2[fin]).abs().max() < 1e-2
+
+
+# ---------------------------------------------------------------------------- seesaw only
+
+
+@needs_sm90
+@pytest.mark.parametrize("s_q,H,dtype", [(1, 128, torch.bfloat16), (2, 64, torch.bfloat16),
+                                         (1, 128, torch.float16), (3, 40, torch.float16)])
+def test_seesaw_whole_requests_every_tile_count(s_q, H, dtype):
+    """One work item per request (a schedule made for 1 SM: no splits, out written
+    directly), random lengths 0..640 plus 0 / 1 / s_q - 1 / 640: items of 0..10 tiles,
+    odd and even (the last pair without a WG1 tile), partial last tiles with NaN
+    page tails, causal rows for s_q > 1; fp16 included."""
+    from mla_cute_dsl.kernels import alloc_workspace, make_schedule
+
+    B = 14
+    case = make_case(B, s_q, H, 640, dtype, varlen=True, seed=random.randrange(1 << 30))
+    case["q"] = case["q"].to(dtype)  # make_case's q is bf16
+    sched = make_schedule(case["lens_cpu"], s_q, H, 1)
+    ws = alloc_workspace(sched)
+    for part in ws:
+        part.fill_(float("nan"))
+    out = torch.full((B, s_q, H, 512), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
+    run_wgmma(case, out, lse, "seesaw", sched, ws)
+    torch.cuda.synchronize()
+    check(case, out, lse)
+
+
+@needs_sm90
+def test_seesaw_matches_wgmma_and_graph_replay_equals_eager():
+    """The seesaw kernel against the verified one-S WGMMA kernel on the same inputs
+    (close; different order of rescales), then captured once in a CUDA graph and
+    replayed on new q: bitwise equal to an eager call (no state left between launches:
+    mbarrier phases and named barriers start fresh per CTA)."""
+    from mla_cute_dsl.kernels import alloc_workspace, make_schedule
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
+
+    case = make_case(8, 1, 128, 3000, torch.bfloat16, varlen=True, seed=random.randrange(1 << 30))
+    q = case["q"]
+    o1 = torch.full((8, 1, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    l1 = torch.full((8, 1, 128), float("nan"), dtype=torch.float32, device="cuda")
+    out, lse = o1.clone(), l1.clone()
+    run_wgmma(case, o1, l1, "wgmma")
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    sched = make_schedule(case["lens_cpu"], 1, 128, n_sm)
+    ws = alloc_workspace(sched)
+
+    def call():
+        mla_decode_sm90_wgmma_seesaw(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"],
+                                     case["kv_scale"], out, lse, sched, ws)
+
+    call()  # compile outside capture
+    torch.cuda.synchronize()
+    d = (o1.float() - out.float()).norm() / o1.float().norm().clamp_min(1e-30)
+    assert d < 1e-2, f"rel diff vs the one-S WGMMA kernel {d:.3e}"
+    fin = torch.isfinite(l1)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (l1[fin] - lse[fin]).abs().max() < 1e-2
+    g = torch.cuda.CUDAGraph()
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        with torch.cuda.graph(g):
+            call()
+    torch.cuda.current_stream().wait_stream(st)
+    q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    o_graph, l_graph = out.clone(), lse.clone()
+    check(case, o_graph, l_graph)
+    out.fill_(float("nan"))
+    call()
+    torch.cuda.synchronize()
+    assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)
 
 
 # ---------------------------------------------------------------------------- fp8 e4m3 KV

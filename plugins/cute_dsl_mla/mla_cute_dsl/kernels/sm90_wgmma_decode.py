@@ -66,6 +66,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+try:  # cp.async.bulk.prefetch.L2 (seesaw kernel only; without it the kernel skips the prefetch)
+    import cutlass.experimental.primitives.nvvm_wrapper as _nvw
+except ImportError:  # pragma: no cover - other DSL versions
+    _nvw = None
+
 D_QK = 576
 D_V = 512
 BLOCK_M = 64
@@ -688,6 +693,536 @@ class MLADecodePartialWGMMA:
         warpgroup.wait_group(0)
 
 
+
+# ---------------------------------------------------------------------- seesaw schedule
+BAR_P_OF = (1, 2)  # seesaw: named barrier "P of WG w's tile ready" (WG w arrives, the other WG syncs)
+SEESAW_QK_ORDER = (  # k-blocks (16 columns each) of QK in issue order, per owner warpgroup:
+    (tuple(range(0, 16)), tuple(range(16, 36))),  # WG0: its own V half (cols 0..255) first
+    (tuple(range(16, 32)), tuple(range(0, 16)) + tuple(range(32, 36))),  # WG1: cols 256..511 first
+)
+SEESAW_LOAD_BLOCKS = (  # 64-column blocks of a K tile that WG w loads: [owner, non-owner]
+    ((0, 1, 2, 3), (0, 1, 2, 3, 8)),
+    ((4, 5, 6, 7), (4, 5, 6, 7, 8)),
+)
+
+
+class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
+    """Split-KV partial kernel, WGMMA, "seesaw" schedule (both warpgroups compute S).
+
+    Same host interface, work items, partial buffers and combine kernel as
+    ``MLADecodePartialWGMMA``; 16-bit KV only (bf16 / fp16 in the q dtype).
+
+    * Tiles of a work item go in pairs (a = 2p, b = 2p + 1 in local order):
+      warpgroup 0 owns a (K buffer 0), warpgroup 1 owns b (K buffer 1).  The
+      owner computes S = Q K^T for its tile (36 WGMMA 64x64x16), the masked
+      online softmax (with the running max the other warpgroup published for
+      the previous tile), writes P (16 bit) over the dead RoPE columns
+      512..575 of its own K tile and the rescale / new max to sScale / sMax,
+      arrives on its named barrier, and adds P V for its 256 output columns
+      (RS, P in registers).  The other warpgroup syncs on that barrier,
+      rescales its O half and adds sP V for its columns (SS).  So warpgroup 1
+      computes QK_b while warpgroup 0 does softmax_a, and warpgroup 1's
+      softmax_b runs under the P_a V WGMMAs of both warpgroups.
+    * Each output half sees the tiles in order a, b, a+2, ... with
+      ``O *= scale_t; O += P_t V_t``: every P is relative to the running max
+      after its own tile, as in the one-warpgroup online softmax.  Row sums:
+      each warpgroup keeps the sum of its own P's rescaled by every tile's
+      scale; the epilogue adds the two.
+    * KV loads: cp.async by the warpgroup that frees the columns: WG w loads
+      columns [256 w, 256 w + 256) of every tile (only it reads them in P V),
+      the non-owner also the RoPE block (it read P there).  Each warpgroup
+      loads as soon as its own WGMMAs on that buffer have completed; arrival
+      through ``cp.async.mbarrier.arrive.noinc`` (+ a plain arrive after the
+      zero-fill stores of rows past kv_len) on one mbarrier per (buffer,
+      loading warpgroup).  The owner waits on its own part, issues the 16
+      WGMMAs on its V half, then waits on the other part (FlashMLA's
+      fine-grained idea at two granules).
+    * Smem: sQ 72 KB + 2 x sK 72 KB + sScale / sMax / sL (2 x 64 fp32 each) +
+      4 mbarriers = 222,752 B (no separate sP).
+    """
+
+    def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M):
+        super().__init__(q_dtype, kv_dtype, block_m)
+        if self.is_fp8:
+            raise NotImplementedError("seesaw WGMMA kernel: KV cache must have the q dtype (no fp8 path)")
+
+    def smem_bytes(self) -> int:
+        """sQ + 2 sK (P lives in each K tile's RoPE columns) + sScale, sMax, sL (2 x 64 fp32) + 4 mbarriers."""
+        e = self.mma_dtype.width // 8
+        parts = [
+            (BLOCK_M * D_QK * e, 1024),  # sQ
+            (STAGES * BLOCK_N * D_QK * e, 1024),  # sK (V = first 512 columns, P = last 64)
+            (2 * BLOCK_M * 4, 16),  # sScale (row, buffer)
+            (2 * BLOCK_M * 4, 16),  # sMax (row, buffer)
+            (2 * BLOCK_M * 4, 16),  # sL (row, warpgroup): row sums for the epilogue
+            (4 * 8, 8),  # mbarriers (buffer, loading warpgroup)
+        ]
+        off = 0
+        for size, align in parts:
+            off = -(-off // align) * align + size
+        return off
+
+    def _wg_copy(self):
+        """gmem -> smem cp.async for one warpgroup: 16 B per copy, 8 threads per 64-column block,
+        16 rows per pass: a (64, 576) tile partitions as (CPY, 4, 9), mode 2 = 64-column block."""
+        return cute.make_tiled_copy_tv(
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.mma_dtype,
+                num_bits_per_copy=128,
+            ),
+            cute.make_layout((WG_THREADS // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 8)),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor,
+        mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        stream,
+    ):
+        mt = self.mma_dtype
+        sQ_layout, sK_layout, sP_layout, sV_layout = self._smem_layouts()
+        mma_s, mma_o_rs, mma_o_ss = self._tiled_mmas()
+        mma_s_first, _, _ = self._tiled_mmas()
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+            sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
+            sMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
+            sL: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
+
+        g2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), mt, num_bits_per_copy=128
+            ),
+            cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 8)),
+        )
+        g2s_wg = self._wg_copy()
+        r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
+
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M),
+            cute.size(mWork.shape[0]),
+            1,
+        )
+        self.kernel_seesaw(
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+            scale_log2, scale_ln, v_scale, s_q, num_heads,
+            sQ_layout, sK_layout, sP_layout, sV_layout,
+            g2s, g2s_wg, r2s_P,
+            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage,
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.jit
+    def load_part(
+        self, g2s_wg: cute.TiledCopy, thr_g2s_wg, mKV: cute.Tensor, page: cutlass.Int32,
+        n: cutlass.Int32, stage: cutlass.Constexpr, blocks: cutlass.Constexpr,
+        blocks_per_page: cutlass.Int32, kv_len: cutlass.Int32,
+        tKcK: cute.Tensor, tKsK: cute.Tensor, mbar_ptr,
+    ):
+        """This warpgroup's 64-column blocks ``blocks`` of KV block n (in cache page ``page``, read
+        from the page table ahead of time) -> sK[:, :, stage] (cp.async, rows >= kv_len
+        zero-filled), then arrive on ``mbar_ptr``: once when the cp.asyncs land (noinc) and once
+        now (release: orders the zero-fill stores)."""
+        gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
+        tKgK = thr_g2s_wg.partition_S(gK)  # (CPY, 4, 9)
+        valid = kv_len - n * BLOCK_N
+        for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+            if tKcK[0, m, 0][0] < valid:
+                for c in cutlass.range_constexpr(len(blocks)):
+                    cute.copy(g2s_wg, tKgK[None, m, blocks[c]], tKsK[None, m, blocks[c], stage])
+            else:
+                for c in cutlass.range_constexpr(len(blocks)):
+                    tKsK[None, m, blocks[c], stage].fill(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.cp_async_mbarrier_arrive_noinc(mbar_ptr)
+        cute.arch.mbarrier_arrive(mbar_ptr)
+
+    @cute.jit
+    def prefetch_tile_l2(self, mKV: cute.Tensor, page: cutlass.Int32, n: cutlass.Int32,
+                         blocks_per_page: cutlass.Int32):
+        """KV block n (64 tokens x 576, contiguous inside its page) -> L2, one
+        ``cp.async.bulk.prefetch.L2.global`` (best effort, no completion to wait for)."""
+        if cutlass.const_expr(_nvw is not None):
+            gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
+            _nvw.cp_async_bulk_prefetch(gK.iterator, BLOCK_N * D_QK * (self.mma_dtype.width // 8))
+
+    @cute.jit
+    def qk(
+        self, mma_s_first: cute.TiledMma, mma_s: cute.TiledMma, acc_S: cute.Tensor,
+        tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: cutlass.Constexpr, order: cutlass.Constexpr,
+        mbar_own, mbar_other, parity: cutlass.Int32,
+    ):
+        """S = Q K^T for the tile in sK[:, :, stage]: wait for this warpgroup's part of the tile,
+        issue its k-blocks, wait for the other part, issue the rest, wait for all."""
+        cute.arch.mbarrier_wait(mbar_own, parity)
+        cute.arch.fence_view_async_shared()
+        warpgroup.fence()
+        for i in cutlass.range_constexpr(len(order[0])):
+            mma = mma_s_first if i == 0 else mma_s
+            k = order[0][i]
+            cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
+        cute.arch.mbarrier_wait(mbar_other, parity)
+        cute.arch.fence_view_async_shared()
+        warpgroup.fence()
+        for i in cutlass.range_constexpr(len(order[1])):
+            k = order[1][i]
+            cute.gemm(mma_s, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def softmax_publish(
+        self, mma_o_rs: cute.TiledMma, r2s_P: cute.TiledCopy, acc_S: cute.Tensor, tOrP: cute.Tensor,
+        tScS: cute.Tensor, sP: cute.Tensor, sScale: cute.Tensor, sMax: cute.Tensor,
+        acc_O_mn: cute.Tensor, row_lim: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+        n: cutlass.Int32, buf: cutlass.Constexpr, scale_log2: cutlass.Float32,
+        wg_tidx: cutlass.Int32, is_quad_leader, bar_id: cutlass.Constexpr,
+        row_corr: cute.Tensor, rescale_o: cutlass.Constexpr,
+    ):
+        """Owner: mask, online softmax of S (rows in quads), P -> tOrP (registers) and sP,
+        scale / new max -> sScale / sMax[:, buf] and row_corr, then arrive on bar_id.  O *= scale
+        here when ``rescale_o`` (else the caller does it once its P V WGMMAs on O are done)."""
+        mt = self.mma_dtype
+        acc_S_mn = _acc_mn_view(acc_S)
+        n_rows = cute.size(acc_S_mn.shape[0])
+        for r in cutlass.range_constexpr(n_rows):
+            lim = row_lim[r] - n * BLOCK_N
+            if lim < BLOCK_N:  # only the last tiles of a row have masked columns
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+                    if tScS[0, c][1] >= lim:
+                        acc_S_mn[r, c] = -cutlass.Float32.inf
+            m_cur = _quad_max(
+                acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+            )
+            m_prev = row_max[r]
+            m_new = cute.arch.fmax(m_prev, m_cur)
+            m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
+            p_row = cute.math.exp2(
+                acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
+            )
+            corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
+            row_sum[r] = row_sum[r] * corr + p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+            row_max[r] = m_new
+            acc_S_mn[r, None] = p_row
+            row_corr[r] = corr
+            if cutlass.const_expr(rescale_o):
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+            if is_quad_leader:
+                sScale[tScS[r, 0][0], buf] = corr
+                sMax[tScS[r, 0][0], buf] = m_new
+        # P: registers (the RS A operand: C order = A order for 16-bit types) and sP
+        tOrP_as_acc = cute.make_tensor(tOrP.iterator, acc_S.layout)
+        tOrP_as_acc.store(acc_S.load().to(mt))
+        thr_r2s = r2s_P.get_slice(wg_tidx)
+        cute.copy(r2s_P, thr_r2s.retile(tOrP_as_acc), thr_r2s.partition_D(sP))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=bar_id, number_of_threads=NUM_THREADS)
+
+    @cute.jit
+    def pv_rs(self, mma_o_rs: cute.TiledMma, acc_O: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
+              stage: cutlass.Constexpr):
+        """O += P V (P in registers), wait."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.gemm(mma_o_rs, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def pv_remote(
+        self, mma_o_ss: cute.TiledMma, acc_O: cute.Tensor, acc_O_mn: cute.Tensor, tScS: cute.Tensor,
+        sP: cute.Tensor, sScale: cute.Tensor, sMax: cute.Tensor, tOrV: cute.Tensor,
+        row_max: cute.Tensor, row_sum: cute.Tensor, buf: cutlass.Constexpr, wg_tidx: cutlass.Int32,
+        bar_id: cutlass.Constexpr, wait: cutlass.Constexpr,
+    ):
+        """Non-owner: wait for the owner's P, take its scale and max, O *= scale, O += sP V (SS).
+
+        The V columns read here were cp.async'ed by this warpgroup but their landing was
+        observed (mbarrier) by the owner before it published P; the async-proxy fence after
+        the barrier mirrors the one after each mbarrier wait (consumer side)."""
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=NUM_THREADS)
+        cute.arch.fence_view_async_shared()
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+            row = tScS[r, 0][0]
+            corr = sScale[row, buf]
+            row_max[r] = sMax[row, buf]
+            row_sum[r] = row_sum[r] * corr
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+        thr_o = mma_o_ss.get_slice(wg_tidx)
+        tOrPs = thr_o.make_fragment_A(thr_o.partition_A(sP))  # (MMA, 1, 4)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrPs.shape[2])):
+            cute.gemm(mma_o_ss, acc_O, tOrPs[None, None, k], tOrV[None, None, k, buf], acc_O)
+        warpgroup.commit_group()
+        if cutlass.const_expr(wait):
+            warpgroup.wait_group(0)
+
+    @cute.kernel
+    def kernel_seesaw(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor,
+        mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        g2s: cute.TiledCopy, g2s_wg: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
+        mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        mt = self.mma_dtype
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, wi, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wg_tidx = tidx % WG_THREADS
+        lane = tidx % 32
+
+        b = mWork[wi, 0]
+        if b >= 0:
+            kv_start = mWork[wi, 1]
+            kv_end = mWork[wi, 2]
+            slot = mWork[wi, 3]
+            kv_len = mLens[b]
+            R = mQ.shape[1]
+            blocks_per_page = mKV.shape[1] // BLOCK_N
+            n_start = kv_start // BLOCK_N
+            n_end = (kv_end + BLOCK_N - 1) // BLOCK_N
+            T = n_end - n_start  # tiles of this item (>= 0); local tile i is KV block n_start + i
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+            # P of the tile in buffer j: K-major SW128 (64, 64) over the RoPE columns 512..575
+            # of sK[:, :, j] (byte offset j * 73,728 + 65,536: 1024-aligned, same swizzle phase)
+            p_off = (D_QK // 64 - 1) * BLOCK_N * 64
+            sP0 = cute.make_tensor(
+                cute.recast_ptr(storage.sK.data_ptr() + p_off, sP_layout.inner), sP_layout.outer)
+            sP1 = cute.make_tensor(
+                cute.recast_ptr(storage.sK.data_ptr() + (BLOCK_N * D_QK + p_off), sP_layout.inner),
+                sP_layout.outer)
+            sScale = storage.sScale.get_tensor(cute.make_layout((BLOCK_M, 2)))
+            sMax = storage.sMax.get_tensor(cute.make_layout((BLOCK_M, 2)))
+            sL = storage.sL.get_tensor(cute.make_layout((BLOCK_M, 2)))
+            mbar = storage.mbar.data_ptr()  # index 2 * buffer + loading warpgroup
+
+            if tidx == 0:
+                for i in cutlass.range_constexpr(4):
+                    cute.arch.mbarrier_init(mbar + i, 2 * WG_THREADS)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.barrier()
+
+            # ---------------- Q: gmem -> smem (rows >= R zero), its own commit group ----------
+            thr_g2s = g2s.get_slice(tidx)
+            gQ = cute.local_tile(mQ[b, None, None], (BLOCK_M, D_QK), (m_block, 0))
+            cQ = cute.local_tile(
+                cute.make_identity_tensor((mQ.shape[1], D_QK)), (BLOCK_M, D_QK), (m_block, 0)
+            )
+            tQgQ = thr_g2s.partition_S(gQ)
+            tQsQ = thr_g2s.partition_D(sQ)
+            tQcQ = thr_g2s.partition_S(cQ)
+            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+                if tQcQ[0, m, 0][0] < R:
+                    cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
+                else:
+                    tQsQ[None, m, None].fill(0)
+            cute.arch.cp_async_commit_group()
+
+            # ---------------- KV tiles 0 and 1: each warpgroup loads its parts ----------------
+            thr_g2s_wg = g2s_wg.get_slice(wg_tidx)
+            cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
+            tKcK = thr_g2s_wg.partition_S(cKV)  # (CPY, 4, 9)
+            tKsK = thr_g2s_wg.partition_D(sK)  # (CPY, 4, 9, STAGES)
+            # WG w loads blocks SEESAW_LOAD_BLOCKS[w][0] of the tile it owns (w) and
+            # SEESAW_LOAD_BLOCKS[w][1] of the other one; mbarrier 2 * buffer + w
+            for t in cutlass.range_constexpr(2):
+                if T > t:
+                    pg = mPT[b, (n_start + t) // blocks_per_page]
+                    if wg == 0:
+                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg, n_start + t, t,
+                                       SEESAW_LOAD_BLOCKS[0][t], blocks_per_page, kv_len, tKcK, tKsK,
+                                       mbar + 2 * t)
+                    else:
+                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg, n_start + t, t,
+                                       SEESAW_LOAD_BLOCKS[1][1 - t], blocks_per_page, kv_len, tKcK,
+                                       tKsK, mbar + 2 * t + 1)
+            cute.arch.cp_async_commit_group()
+            # Q landed (the KV group may still fly), visible to the async proxy and to all threads
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier()
+
+            # ---------------- per-warpgroup MMA partitions ----------------
+            mma_o_rs.set(warpgroup.Field.ACCUMULATE, True)
+            mma_o_ss.set(warpgroup.Field.ACCUMULATE, True)
+            mma_s.set(warpgroup.Field.ACCUMULATE, True)
+            mma_s_first.set(warpgroup.Field.ACCUMULATE, False)
+            thr_s = mma_s.get_slice(wg_tidx)
+            tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))  # (MMA, 1, 36)
+            tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))  # (MMA, 1, 36, STAGES)
+            s_shape = thr_s.partition_shape_C((BLOCK_M, BLOCK_N))
+            cS = cute.make_identity_tensor((BLOCK_M, BLOCK_N))
+            tScS = _acc_mn_view(thr_s.partition_C(cS))
+            n_rows = cute.size(tScS.shape[0])
+
+            sV_half = cute.local_tile(sV, (D_V_HALF, BLOCK_N, STAGES), (wg, 0, 0))
+            thr_o = mma_o_rs.get_slice(wg_tidx)
+            tOrV = thr_o.make_fragment_B(thr_o.partition_B(sV_half))  # (MMA, 1, 4, STAGES)
+            acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_M, D_V_HALF)), cutlass.Float32)
+            acc_O.fill(0.0)
+            acc_O_mn = _acc_mn_view(acc_O)
+            acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+            # P of the own tile (16 bit): the RS A operand (its values in S's C order)
+            tOrP = cute.make_rmem_tensor(thr_o.partition_shape_A((BLOCK_M, BLOCK_N)), mt)
+            is_quad_leader = lane % 4 == 0
+
+            row_lim = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
+            for r in cutlass.range_constexpr(n_rows):
+                grow = m_block * BLOCK_M + tScS[r, 0][0]
+                row_lim[r] = kv_len - s_q + grow // num_heads + 1
+            row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            row_corr = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            row_max.fill(-cutlass.Float32.inf)
+            row_sum.fill(0.0)
+
+            pg_next2 = cutlass.Int32(0)
+            pg_next3 = cutlass.Int32(0)
+            if T > 2:
+                pg_next2 = mPT[b, (n_start + 2) // blocks_per_page]
+            if T > 3:
+                pg_next3 = mPT[b, (n_start + 3) // blocks_per_page]
+            for p in cutlass.range(0, (T + 1) // 2, 1):
+                ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
+                parity = p % 2
+                # cache pages of the next pair's tiles (tiles a+2, b+2), read one pair ahead so
+                # that neither the L2 prefetch below nor the cp.asyncs after this pair's P V
+                # WGMMAs wait for the page table (clamped: always a valid entry of this
+                # request; unused when the tile does not exist)
+                pg2 = pg_next2
+                pg3 = pg_next3
+                # tiles a+2, b+2 -> L2 now (one bulk prefetch each: a 64-token block of a page is
+                # contiguous), so that their cp.asyncs later in this pair hit L2
+                if tidx == 0:
+                    if ta + 2 < T:
+                        self.prefetch_tile_l2(mKV, pg2, n_start + ta + 2, blocks_per_page)
+                    if ta + 3 < T:
+                        self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
+                pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
+                pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
+                if wg == 0:
+                    # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
+                    self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
+                            mbar + 0, mbar + 1, parity)
+                    self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
+                                         acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
+                                         scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
+                                         True)
+                    self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
+                    # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
+                    if ta + 2 < T:
+                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg2, n_start + ta + 2, 0,
+                                       SEESAW_LOAD_BLOCKS[0][0], blocks_per_page, kv_len, tKcK, tKsK,
+                                       mbar + 0)
+                    if ta + 1 < T:
+                        # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS)
+                        self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
+                                       row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
+                        # columns 0..255 and P's block of buffer 1 are free: tile b+2's
+                        if ta + 3 < T:
+                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg3, n_start + ta + 3, 1,
+                                           SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len, tKcK,
+                                           tKsK, mbar + 2)
+                else:
+                    if ta + 1 < T:
+                        # S_b (runs while WG0 does softmax_a)
+                        self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
+                                mbar + 3, mbar + 2, parity)
+                    # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet
+                    self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
+                                   row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
+                    if ta + 1 < T:
+                        # softmax_b under the P_a V WGMMAs; O_R *= scale_b needs them done
+                        self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
+                                             acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
+                                             scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1], row_corr,
+                                             False)
+                    warpgroup.wait_group(0)
+                    # columns 256..575 of buffer 0 are free: tile a+2's
+                    if ta + 2 < T:
+                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg2, n_start + ta + 2, 0,
+                                       SEESAW_LOAD_BLOCKS[1][1], blocks_per_page, kv_len, tKcK, tKsK,
+                                       mbar + 1)
+                    if ta + 1 < T:
+                        for r in cutlass.range_constexpr(n_rows):
+                            acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
+                        self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
+                        if ta + 3 < T:
+                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg3, n_start + ta + 3, 1,
+                                           SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len, tKcK,
+                                           tKsK, mbar + 3)
+
+            cute.arch.cp_async_wait_group(0)
+
+            # ---------------- epilogue ----------------
+            # both warpgroups hold the final running max; the row sum is the sum of the two
+            for r in cutlass.range_constexpr(n_rows):
+                s_own = _quad_sum(row_sum[r])
+                row_sum[r] = s_own
+                if is_quad_leader:
+                    sL[tScS[r, 0][0], wg] = s_own
+            cute.arch.barrier()
+            row_scale = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            row_lse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            for r in cutlass.range_constexpr(n_rows):
+                s = row_sum[r] + sL[tScS[r, 0][0], 1 - wg]
+                ok = s > 0.0
+                row_scale[r] = v_scale / s if ok else 0.0
+                row_lse[r] = (
+                    row_max[r] * scale_ln + cute.math.log(s, fastmath=False)
+                    if ok
+                    else -cutlass.Float32.inf
+                )
+
+            cO = cute.make_identity_tensor((BLOCK_M, D_V_HALF))
+            tOcO = _acc_mn_view(thr_o.partition_C(cO))
+            lse_writer = is_quad_leader
+            if wg != 0:
+                lse_writer = False
+            if slot < 0:
+                gO = cute.local_tile(mO[b, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
+                tOgO = _acc_mn_view(thr_o.partition_C(gO))
+                for r in cutlass.range_constexpr(n_rows):
+                    grow = m_block * BLOCK_M + tOcO[r, 0][0]
+                    if grow < R:
+                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
+                        if lse_writer:
+                            mLSE[b, grow] = row_lse[r]
+            else:
+                gO = cute.local_tile(mOp[slot, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
+                tOgO = _acc_mn_view(thr_o.partition_C(gO))
+                for r in cutlass.range_constexpr(n_rows):
+                    grow = m_block * BLOCK_M + tOcO[r, 0][0]
+                    if grow < R:
+                        tOgO[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+                        if lse_writer:
+                            mLSEp[slot, grow] = row_lse[r]
+
+
 # ---------------------------------------------------------------------- host helpers
 # api.mla_decode_sm90 keeps using sm90_decode; the backend (mla_cute_dsl.backend, option mma) picks
 # this kernel per shape through the helpers below (also used by the tests).
@@ -731,5 +1266,37 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype])
+    return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                      workspace)
+
+
+def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int):
+    from . import api
+
+    k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m)
+    return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
+
+
+def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None):
+    """Compiled seesaw WGMMA partial kernel (KV in the q dtype only); kernel cache kind
+    ``partial_wgmma_seesaw``, key (q, kv, 64)."""
+    from . import kernel_cache
+
+    kv_name = q_name if kv_name is None else kv_name
+    if kv_name != q_name:
+        raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name}, got {kv_name}")
+    return kernel_cache.get_or_build("partial_wgmma_seesaw", (q_name, kv_name, BLOCK_M),
+                                     _build_partial_wgmma_seesaw)
+
+
+def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
+                                 out, lse, schedule, workspace, *, check: bool = True):
+    """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
+    KV cache in the q dtype)."""
+    from . import api
+
+    if check:
+        api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
+    partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype])
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)

@@ -1,0 +1,223 @@
+"""Pure-Python model of the seesaw WGMMA kernel's synchronization (no DSL, no GPU).
+
+``MLADecodePartialWGMMASeesaw.kernel_seesaw`` runs two warpgroup programs that hand K tiles,
+P and the softmax rescales to each other through 4 mbarriers (cp.async completion, per buffer
+and loading warpgroup), 2 named barriers ("P of WG w's tile ready") and a CTA barrier before and
+after the pair loop.  ``wg_program`` below replays that control flow (same conditions on the
+local tile count T, same mbarrier indices and parities, same order of loads, waits, reads and
+writes) as a sequence of events; ``run`` interleaves the two programs at random and tracks
+happens-before with vector clocks.  Checked for T = 0..11 and many interleavings:
+
+* no deadlock, every named-barrier arrive matched by one sync before the next arrive;
+* every WGMMA read of a K block sees the tile it expects, loaded by a cp.async whose landing
+  was observed (mbarrier wait) by a thread ordered before the reader;
+* no cp.async into a block while any warpgroup's WGMMA may still read it, and only after every
+  earlier read of that block is ordered before it (WAR);
+* P (written over the RoPE block) and the rescale slots are read only after their write and
+  never overwritten before the other warpgroup read them.
+
+The model mirrors the kernel by hand: keep it in step with ``kernel_seesaw`` (the mutation test
+checks that it would catch a misplaced load, a missing wait or a swapped barrier).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+# blocks of a K tile (64 columns each) that WG w loads: [w][0] when it owns the tile, [w][1] else
+LOAD = {0: ((0, 1, 2, 3), (0, 1, 2, 3, 8)), 1: ((4, 5, 6, 7), (4, 5, 6, 7, 8))}
+
+
+def wg_program(w, T, mutate=None):
+    """Events of warpgroup w for an item of T tiles (tile a = 2p in buffer 0, b = 2p + 1 in buffer 1)."""
+    for t in range(2):  # prologue: tiles 0 and 1, mbarrier 2 * buffer + loading warpgroup
+        if T > t:
+            yield ("load", t, t, LOAD[w][0 if t == w else 1], 2 * t + w)
+    yield ("ctabar",)
+    for p in range((T + 1) // 2):
+        ta, par = 2 * p, p % 2
+        if w == 0:
+            yield ("mwait", 0, par)  # qk: own part, its 16 k-steps, then the other part
+            yield ("read", 0, ta, (0, 1, 2, 3), "K")
+            yield ("mwait", 1, par)
+            yield ("read", 0, ta, (4, 5, 6, 7, 8), "K")
+            yield ("wait_reads",)
+            yield ("write_p", 0, ta)  # softmax_publish: P over block 8, rescale slot 0, arrive 1
+            yield ("write_scale", 0, ta)
+            yield ("arrive", 1)
+            yield ("read", 0, ta, (0, 1, 2, 3), "K")  # pv_rs, waited
+            yield ("wait_reads",)
+            if ta + 2 < T:
+                yield ("load", ta + 2, 0, LOAD[0][0], 0)
+            if ta + 1 < T:
+                yield ("sync", 2)  # pv_remote(b), waited
+                yield ("read_scale", 1, ta + 1)
+                yield ("read", 1, ta + 1, (0, 1, 2, 3), "K")
+                yield ("read", 1, ta + 1, (8,), "P")
+                if mutate == "early_load":
+                    yield ("load", ta + 3, 1, LOAD[0][1], 2) if ta + 3 < T else ("nop",)
+                yield ("wait_reads",)
+                if ta + 3 < T and mutate != "early_load":
+                    yield ("load", ta + 3, 1, LOAD[0][1], 2)
+        else:
+            if ta + 1 < T:
+                if mutate != "skip_wait":
+                    yield ("mwait", 3, par)
+                yield ("read", 1, ta + 1, (4, 5, 6, 7), "K")
+                yield ("mwait", 2, par)
+                yield ("read", 1, ta + 1, (0, 1, 2, 3, 8), "K")
+                yield ("wait_reads",)
+            if mutate == "scale_before_sync":
+                yield ("read_scale", 0, ta)
+            yield ("sync", 1)  # pv_remote(a), not waited
+            if mutate != "scale_before_sync":
+                yield ("read_scale", 0, ta)
+            yield ("read", 0, ta, (4, 5, 6, 7), "K")
+            yield ("read", 0, ta, (8,), "P")
+            if ta + 1 < T:  # softmax_publish(b) under the P_a V WGMMAs
+                yield ("write_p", 1, ta + 1)
+                yield ("write_scale", 1, ta + 1)
+                yield ("arrive", 2)
+            yield ("wait_reads",)
+            if ta + 2 < T:
+                yield ("load", ta + 2, 0, LOAD[1][1], 1)
+            if ta + 1 < T:
+                yield ("read", 1, ta + 1, (4, 5, 6, 7), "K")  # pv_rs(b), waited
+                yield ("wait_reads",)
+                if ta + 3 < T:
+                    yield ("load", ta + 3, 1, LOAD[1][0], 3)
+    yield ("ctabar",)
+
+
+def _hb(a, b):
+    return a[0] <= b[0] and a[1] <= b[1]
+
+
+def run(T, seed, mutate=None):
+    """Interleave the two programs at random; return the list of violations (empty: fine)."""
+    rng = random.Random(seed)
+    progs = [wg_program(0, T, mutate), wg_program(1, T, mutate)]
+    vc = [[0, 0], [0, 0]]
+    nxt = [next(progs[0], None), next(progs[1], None)]
+    phase_done = [0] * 4  # completed phases per mbarrier
+    phase_vc = {}  # (mbar, phase) -> clock of the load that completes it
+    landed = {}  # (mbar, phase) -> clock of a thread that observed it (after its wait)
+    waited = [[0] * 4, [0] * 4]  # phases each warpgroup has waited per mbarrier
+    arrives = {1: [], 2: []}
+    mem = {}  # (buffer, block) -> {"tag", "vc", "phase", "reads"}
+    inflight = [[], []]
+    slots = {}
+    errors = []
+
+    def merge(w, v):
+        vc[w] = [max(vc[w][i], v[i]) for i in range(2)]
+
+    for _ in range(200000):
+        if nxt[0] is None and nxt[1] is None:
+            break
+        ready = []
+        for w in (0, 1):
+            ev = nxt[w]
+            if ev is None:
+                continue
+            kind = ev[0]
+            if kind == "mwait" and phase_done[ev[1]] <= waited[w][ev[1]]:
+                continue
+            if kind == "sync" and not arrives[ev[1]]:
+                continue
+            if kind == "ctabar" and (nxt[1 - w] is None or nxt[1 - w][0] != "ctabar"):
+                continue
+            ready.append(w)
+        if not ready:
+            return [f"deadlock: {nxt}"]
+        w = rng.choice(ready)
+        ev = nxt[w]
+        kind = ev[0]
+        vc[w][w] += 1
+        if kind == "ctabar":
+            merged = [max(vc[0][i], vc[1][i]) for i in range(2)]
+            vc[0], vc[1] = list(merged), list(merged)
+            nxt = [next(progs[0], None), next(progs[1], None)]
+            continue
+        if kind == "load":
+            _, t, buf, blocks, mb = ev
+            for blk in blocks:
+                cell = mem.setdefault((buf, blk), {"tag": None, "vc": [0, 0], "phase": None, "reads": []})
+                if any((buf, blk) in inflight[o] for o in (0, 1)):
+                    errors.append(f"WAR: tile {t} load into buf {buf} block {blk} under an in-flight read")
+                if not all(_hb(r, vc[w]) for r in cell["reads"]) or not _hb(cell["vc"], vc[w]):
+                    errors.append(f"WAR/WAW: tile {t} load into buf {buf} block {blk} not ordered")
+                mem[(buf, blk)] = {"tag": ("K", t), "vc": list(vc[w]), "phase": (mb, phase_done[mb]),
+                                   "reads": []}
+            phase_vc[(mb, phase_done[mb])] = list(vc[w])
+            phase_done[mb] += 1
+        elif kind == "mwait":
+            _, mb, par = ev
+            ph = waited[w][mb]
+            if ph % 2 != par:
+                errors.append(f"WG{w} waits mbarrier {mb} phase {ph} with parity {par}")
+            merge(w, phase_vc[(mb, ph)])
+            landed[(mb, ph)] = list(vc[w])
+            waited[w][mb] += 1
+        elif kind == "read":
+            _, buf, t, blocks, what = ev
+            for blk in blocks:
+                cell = mem.get((buf, blk))
+                if cell is None or cell["tag"] != (what, t) or not _hb(cell["vc"], vc[w]):
+                    errors.append(f"RAW: WG{w} reads {(what, t)} from buf {buf} block {blk}: "
+                                  f"{None if cell is None else cell['tag']}")
+                elif what == "K" and not (cell["phase"] in landed and _hb(landed[cell["phase"]], vc[w])):
+                    errors.append(f"RAW: WG{w} reads tile {t} buf {buf} block {blk}: landing not observed")
+                inflight[w].append((buf, blk))
+        elif kind == "wait_reads":
+            for key in inflight[w]:
+                mem[key]["reads"].append(list(vc[w]))
+            inflight[w] = []
+        elif kind == "write_p":
+            _, buf, t = ev
+            cell = mem[(buf, 8)]
+            if cell["tag"] != ("K", t) or not _hb(cell["vc"], vc[w]) or not all(_hb(r, vc[w]) for r in cell["reads"]):
+                errors.append(f"P of tile {t}: block 8 not free ({cell['tag']})")
+            mem[(buf, 8)] = {"tag": ("P", t), "vc": list(vc[w]), "phase": None, "reads": []}
+        elif kind == "write_scale":
+            _, s, t = ev
+            old = slots.get(s)
+            if old is not None and not all(_hb(r, vc[w]) for r in old["reads"]):
+                errors.append(f"rescale slot {s} of tile {t} overwritten before it was read")
+            slots[s] = {"t": t, "vc": list(vc[w]), "reads": []}
+        elif kind == "read_scale":
+            _, s, t = ev
+            cur = slots.get(s)
+            if cur is None or cur["t"] != t or not _hb(cur["vc"], vc[w]):
+                errors.append(f"rescale slot {s}: tile {t} read before it was written")
+            else:
+                cur["reads"].append(list(vc[w]))
+        elif kind == "arrive":
+            if arrives[ev[1]]:
+                errors.append(f"named barrier {ev[1]}: a second arrive before the sync")
+            arrives[ev[1]].append(list(vc[w]))
+        elif kind == "sync":
+            merge(w, arrives[ev[1]].pop(0))
+        nxt[w] = next(progs[w], None)
+    else:
+        return ["no progress"]
+    if any(arrives.values()):
+        errors.append("named-barrier arrive left unmatched")
+    if inflight[0] or inflight[1]:
+        errors.append("WGMMA reads in flight at the end")
+    return errors
+
+
+@pytest.mark.parametrize("T", range(12))
+def test_seesaw_protocol_has_no_deadlock_or_hazard(T):
+    bad = {seed: e for seed in range(150) if (e := run(T, seed))}
+    assert not bad, next(iter(bad.items()))
+
+
+@pytest.mark.parametrize("mutate", ["early_load", "skip_wait", "scale_before_sync"])
+def test_the_model_catches_broken_orders(mutate):
+    """A load issued before the warpgroup's own P V wait, a skipped wait on the warpgroup's own
+    cp.async part, a rescale read before the barrier: each is reported for some T."""
+    assert any(run(T, seed, mutate) for T in range(1, 8) for seed in range(20))
