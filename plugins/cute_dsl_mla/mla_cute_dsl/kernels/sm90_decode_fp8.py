@@ -93,63 +93,56 @@ CVT_MODES = {
 E4M3_ALU_SCALE = 256.0  # value(b) = 2^8 * fp16(bit pattern)
 
 
+# PTX bodies ($0 = out, $1 [, $2] = in; .reg t, u, d scratch).  Interpreted by the CPU
+# tests (tests/test_fp8reg_compile.py) over all byte values.
+MAG_MASK = "0x3F803F80"  # e/m bits of both lanes, after the shift
+SIGN_MASK = "0x80008000"
+ASM_HI = ("shr.b32 t, $1, 1;", f"and.b32 t, t, {MAG_MASK};", f"and.b32 u, $1, {SIGN_MASK};",
+          "or.b32 $0, u, t;")
+ASM_LO = ("shl.b32 t, $1, 7;", f"and.b32 t, t, {MAG_MASK};", "shl.b32 u, $1, 8;",
+          f"and.b32 u, u, {SIGN_MASK};", "or.b32 $0, u, t;")
+
+
+def asm_pair(sel: int):
+    return (f"prmt.b32 d, $1, $2, {hex(sel)};", "shr.b32 t, d, 1;", f"and.b32 t, t, {MAG_MASK};",
+            f"and.b32 u, d, {SIGN_MASK};", "or.b32 $0, u, t;")
+
+
+def _asm_block(lines):
+    return "{\n\t.reg .b32 d, t, u;\n\t" + "\n\t".join(lines) + "\n\t}"
+
+
 @dsl_user_op
-def e4m3x2_hi_to_f16x2(w, *, loc=None, ip=None):
+def _u32_asm(lines, args, *, loc=None, ip=None):
+    return cutlass.Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [cutlass.Uint32(a).ir_value(loc=loc, ip=ip) for a in args],
+            _asm_block(lines),
+            "=r," + ",".join("r" for _ in args),
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+def e4m3x2_hi_to_f16x2(w):
     """Bytes 1 and 3 of w (the high bytes of its 16-bit lanes) -> fp16x2 * 2^-8 (as b32)."""
-    return cutlass.Uint32(
-        llvm.inline_asm(
-            T.i32(),
-            [cutlass.Uint32(w).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b32 t, u;\n\tshr.b32 t, $1, 1;\n\tand.b32 t, t, 0x3F803F80;\n\t"
-            "and.b32 u, $1, 0x80008000;\n\tor.b32 $0, u, t;\n\t}",
-            "=r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return _u32_asm(ASM_HI, [w])
 
 
-@dsl_user_op
-def e4m3x2_lo_to_f16x2(w, *, loc=None, ip=None):
+def e4m3x2_lo_to_f16x2(w):
     """Bytes 0 and 2 of w (the low bytes of its 16-bit lanes) -> fp16x2 * 2^-8 (as b32)."""
-    return cutlass.Uint32(
-        llvm.inline_asm(
-            T.i32(),
-            [cutlass.Uint32(w).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b32 t, u;\n\tshl.b32 t, $1, 7;\n\tand.b32 t, t, 0x3F803F80;\n\t"
-            "shl.b32 u, $1, 8;\n\tand.b32 u, u, 0x80008000;\n\tor.b32 $0, u, t;\n\t}",
-            "=r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return _u32_asm(ASM_LO, [w])
 
 
-@dsl_user_op
-def e4m3_pair_to_f16x2(wa, wb, sel, *, loc=None, ip=None):
-    """fp16x2 * 2^-8 of (byte r of wa, byte r of wb); sel = the prmt selector that puts
-    them into bytes 1 and 3 (see _pv_prmt_sel).  One prmt + the hi conversion."""
-    return cutlass.Uint32(
-        llvm.inline_asm(
-            T.i32(),
-            [cutlass.Uint32(wa).ir_value(loc=loc, ip=ip), cutlass.Uint32(wb).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b32 d, t, u;\n\tprmt.b32 d, $1, $2, " + hex(sel) + ";\n\t"
-            "shr.b32 t, d, 1;\n\tand.b32 t, t, 0x3F803F80;\n\t"
-            "and.b32 u, d, 0x80008000;\n\tor.b32 $0, u, t;\n\t}",
-            "=r,r,r",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
+def e4m3_pair_to_f16x2(wa, wb, sel: int):
+    """fp16x2 * 2^-8 of (byte r of wa, byte r of wb); sel = _pv_prmt_sel(r) puts them
+    into bytes 1 and 3.  One prmt + the hi conversion."""
+    return _u32_asm(asm_pair(sel), [wa, wb])
 
 
 def _pv_prmt_sel(r: int) -> int:
@@ -208,7 +201,7 @@ class MLADecodePartialFP8Reg:
     DEFAULT_LAYOUT = {16: (1, 1), 32: (1, 2)}
 
     def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, stages: int = 2,
-                 cvt: str = "f2fp"):
+                 cvt: str = "f2fp", q_regs: int = 0):
         if kv_dtype is not cutlass.Float8E4M3FN:
             raise NotImplementedError("MLADecodePartialFP8Reg needs an fp8-e4m3 KV cache")
         if block_m not in (16, 32):
@@ -227,6 +220,12 @@ class MLADecodePartialFP8Reg:
             raise ValueError(f"cvt must be one of {sorted(CVT_MODES)}, got {cvt!r}")
         self.cvt = cvt
         self.qk_alu, self.pv_alu_groups = CVT_MODES[cvt]
+        # 64-dim chunks of Q held in registers for the whole item instead of being
+        # re-read with ldmatrix every tile (4 registers per 16 dims per 16-row atom)
+        # (BLOCK_M 16 only: at 32 the kernel already uses ~250 registers; ignored there)
+        if not 0 <= q_regs <= N_CHUNK:
+            raise ValueError(f"q_regs must be in 0..{N_CHUNK}, got {q_regs}")
+        self.q_regs = q_regs if block_m == 16 else 0
 
     def smem_bytes(self) -> int:
         parts = [
@@ -471,6 +470,10 @@ class MLADecodePartialFP8Reg:
             s2r_P = cute.make_tiled_copy_A(ldsm, mma).get_slice(tidx)
             tSsQ = s2r_Q.partition_S(sQ)
             tSrQ_v = s2r_Q.retile(tSrQ)
+            if cutlass.const_expr(self.q_regs > 0):
+                cute.arch.barrier()  # sQ written by all threads
+                for k in cutlass.range_constexpr(4 * self.q_regs):
+                    cute.copy(s2r_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
             tOsP = s2r_P.partition_S(sP)
             tOrP_v = s2r_P.retile(tOrP)
             ld128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.kv_dtype, num_bits_per_copy=128)
@@ -540,7 +543,8 @@ class MLADecodePartialFP8Reg:
                             tSrK[None, nb, (None, c)].store(rK8.load().to(mt))
                     for i in cutlass.range_constexpr(4):
                         k = 4 * c + i
-                        cute.copy(s2r_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
+                        if cutlass.const_expr(c >= self.q_regs):
+                            cute.copy(s2r_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
                         cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, (i, c)], acc_S)
 
                 # ---------------- mask, local row max -> sRed ----------------
@@ -674,21 +678,21 @@ class MLADecodePartialFP8Reg:
 
 
 def _build_partial_fp8(q_name: str, kv_name: str, block_m: int, layout, stages: int,
-                       cvt: str = "f2fp"):
+                       cvt: str = "f2fp", q_regs: int = 0):
     from . import api
 
     k = MLADecodePartialFP8Reg(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
-                               layout, stages, cvt)
+                               layout, stages, cvt, q_regs)
     return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
 
 
 def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int = 2,
-                           cvt: str = "f2fp"):
+                           cvt: str = "f2fp", q_regs: int = 0):
     """Compiled fp8-register partial kernel for (q dtype, BLOCK_M); KV fp8-e4m3.
 
     Same kernel cache as api.get_partial_kernel (memory, disk, else compile),
-    under its own kind ``partial_fp8reg``.  cvt: one of CVT_MODES (the default
-    "f2fp" keeps the original cache key).
+    under its own kind ``partial_fp8reg``.  cvt: one of CVT_MODES; q_regs: 64-dim
+    chunks of Q kept in registers (the defaults "f2fp", 0 keep the original cache key).
     """
     from . import kernel_cache
 
@@ -696,13 +700,15 @@ def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int =
         raise ValueError(f"cvt must be one of {sorted(CVT_MODES)}, got {cvt!r}")
     if layout is not None:
         layout = tuple(layout)
-    spec = (q_name, "fp8_e4m3", block_m, layout, stages) + (() if cvt == "f2fp" else (cvt,))
+    spec = (q_name, "fp8_e4m3", block_m, layout, stages)
+    if cvt != "f2fp" or q_regs:
+        spec += (cvt, int(q_regs))
     return kernel_cache.get_or_build("partial_fp8reg", spec, _build_partial_fp8)
 
 
 def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                         out, lse, schedule, workspace, *, check: bool = True, layout=None,
-                        stages: int = 2, cvt: str = "f2fp"):
+                        stages: int = 2, cvt: str = "f2fp", q_regs: int = 0):
     """``api.mla_decode_sm90`` with this partial kernel (same arguments and contract).
 
     Needs an fp8-e4m3 KV cache and s_q * H <= 32 (BLOCK_M 16 / 32).  Meant to run
@@ -724,7 +730,7 @@ def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_sc
     B, s_q, H, _ = q.shape
     R = s_q * H
     q_name = api._TORCH_TO_NAME[q.dtype]
-    partial = get_partial_kernel_fp8(q_name, schedule.block_m, layout, stages, cvt)
+    partial = get_partial_kernel_fp8(q_name, schedule.block_m, layout, stages, cvt, q_regs)
     combine = api.get_combine_kernel(q_name)
     o_part, lse_part = workspace
     s = float(sm_scale) * float(kv_scale)
