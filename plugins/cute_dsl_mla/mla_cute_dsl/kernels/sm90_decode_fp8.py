@@ -201,7 +201,7 @@ class MLADecodePartialFP8Reg:
     DEFAULT_LAYOUT = {16: (1, 1), 32: (1, 2)}
 
     def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, stages: int = 2,
-                 cvt: str = "f2fp", q_regs: int = 0):
+                 cvt: str = "f2fp", q_regs: int = 0, softmax: str = "exchange"):
         if kv_dtype is not cutlass.Float8E4M3FN:
             raise NotImplementedError("MLADecodePartialFP8Reg needs an fp8-e4m3 KV cache")
         if block_m not in (16, 32):
@@ -226,6 +226,13 @@ class MLADecodePartialFP8Reg:
         if not 0 <= q_regs <= N_CHUNK:
             raise ValueError(f"q_regs must be in 0..{N_CHUNK}, got {q_regs}")
         self.q_regs = q_regs if block_m == 16 else 0
+        # "exchange": row maxima through sRed, barrier, P with the new max, barrier (3 CTA
+        # barriers per tile).  "local": every warp writes P with its own row max and the max
+        # to sRed before one barrier; the PV warps rescale each 8-token block of P by
+        # exp(m_warp - m_new) in registers (2 barriers per tile).
+        if softmax not in ("exchange", "local"):
+            raise ValueError(f"softmax must be 'exchange' or 'local', got {softmax!r}")
+        self.softmax_local = softmax == "local"
 
     def smem_bytes(self) -> int:
         parts = [
@@ -549,6 +556,9 @@ class MLADecodePartialFP8Reg:
 
                 # ---------------- mask, local row max -> sRed ----------------
                 acc_S_mn = _acc_mn_view(acc_S)
+                if cutlass.const_expr(self.softmax_local):
+                    m_ref = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+                    l_loc = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
                 for r in cutlass.range_constexpr(n_rows):
                     lim = row_lim[r] - n * BLOCK_N
                     for cc in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
@@ -559,10 +569,46 @@ class MLADecodePartialFP8Reg:
                     )
                     if is_quad_leader:
                         sRed[tScS[r, 0][0], warp_n] = m_loc
+                    if cutlass.const_expr(self.softmax_local):
+                        # P of this warp's 16 tokens against its own max (0 if all masked)
+                        mu = 0.0 if m_loc == -cutlass.Float32.inf else m_loc
+                        p_row = cute.math.exp2(
+                            acc_S_mn[r, None].load() * scale_log2 - mu * scale_log2, fastmath=True
+                        )
+                        l_loc[r] = p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+                        acc_S_mn[r, None] = p_row
+                        m_ref[r] = mu
+                if cutlass.const_expr(self.softmax_local):
+                    rP = cute.make_fragment_like(acc_S, mt)
+                    rP.store(acc_S.load().to(mt))
+                    cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
                 cute.arch.barrier()
 
+                if cutlass.const_expr(self.softmax_local):
+                    # new max from the 4 warps' maxima; factors for the P blocks of each warp
+                    fac = cute.make_rmem_tensor((n_rows, NW_N), mt)
+                    for r in cutlass.range_constexpr(n_rows):
+                        row = tScS[r, 0][0]
+                        m_cur = cute.arch.fmax(
+                            cute.arch.fmax(sRed[row, 0], sRed[row, 1]),
+                            cute.arch.fmax(sRed[row, 2], sRed[row, 3]),
+                        )
+                        m_prev = row_max[r]
+                        m_new = cute.arch.fmax(m_prev, m_cur)
+                        m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
+                        corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
+                        f_own = cute.math.exp2(m_ref[r] * scale_log2 - m_use * scale_log2, fastmath=True)
+                        row_sum[r] = row_sum[r] * corr + l_loc[r] * f_own
+                        row_max[r] = m_new
+                        acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+                        for w in cutlass.range_constexpr(NW_N):
+                            m_w = sRed[row, w]
+                            mu_w = 0.0 if m_w == -cutlass.Float32.inf else m_w
+                            fac[r, w] = mt(cute.math.exp2(mu_w * scale_log2 - m_use * scale_log2,
+                                                          fastmath=True))
+
                 # ---------------- online softmax, P -> sP ----------------
-                for r in cutlass.range_constexpr(n_rows):
+                for r in cutlass.range_constexpr(0 if self.softmax_local else n_rows):
                     row = tScS[r, 0][0]
                     m_cur = cute.arch.fmax(
                         cute.arch.fmax(sRed[row, 0], sRed[row, 1]),
@@ -581,10 +627,11 @@ class MLADecodePartialFP8Reg:
                     row_max[r] = m_new
                     acc_S_mn[r, None] = p_row
                     acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
-                rP = cute.make_fragment_like(acc_S, mt)
-                rP.store(acc_S.load().to(mt))
-                cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
-                cute.arch.barrier()
+                if cutlass.const_expr(not self.softmax_local):
+                    rP = cute.make_fragment_like(acc_S, mt)
+                    rP.store(acc_S.load().to(mt))
+                    cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
+                    cute.arch.barrier()
 
                 # ---------------- O += P V (this warp's 128 columns) ----------------
                 # per (k-block, group a of 4 n-blocks): 4 tokens x one 32-bit load of 4
@@ -596,6 +643,16 @@ class MLADecodePartialFP8Reg:
                 nkv = cute.size(tOsP.shape[2])
                 for kb in cutlass.range_constexpr(nkv):
                     cute.copy(s2r_P, tOsP[None, None, kb], tOrP_v[None, None, kb])
+                    if cutlass.const_expr(self.softmax_local):
+                        # A value (v0, v1, v2) of atom m: row g + 8 v1 + 16 m (S row index
+                        # r = v1 + 2m), token 16 kb + 8 v2 + 2q + v0, written by warp (2 kb + v2) % 4
+                        for m_a in cutlass.range_constexpr(cute.size(tOrP.shape[1])):
+                            for v1 in cutlass.range_constexpr(2):
+                                for v2 in cutlass.range_constexpr(2):
+                                    for v0 in cutlass.range_constexpr(2):
+                                        vv = v0 + 2 * v1 + 4 * v2
+                                        tOrP[vv, m_a, kb] = (
+                                            tOrP[vv, m_a, kb] * fac[v1 + 2 * m_a, (2 * kb + v2) % NW_N])
                     for a in cutlass.range_constexpr(4):
                         for v in cutlass.range_constexpr(4):
                             cute.copy(ld32, tOsV[v, (None, a), kb, st], rV8[None, v])
@@ -678,21 +735,22 @@ class MLADecodePartialFP8Reg:
 
 
 def _build_partial_fp8(q_name: str, kv_name: str, block_m: int, layout, stages: int,
-                       cvt: str = "f2fp", q_regs: int = 0):
+                       cvt: str = "f2fp", q_regs: int = 0, softmax: str = "exchange"):
     from . import api
 
     k = MLADecodePartialFP8Reg(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
-                               layout, stages, cvt, q_regs)
+                               layout, stages, cvt, q_regs, softmax)
     return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
 
 
 def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int = 2,
-                           cvt: str = "f2fp", q_regs: int = 0):
+                           cvt: str = "f2fp", q_regs: int = 0, softmax: str = "exchange"):
     """Compiled fp8-register partial kernel for (q dtype, BLOCK_M); KV fp8-e4m3.
 
     Same kernel cache as api.get_partial_kernel (memory, disk, else compile),
     under its own kind ``partial_fp8reg``.  cvt: one of CVT_MODES; q_regs: 64-dim
-    chunks of Q kept in registers (the defaults "f2fp", 0 keep the original cache key).
+    chunks of Q kept in registers; softmax: "exchange" or "local" (the defaults "f2fp",
+    0, "exchange" keep the original cache key).
     """
     from . import kernel_cache
 
@@ -700,15 +758,20 @@ def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int =
         raise ValueError(f"cvt must be one of {sorted(CVT_MODES)}, got {cvt!r}")
     if layout is not None:
         layout = tuple(layout)
+    if softmax not in ("exchange", "local"):
+        raise ValueError(f"softmax must be 'exchange' or 'local', got {softmax!r}")
     spec = (q_name, "fp8_e4m3", block_m, layout, stages)
-    if cvt != "f2fp" or q_regs:
+    if cvt != "f2fp" or q_regs or softmax != "exchange":
         spec += (cvt, int(q_regs))
+    if softmax != "exchange":
+        spec += (softmax,)
     return kernel_cache.get_or_build("partial_fp8reg", spec, _build_partial_fp8)
 
 
 def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                         out, lse, schedule, workspace, *, check: bool = True, layout=None,
-                        stages: int = 2, cvt: str = "f2fp", q_regs: int = 0):
+                        stages: int = 2, cvt: str = "f2fp", q_regs: int = 0,
+                        softmax: str = "exchange"):
     """``api.mla_decode_sm90`` with this partial kernel (same arguments and contract).
 
     Needs an fp8-e4m3 KV cache and s_q * H <= 32 (BLOCK_M 16 / 32).  Meant to run
@@ -730,7 +793,7 @@ def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_sc
     B, s_q, H, _ = q.shape
     R = s_q * H
     q_name = api._TORCH_TO_NAME[q.dtype]
-    partial = get_partial_kernel_fp8(q_name, schedule.block_m, layout, stages, cvt, q_regs)
+    partial = get_partial_kernel_fp8(q_name, schedule.block_m, layout, stages, cvt, q_regs, softmax)
     combine = api.get_combine_kernel(q_name)
     o_part, lse_part = workspace
     s = float(sm_scale) * float(kv_scale)
