@@ -13,14 +13,15 @@ sets (together >= 4x L2) and the replays timed with CUDA events, median.
 GB/s counts B*S*576 + q + out bytes (the NOTES.md convention).
 
 --variants times several builds of fp8reg side by side in one process (labels
-fp8reg/<ctas>/<cvt>[+q<n>]; "f2fp" is the original kernel, labelled fp8reg/<ctas>):
-cvt in f2fp, pv_alu, pv_alu2, qk_alu, alu (e4m3 -> fp16 on the integer pipe for V,
-half of V, K, both), "+q<n>" keeps n 64-dim chunks of Q in registers (BLOCK_M 16).
+fp8reg/<ctas>/<variant>; "f2fp" is the original kernel, labelled fp8reg/<ctas>):
+variant = cvt[+q<n>][+local], cvt in f2fp, pv_alu, pv_alu2, qk_alu, alu (e4m3 -> fp16
+on the integer pipe for V, half of V, K, both), "+q<n>" keeps n 64-dim chunks of Q in
+registers (BLOCK_M 16 only), "+local" = softmax "local" (2 CTA barriers per tile).
 
 From the repository root, with the project and the plugins installed:
     python benchmarks/fp8_h16_speed.py [--shapes 0,1|64x16x1x8192] [--ctas 1,2] [--json out.json]
     python benchmarks/fp8_h16_speed.py --ways fp8reg,fa3 --ctas 2 \\
-        --variants f2fp,pv_alu,pv_alu2,qk_alu,alu,pv_alu+q4,alu+q4
+        --variants f2fp,pv_alu,pv_alu2,qk_alu,alu,pv_alu+q4,pv_alu+q4+local,alu+q4+local
 """
 
 from __future__ import annotations
@@ -67,12 +68,28 @@ def make_sets(torch, B, H, s_q, S, l2_bytes, n_sets, seed=0):
 
 
 def parse_variant(tok):
-    """'pv_alu+q4' -> ('pv_alu', 4); 'f2fp' -> ('f2fp', 0)."""
-    cvt, _, q = tok.strip().partition("+q")
-    return cvt, int(q or 0)
+    """'pv_alu+q4+local' -> ('pv_alu', 4, 'local'); 'f2fp' -> ('f2fp', 0, 'exchange')."""
+    parts = tok.strip().split("+")
+    cvt, q, sm = parts[0], 0, "exchange"
+    for p in parts[1:]:
+        if p == "local":
+            sm = "local"
+        elif p.startswith("q") and p[1:].isdigit():
+            q = int(p[1:])
+        else:
+            raise ValueError(f"bad variant {tok!r}: want cvt[+q<n>][+local]")
+    return cvt, q, sm
 
 
-def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H, ctas, variant=("f2fp", 0)):
+def variant_tag(var):
+    cvt, q, sm = var
+    return cvt + (f"+q{q}" if q else "") + ("+local" if sm == "local" else "")
+
+
+DEFAULT_VARIANT = ("f2fp", 0, "exchange")
+
+
+def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H, ctas, variant=DEFAULT_VARIANT):
     import functools
 
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
@@ -80,7 +97,7 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H, ctas, variant=("f
     if name == "fp8reg":
         from mla_cute_dsl.kernels.sm90_decode_fp8 import mla_decode_sm90_fp8 as fn
 
-        fn = functools.partial(fn, cvt=variant[0], q_regs=variant[1])
+        fn = functools.partial(fn, cvt=variant[0], q_regs=variant[1], softmax=variant[2])
     else:
         from mla_cute_dsl.kernels import mla_decode_sm90 as fn
         ctas = 1
@@ -95,7 +112,7 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H, ctas, variant=("f
     info = {"items": sched.num_items, "blocks_per_split": sched.blocks_per_split,
             "block_m": sched.block_m, "ctas_per_sm": ctas}
     if name == "fp8reg":
-        info.update(cvt=variant[0], q_regs=variant[1])
+        info.update(cvt=variant[0], q_regs=variant[1], softmax=variant[2])
     return run, info
 
 
@@ -119,7 +136,7 @@ def way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S):
     return run, {}, dec
 
 
-def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list, variants=(("f2fp", 0),)):
+def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list, variants=(DEFAULT_VARIANT,)):
     B, H, s_q, S = shape
     sets, table, lens = make_sets(torch, B, H, s_q, S, l2_bytes, n_sets)
     lens_cpu = lens.cpu()
@@ -132,7 +149,7 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list, variants=
         if w == "fp8reg":
             for c in ctas_list:
                 for var in variants:
-                    tag = "" if var == ("f2fp", 0) else "/" + var[0] + (f"+q{var[1]}" if var[1] else "")
+                    tag = "" if var == DEFAULT_VARIANT else "/" + variant_tag(var)
                     todo.append((f"fp8reg/{c}{tag}", w, c, var))
         else:
             todo.append((w, w, 1, None))
@@ -147,7 +164,7 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list, variants=
                 closers.append(dec)
             else:
                 run, info = way_cute(torch, w, sets, table, lens, lens_cpu, s_q, H, c,
-                                     var or ("f2fp", 0))
+                                     var or DEFAULT_VARIANT)
             row.update(info)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -195,8 +212,8 @@ def main(argv=None):
     ap.add_argument("--ways", default="fp8reg,mma,fa3")
     ap.add_argument("--ctas", default="2,1", help="schedules (CTAs per SM) for fp8reg (default 2,1)")
     ap.add_argument("--variants", default="f2fp",
-                    help="fp8reg builds, comma-separated cvt[+q<n>] (default f2fp = the original); "
-                         "e.g. f2fp,pv_alu,pv_alu2,qk_alu,alu,pv_alu+q4,alu+q4")
+                    help="fp8reg builds, comma-separated cvt[+q<n>][+local] (default f2fp = the "
+                         "original); e.g. f2fp,pv_alu,pv_alu2,qk_alu,alu,pv_alu+q4,pv_alu+q4+local")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--sets", type=int)
     ap.add_argument("--json", metavar="PATH")

@@ -495,3 +495,72 @@ def test_kernel_cache_helper_variants(cvt, q_regs):
     assert get_partial_kernel_fp8("bf16", 16) is not fn
     with pytest.raises(ValueError):
         get_partial_kernel_fp8("bf16", 16, cvt="bogus")
+
+
+# ---------------- softmax="local": 2 CTA barriers per tile ----------------
+
+
+def test_local_softmax_owner_map():
+    """softmax 'local' rescales the P A-fragment value (v0, v1, v2) of k-block kb by the
+    factor of the warp that wrote those tokens: warp (2 kb + v2) % 4, because warp j's S
+    columns are tokens 8j..8j+7 and 32+8j..32+8j+7 (mma partition, checked here), and A
+    value v2 selects tokens 16 kb + 8 v2 + (0..7).  Rows: S row index r = v1 + 2 m."""
+    from mla_cute_dsl.kernels.sm90_decode_fp8 import _acc_mn_view
+
+    for bm in (16, 32):
+        k = _kernel("bf16", bm)
+        res = {}
+
+        @cute.jit
+        def probe():
+            mma = k._tiled_mma()
+            cS = cute.make_identity_tensor((bm, 64))
+            for tid in cutlass.range_constexpr(0, k.num_threads, 1):
+                thr = mma.get_slice(tid)
+                t = _acc_mn_view(thr.partition_C(cS))
+                res[("S", tid)] = ([t[r, 0][0] for r in range(cute.size(t.shape[0]))],
+                                   [t[0, c][1] for c in range(cute.size(t.shape[1]))])
+                a = thr.partition_A(cS)
+                res[("A", tid)] = [[[a[v, m, kb] for kb in range(4)] for m in range(cute.size(a.shape[1]))]
+                                   for v in range(8)]
+
+        cute.compile(probe)
+        owner = {}
+        for tid in range(k.num_threads):
+            w = tid // 32  # m_warps = 1: warp index = warp along N
+            for col in res[("S", tid)][1]:
+                owner.setdefault(col, set()).add(w)
+        assert all(len(v) == 1 for v in owner.values()) and len(owner) == 64
+        owner = {c: next(iter(v)) for c, v in owner.items()}
+        assert all(owner[c] == (c // 8) % 4 for c in range(64))
+        for tid in range(k.num_threads):
+            rows = res[("S", tid)][0]
+            for v in range(8):
+                v1, v2 = (v >> 1) & 1, v >> 2
+                for m, per_kb in enumerate(res[("A", tid)][v]):
+                    for kb, (row, col) in enumerate(per_kb):
+                        assert owner[col] == (2 * kb + v2) % 4
+                        assert row == rows[v1 + 2 * m]
+
+
+@pytest.mark.parametrize("cvt,bm", [("f2fp", 16), ("pv_alu", 16), ("alu", 16), ("f2fp", 32)])
+def test_local_softmax_compiles(cvt, bm, tmp_path):
+    """'local' drops one CTA barrier per tile (loop: 2; epilogue: 2), rescales P with 32 fp16
+    multiplies per 16-row atom and tile, and fits without spills where it is recommended
+    (BLOCK_M 16 with every cvt; BLOCK_M 32 only with f2fp -- the ALU variants spill there)."""
+    k, ptx, regs, frame = _compile_ptx(tmp_path, "bf16", bm, cvt=cvt, softmax="local")
+    print(f"fp8reg cvt={cvt} softmax=local BLOCK_M={bm}: {regs} registers, frame {frame} B")
+    assert regs <= 255 and frame == 0, (regs, frame)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert len(re.findall(r"bar\.sync|barrier\.sync", ptx)) == 4
+    assert len(re.findall(r"mul(\.rn)?\.f16 ", ptx)) + 2 * len(re.findall(r"mul(\.rn)?\.f16x2", ptx)) == 32 * (bm // 16)
+    assert len(re.findall(r"mma\.sync", ptx)) == 136 * (bm // 16)
+
+
+def test_local_softmax_validation():
+    from mla_cute_dsl.kernels.sm90_decode_fp8 import MLADecodePartialFP8Reg, get_partial_kernel_fp8
+
+    with pytest.raises(ValueError):
+        MLADecodePartialFP8Reg(cutlass.BFloat16, cutlass.Float8E4M3FN, 16, softmax="global")
+    with pytest.raises(ValueError):
+        get_partial_kernel_fp8("bf16", 16, softmax="global")
