@@ -9,6 +9,9 @@ replay equal to eager.  Skips cleanly without an SM90 GPU.
 
     PYTHONPATH=plugins/cute_dsl_mla:. timeout 420 python -m pytest -x -q -p no:cacheprovider -rfs \\
         plugins/cute_dsl_mla/tests/test_fp8reg_gpu.py
+
+The speed variants (cvt / q_regs / softmax, tests named *variant*) split into -k "variant and
+exchange", -k "variant and local" and -k "not variant" runs (NOTES.md, "fp8 H=16 speed-up").
 """
 
 from __future__ import annotations
@@ -228,7 +231,7 @@ def test_fp8reg_variant_matches_default(s_q, cvt, q_regs, softmax):
 
 @needs_sm90
 @pytest.mark.parametrize("ctas_per_sm", [1, 2])
-def test_fp8reg_variant_schedule_and_graph(ctas_per_sm):
+def test_fp8reg_variant_local_graph_and_schedules(ctas_per_sm):
     case = make_case(12, 2, 16, 2000, FP8, True, seed=random.randrange(1 << 30))
     out, lse = _bufs(12, 2, 16)
     run_fp8(case, out, lse, ctas_per_sm=ctas_per_sm, cvt="pv_alu", q_regs=4)

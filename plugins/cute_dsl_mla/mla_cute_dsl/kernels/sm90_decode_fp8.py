@@ -33,6 +33,16 @@ What differs from the verified kernel (see NOTES.md, "fp8 H=16 variant"):
 * Everything else (warp grid (M/16) x 4, row-max exchange through sRed, P through
   sP + ldmatrix, online softmax, epilogue, empty-row contract) is the verified
   kernel's.
+
+Selectable speed variants (branch fp8reg-speed, NOTES.md "fp8 H=16 speed-up"; the
+defaults compile to the same PTX as before):
+
+* ``cvt``: which e4m3 -> fp16 conversions run on the integer pipe instead of
+  ``cvt.rn.f16x2.e4m3x2`` (CVT_MODES: f2fp, pv_alu, pv_alu2, qk_alu, alu); the
+  integer form yields value * 2^-8, folded into the scales.
+* ``q_regs``: 64-dim chunks of Q kept in registers (BLOCK_M 16).
+* ``softmax="local"``: per-warp row maxima, P rescaled in registers by the PV warps,
+  2 CTA barriers per tile instead of 3.
 """
 
 from __future__ import annotations
