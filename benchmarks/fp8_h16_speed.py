@@ -12,16 +12,8 @@ compared with fa3's, then each way captured in one CUDA graph over several input
 sets (together >= 4x L2) and the replays timed with CUDA events, median.
 GB/s counts B*S*576 + q + out bytes (the NOTES.md convention).
 
---variants times several builds of fp8reg side by side in one process (labels
-fp8reg/<ctas>/<variant>; "f2fp" is the original kernel, labelled fp8reg/<ctas>):
-variant = cvt[+q<n>][+local], cvt in f2fp, pv_alu, pv_alu2, qk_alu, alu (e4m3 -> fp16
-on the integer pipe for V, half of V, K, both), "+q<n>" keeps n 64-dim chunks of Q in
-registers (BLOCK_M 16 only), "+local" = softmax "local" (2 CTA barriers per tile).
-
 From the repository root, with the project and the plugins installed:
     python benchmarks/fp8_h16_speed.py [--shapes 0,1|64x16x1x8192] [--ctas 1,2] [--json out.json]
-    python benchmarks/fp8_h16_speed.py --ways fp8reg,fa3 --ctas 2 \\
-        --variants f2fp,pv_alu,pv_alu2,qk_alu,alu,pv_alu+q4,pv_alu+q4+local,alu+q4+local
 """
 
 from __future__ import annotations
@@ -67,37 +59,11 @@ def make_sets(torch, B, H, s_q, S, l2_bytes, n_sets, seed=0):
     return sets, table, lens
 
 
-def parse_variant(tok):
-    """'pv_alu+q4+local' -> ('pv_alu', 4, 'local'); 'f2fp' -> ('f2fp', 0, 'exchange')."""
-    parts = tok.strip().split("+")
-    cvt, q, sm = parts[0], 0, "exchange"
-    for p in parts[1:]:
-        if p == "local":
-            sm = "local"
-        elif p.startswith("q") and p[1:].isdigit():
-            q = int(p[1:])
-        else:
-            raise ValueError(f"bad variant {tok!r}: want cvt[+q<n>][+local]")
-    return cvt, q, sm
-
-
-def variant_tag(var):
-    cvt, q, sm = var
-    return cvt + (f"+q{q}" if q else "") + ("+local" if sm == "local" else "")
-
-
-DEFAULT_VARIANT = ("f2fp", 0, "exchange")
-
-
-def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H, ctas, variant=DEFAULT_VARIANT):
-    import functools
-
+def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H, ctas):
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
 
     if name == "fp8reg":
         from mla_cute_dsl.kernels.sm90_decode_fp8 import mla_decode_sm90_fp8 as fn
-
-        fn = functools.partial(fn, cvt=variant[0], q_regs=variant[1], softmax=variant[2])
     else:
         from mla_cute_dsl.kernels import mla_decode_sm90 as fn
         ctas = 1
@@ -109,11 +75,8 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H, ctas, variant=DEF
         st = sets[i]
         fn(st["q"], st["kv"], table, lens, SM_SCALE, KV_SCALE, out, lse, sched, ws)
 
-    info = {"items": sched.num_items, "blocks_per_split": sched.blocks_per_split,
-            "block_m": sched.block_m, "ctas_per_sm": ctas}
-    if name == "fp8reg":
-        info.update(cvt=variant[0], q_regs=variant[1], softmax=variant[2])
-    return run, info
+    return run, {"items": sched.num_items, "blocks_per_split": sched.blocks_per_split,
+                 "block_m": sched.block_m, "ctas_per_sm": ctas}
 
 
 def way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S):
@@ -136,7 +99,7 @@ def way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S):
     return run, {}, dec
 
 
-def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list, variants=(DEFAULT_VARIANT,)):
+def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list):
     B, H, s_q, S = shape
     sets, table, lens = make_sets(torch, B, H, s_q, S, l2_bytes, n_sets)
     lens_cpu = lens.cpu()
@@ -147,13 +110,10 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list, variants=
     todo = []
     for w in ways:
         if w == "fp8reg":
-            for c in ctas_list:
-                for var in variants:
-                    tag = "" if var == DEFAULT_VARIANT else "/" + variant_tag(var)
-                    todo.append((f"fp8reg/{c}{tag}", w, c, var))
+            todo += [(f"fp8reg/{c}", w, c) for c in ctas_list]
         else:
-            todo.append((w, w, 1, None))
-    for label, w, c, var in todo:
+            todo.append((w, w, 1))
+    for label, w, c in todo:
         row = rows[label] = {"B": B, "H": H, "s_q": s_q, "S": S, "way": label, "status": "ok", "sets": n,
                              "bytes": nbytes, "flops": flops}
         outs = [torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
@@ -163,8 +123,7 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list, variants=
                 run, info, dec = way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S)
                 closers.append(dec)
             else:
-                run, info = way_cute(torch, w, sets, table, lens, lens_cpu, s_q, H, c,
-                                     var or DEFAULT_VARIANT)
+                run, info = way_cute(torch, w, sets, table, lens, lens_cpu, s_q, H, c)
             row.update(info)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -211,9 +170,6 @@ def main(argv=None):
     ap.add_argument("--shapes", default="0,1", help="indices or BxHxSQxS, comma-separated (default 0,1)")
     ap.add_argument("--ways", default="fp8reg,mma,fa3")
     ap.add_argument("--ctas", default="2,1", help="schedules (CTAs per SM) for fp8reg (default 2,1)")
-    ap.add_argument("--variants", default="f2fp",
-                    help="fp8reg builds, comma-separated cvt[+q<n>][+local] (default f2fp = the "
-                         "original); e.g. f2fp,pv_alu,pv_alu2,qk_alu,alu,pv_alu+q4,pv_alu+q4+local")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--sets", type=int)
     ap.add_argument("--json", metavar="PATH")
@@ -224,7 +180,6 @@ def main(argv=None):
         shapes.append(SHAPES[int(tok)] if tok.isdigit() else tuple(int(x) for x in tok.lower().split("x")))
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     ctas_list = [int(c) for c in args.ctas.split(",")]
-    variants = [parse_variant(t) for t in args.variants.split(",") if t.strip()]
 
     import torch
 
@@ -237,7 +192,7 @@ def main(argv=None):
     rows = []
     for shape in shapes:
         print(f"B={shape[0]} H={shape[1]} s_q={shape[2]} S={shape[3]} ...", flush=True)
-        rows += bench_shape(torch, shape, ways, args.reps, args.sets, l2, ctas_list, variants)
+        rows += bench_shape(torch, shape, ways, args.reps, args.sets, l2, ctas_list)
         torch.cuda.empty_cache()
     print_table(rows)
     if args.json:

@@ -9,9 +9,6 @@ replay equal to eager.  Skips cleanly without an SM90 GPU.
 
     PYTHONPATH=plugins/cute_dsl_mla:. timeout 420 python -m pytest -x -q -p no:cacheprovider -rfs \\
         plugins/cute_dsl_mla/tests/test_fp8reg_gpu.py
-
-The speed variants (cvt / q_regs / softmax, tests named *variant*) split into -k "variant and
-exchange", -k "variant and local" and -k "not variant" runs (NOTES.md, "fp8 H=16 speed-up").
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ def _is_sm90():
 needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an SM90 GPU")
 
 
-def run_fp8(case, out, lse, sched=None, ws=None, ctas_per_sm=2, cvt="f2fp", q_regs=0,
-            softmax="exchange"):
+def run_fp8(case, out, lse, sched=None, ws=None, ctas_per_sm=2):
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
     from mla_cute_dsl.kernels.sm90_decode_fp8 import mla_decode_sm90_fp8
 
@@ -49,8 +45,7 @@ def run_fp8(case, out, lse, sched=None, ws=None, ctas_per_sm=2, cvt="f2fp", q_re
         ws[0].fill_(float("nan"))  # a partial row the kernel fails to write must not pass as old memory
         ws[1].fill_(float("nan"))
     mla_decode_sm90_fp8(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"],
-                        case["kv_scale"], out, lse, sched, ws, cvt=cvt, q_regs=q_regs,
-                        softmax=softmax)
+                        case["kv_scale"], out, lse, sched, ws)
     return sched, ws
 
 
@@ -168,88 +163,3 @@ def test_fp8reg_graph_replay_equals_eager():
     assert torch.equal(o_graph, out)
     assert torch.equal(l_graph, lse)
 
-
-
-# ---------------- conversion variants (branch fp8reg-speed) ----------------
-# (cvt, q_regs, softmax): e4m3 -> fp16 through the integer pipe for V ("pv_alu", half of
-# V "pv_alu2"), K ("qk_alu") or both ("alu"), with the 2^8 folded into the scales; q_regs
-# keeps that many 64-dim chunks of Q in registers (BLOCK_M 16 only, ignored at 32);
-# softmax "local": per-warp row max, P rescaled in registers, 2 barriers per tile.
-VARIANTS = [("pv_alu", 0, "exchange"), ("pv_alu2", 0, "exchange"), ("qk_alu", 0, "exchange"),
-            ("alu", 0, "exchange"), ("pv_alu", 4, "exchange"), ("f2fp", 0, "local"),
-            ("pv_alu", 4, "local"), ("alu", 4, "local")]
-_VID = [f"{c}-q{r}-{sm}" for c, r, sm in VARIANTS]
-
-
-@needs_sm90
-@pytest.mark.parametrize("cvt,q_regs,softmax", VARIANTS, ids=_VID)
-@pytest.mark.parametrize("B,s_q,S,H,varlen,page", CASES)
-def test_fp8reg_variant_against_fp64_reference(B, s_q, S, H, varlen, page, cvt, q_regs, softmax):
-    case = make_case(B, s_q, H, S, FP8, varlen, seed=random.randrange(1 << 30), page=page)
-    out, lse = _bufs(B, s_q, H)
-    run_fp8(case, out, lse, cvt=cvt, q_regs=q_regs, softmax=softmax)
-    torch.cuda.synchronize()
-    check(case, out, lse)
-
-
-@needs_sm90
-@pytest.mark.parametrize("cvt,q_regs,softmax", VARIANTS, ids=_VID)
-def test_fp8reg_variant_fp16_q_and_large_q(cvt, q_regs, softmax):
-    case = make_case(6, 2, 16, 1000, FP8, True, seed=random.randrange(1 << 30))
-    case["q"] = case["q"].to(torch.float16)
-    out, lse = _bufs(6, 2, 16, torch.float16)
-    run_fp8(case, out, lse, cvt=cvt, q_regs=q_regs, softmax=softmax)
-    torch.cuda.synchronize()
-    check(case, out, lse)
-    for B, s_q, H, S in [(1, 1, 16, 4096), (6, 4, 3, 140)]:
-        case = make_case(B, s_q, H, S, FP8, varlen=False, q_std=100.0, seed=random.randrange(1 << 30))
-        out, lse = _bufs(B, s_q, H)
-        run_fp8(case, out, lse, cvt=cvt, q_regs=q_regs, softmax=softmax)
-        torch.cuda.synchronize()
-        check(case, out, lse, tol=2e-2)
-
-
-@needs_sm90
-@pytest.mark.parametrize("cvt,q_regs,softmax", VARIANTS, ids=_VID)
-@pytest.mark.parametrize("s_q", [1, 2])
-def test_fp8reg_variant_matches_default(s_q, cvt, q_regs, softmax):
-    """Same inputs through the default (cvt f2fp) and the variant: the products are the same
-    up to the fp32 summation order (2^8 scaling is exact) and, for softmax "local", one
-    more fp16 rounding of P: close to bf16 output rounding."""
-    case = make_case(8, s_q, 16, 3000, FP8, varlen=True, seed=random.randrange(1 << 30))
-    o1, l1 = _bufs(8, s_q, 16)
-    o2, l2 = _bufs(8, s_q, 16)
-    run_fp8(case, o1, l1)
-    run_fp8(case, o2, l2, cvt=cvt, q_regs=q_regs, softmax=softmax)
-    torch.cuda.synchronize()
-    d = (o1.float() - o2.float()).norm() / o1.float().norm().clamp_min(1e-30)
-    assert d < 5e-3, f"rel diff vs the f2fp kernel {d:.3e}"
-    fin = torch.isfinite(l1)
-    assert torch.equal(fin, torch.isfinite(l2))
-    assert (l1[fin] - l2[fin]).abs().max() < 1e-3
-
-
-@needs_sm90
-@pytest.mark.parametrize("ctas_per_sm", [1, 2])
-def test_fp8reg_variant_local_graph_and_schedules(ctas_per_sm):
-    case = make_case(12, 2, 16, 2000, FP8, True, seed=random.randrange(1 << 30))
-    out, lse = _bufs(12, 2, 16)
-    run_fp8(case, out, lse, ctas_per_sm=ctas_per_sm, cvt="pv_alu", q_regs=4)
-    torch.cuda.synchronize()
-    check(case, out, lse)
-    case = make_case(6, 1, 16, 1000, FP8, True, seed=random.randrange(1 << 30))
-    out, lse = _bufs(6, 1, 16)
-    sched, ws = run_fp8(case, out, lse, cvt="alu", q_regs=4, softmax="local")
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g):
-            run_fp8(case, out, lse, sched, ws, cvt="alu", q_regs=4, softmax="local")
-    torch.cuda.current_stream().wait_stream(s)
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    check(case, out, lse)

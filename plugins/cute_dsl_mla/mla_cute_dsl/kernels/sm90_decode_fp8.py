@@ -33,25 +33,13 @@ What differs from the verified kernel (see NOTES.md, "fp8 H=16 variant"):
 * Everything else (warp grid (M/16) x 4, row-max exchange through sRed, P through
   sP + ldmatrix, online softmax, epilogue, empty-row contract) is the verified
   kernel's.
-
-Selectable speed variants (branch fp8reg-speed, NOTES.md "fp8 H=16 speed-up"; the
-defaults compile to the same PTX as before):
-
-* ``cvt``: which e4m3 -> fp16 conversions run on the integer pipe instead of
-  ``cvt.rn.f16x2.e4m3x2`` (CVT_MODES: f2fp, pv_alu, pv_alu2, qk_alu, alu); the
-  integer form yields value * 2^-8, folded into the scales.
-* ``q_regs``: 64-dim chunks of Q kept in registers (BLOCK_M 16).
-* ``softmax="local"``: per-warp row maxima, P rescaled in registers by the PV warps,
-  2 CTA barriers per tile instead of 3.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 D_QK = 576
 D_V = 512
@@ -83,105 +71,15 @@ def _quad_sum(v):
     return v
 
 
-# ---- e4m3 -> fp16 on the integer pipe (the "alu" conversions) ----
-#
-# A byte b = [s e3 e2 e1 e0 m2 m1 m0] placed as the fp16 bit pattern
-# [s 0 e3 e2 e1 e0 m2 m1 m0 0000000] reads as value(b) * 2^-8, exactly, for normals
-# and subnormals alike (e4m3 bias 7 vs fp16 bias 15; the subnormal significand lands
-# on the fp16 subnormal bits); the 2^8 is folded into the scales.  e4m3 NaN (0x7f /
-# 0xff) becomes +-480 * 2^-8 instead of NaN (page tails never reach the MMAs: they
-# are zero-filled).  Per 16-bit lane: sign = bit 15 of the lane's high byte, the
-# other 7 bits shifted right by one.  PTX and/or/shr; ptxas fuses them into LOP3.
-CVT_MODES = {
-    # name: (QK B operand on the ALU, number of PV column groups (of 4) on the ALU)
-    "f2fp": (False, 0),  # every pair through cvt.rn.f16x2.e4m3x2 (the original kernel)
-    "pv_alu": (False, 4),  # V through the ALU, K through cvt
-    "pv_alu2": (False, 2),  # half of V through the ALU
-    "qk_alu": (True, 0),  # K through the ALU, V through cvt
-    "alu": (True, 4),  # no cvt at all
-}
-E4M3_ALU_SCALE = 256.0  # value(b) = 2^8 * fp16(bit pattern)
-
-
-# PTX bodies ($0 = out, $1 [, $2] = in; .reg t, u, d scratch).  Interpreted by the CPU
-# tests (tests/test_fp8reg_compile.py) over all byte values.
-MAG_MASK = "0x3F803F80"  # e/m bits of both lanes, after the shift
-SIGN_MASK = "0x80008000"
-ASM_HI = ("shr.b32 t, $1, 1;", f"and.b32 t, t, {MAG_MASK};", f"and.b32 u, $1, {SIGN_MASK};",
-          "or.b32 $0, u, t;")
-ASM_LO = ("shl.b32 t, $1, 7;", f"and.b32 t, t, {MAG_MASK};", "shl.b32 u, $1, 8;",
-          f"and.b32 u, u, {SIGN_MASK};", "or.b32 $0, u, t;")
-
-
-def asm_pair(sel: int):
-    return (f"prmt.b32 d, $1, $2, {hex(sel)};", "shr.b32 t, d, 1;", f"and.b32 t, t, {MAG_MASK};",
-            f"and.b32 u, d, {SIGN_MASK};", "or.b32 $0, u, t;")
-
-
-def _asm_block(lines):
-    return "{\n\t.reg .b32 d, t, u;\n\t" + "\n\t".join(lines) + "\n\t}"
-
-
-@dsl_user_op
-def _u32_asm(lines, args, *, loc=None, ip=None):
-    return cutlass.Uint32(
-        llvm.inline_asm(
-            T.i32(),
-            [cutlass.Uint32(a).ir_value(loc=loc, ip=ip) for a in args],
-            _asm_block(lines),
-            "=r," + ",".join("r" for _ in args),
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-def e4m3x2_hi_to_f16x2(w):
-    """Bytes 1 and 3 of w (the high bytes of its 16-bit lanes) -> fp16x2 * 2^-8 (as b32)."""
-    return _u32_asm(ASM_HI, [w])
-
-
-def e4m3x2_lo_to_f16x2(w):
-    """Bytes 0 and 2 of w (the low bytes of its 16-bit lanes) -> fp16x2 * 2^-8 (as b32)."""
-    return _u32_asm(ASM_LO, [w])
-
-
-def e4m3_pair_to_f16x2(wa, wb, sel: int):
-    """fp16x2 * 2^-8 of (byte r of wa, byte r of wb); sel = _pv_prmt_sel(r) puts them
-    into bytes 1 and 3.  One prmt + the hi conversion."""
-    return _u32_asm(asm_pair(sel), [wa, wb])
-
-
-def _pv_prmt_sel(r: int) -> int:
-    """prmt selector: bytes 0,1 <- byte r of the first word, bytes 2,3 <- byte r of the second."""
-    return r | (r << 4) | ((4 + r) << 8) | ((4 + r) << 12)
-
-
-def e4m3_alu_ref(b: int) -> float:
-    """Python model of the ALU conversion of one byte: the fp16 value times 2^8."""
-    import struct
-
-    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return struct.unpack("<e", struct.pack("<H", h))[0] * E4M3_ALU_SCALE
-
-
 # ---- the two index permutations (pure Python, also used by the CPU tests) ----
 
 
-def qk_phys_dim(k: int, alu: bool = False) -> int:
-    """Physical K dim read for logical reduction index k of S = Q K^T.
-
-    alu=True (the ALU conversion of K): the two fp16 of a B register are bytes
-    (0, 2) or (1, 3) of one 32-bit word, so lo and hi swap places in the word."""
+def qk_phys_dim(k: int) -> int:
+    """Physical K dim read for logical reduction index k of S = Q K^T."""
     c, r = divmod(k, 64)
     i, r = divmod(r, 16)
     hi, r = divmod(r, 8)
     q, lo = divmod(r, 2)
-    if alu:
-        return 64 * c + 16 * q + 4 * i + hi + 2 * lo
     return 64 * c + 16 * q + 4 * i + 2 * hi + lo
 
 
@@ -210,8 +108,7 @@ class MLADecodePartialFP8Reg:
 
     DEFAULT_LAYOUT = {16: (1, 1), 32: (1, 2)}
 
-    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, stages: int = 2,
-                 cvt: str = "f2fp", q_regs: int = 0, softmax: str = "exchange"):
+    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, stages: int = 2):
         if kv_dtype is not cutlass.Float8E4M3FN:
             raise NotImplementedError("MLADecodePartialFP8Reg needs an fp8-e4m3 KV cache")
         if block_m not in (16, 32):
@@ -226,23 +123,6 @@ class MLADecodePartialFP8Reg:
         self.num_threads = self.num_warps * 32
         assert stages >= 2
         self.stages = stages
-        if cvt not in CVT_MODES:
-            raise ValueError(f"cvt must be one of {sorted(CVT_MODES)}, got {cvt!r}")
-        self.cvt = cvt
-        self.qk_alu, self.pv_alu_groups = CVT_MODES[cvt]
-        # 64-dim chunks of Q held in registers for the whole item instead of being
-        # re-read with ldmatrix every tile (4 registers per 16 dims per 16-row atom)
-        # (BLOCK_M 16 only: at 32 the kernel already uses ~250 registers; ignored there)
-        if not 0 <= q_regs <= N_CHUNK:
-            raise ValueError(f"q_regs must be in 0..{N_CHUNK}, got {q_regs}")
-        self.q_regs = q_regs if block_m == 16 else 0
-        # "exchange": row maxima through sRed, barrier, P with the new max, barrier (3 CTA
-        # barriers per tile).  "local": every warp writes P with its own row max and the max
-        # to sRed before one barrier; the PV warps rescale each 8-token block of P by
-        # exp(m_warp - m_new) in registers (2 barriers per tile).
-        if softmax not in ("exchange", "local"):
-            raise ValueError(f"softmax must be 'exchange' or 'local', got {softmax!r}")
-        self.softmax_local = softmax == "local"
 
     def smem_bytes(self) -> int:
         parts = [
@@ -278,7 +158,7 @@ class MLADecodePartialFP8Reg:
         return sQ_layout, sP_layout, sR_layout
 
     @staticmethod
-    def _perm_layouts(bm, stages, qk_alu=False):
+    def _perm_layouts(bm, stages):
         """Index maps composed onto the smem tensors (domains are col-major coordinates).
 
         lq: (row, physical dim) -> (row, logical k) of sQ            (write Q permuted)
@@ -286,17 +166,11 @@ class MLADecodePartialFP8Reg:
         lv: (logical n, token, stage) -> (token, physical dim, stage)  (V B-operand)
         lo: (row, logical n) -> (row, physical dim)                    (epilogue)
         """
+        lq = cute.make_layout((bm, (2, 2, 4, 4, N_CHUNK)),
+                              stride=(1, (bm, 8 * bm, 16 * bm, 2 * bm, 64 * bm)))
         T = BLOCK_N
-        if qk_alu:  # physical dim 64c + 16q + 4i + hi + 2lo (qk_phys_dim(k, alu=True))
-            lq = cute.make_layout((bm, (2, 2, 4, 4, N_CHUNK)),
-                                  stride=(1, (8 * bm, bm, 16 * bm, 2 * bm, 64 * bm)))
-            lk = cute.make_layout((T, (2, 4, 2, 4, N_CHUNK), stages),
-                                  stride=(1, (2 * T, 16 * T, T, 4 * T, 64 * T), T * D_QK))
-        else:
-            lq = cute.make_layout((bm, (2, 2, 4, 4, N_CHUNK)),
-                                  stride=(1, (bm, 8 * bm, 16 * bm, 2 * bm, 64 * bm)))
-            lk = cute.make_layout((T, (2, 4, 2, 4, N_CHUNK), stages),
-                                  stride=(1, (T, 16 * T, 2 * T, 4 * T, 64 * T), T * D_QK))
+        lk = cute.make_layout((T, (2, 4, 2, 4, N_CHUNK), stages),
+                              stride=(1, (T, 16 * T, 2 * T, 4 * T, 64 * T), T * D_QK))
         lv = cute.make_layout(((8, 4, 4, 4), T, stages),
                               stride=((4 * T, 128 * T, T, 32 * T), 1, T * D_QK))
         lo = cute.make_layout((bm, (8, 4, 4, 4)), stride=(1, (4 * bm, 128 * bm, bm, 32 * bm)))
@@ -353,11 +227,9 @@ class MLADecodePartialFP8Reg:
             cute.make_layout((nt // 8, 8), stride=(8, 1)),
             cute.make_layout((1, 8)),
         )
-        # registers -> sQ through the permuted view: pairs of dims stay adjacent (32-bit);
-        # with the ALU K order they do not (16-bit stores, once per CTA)
+        # registers -> sQ through the permuted view: pairs of dims stay adjacent (32-bit)
         r2s_q = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt,
-                                num_bits_per_copy=16 if self.qk_alu else 32),
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt, num_bits_per_copy=32),
             cute.make_layout((nt // 8, 8), stride=(8, 1)),
             cute.make_layout((1, 8)),
         )
@@ -413,10 +285,7 @@ class MLADecodePartialFP8Reg:
         m_block, wi, _ = cute.arch.block_idx()
         lane = tidx % 32
         warp_n = (tidx // 32) // self.m_warps  # atom layout (m_warps, NW_N, 1), column-major
-        lq, lk, lv, lo = self._perm_layouts(bm, self.stages, self.qk_alu)
-        if cutlass.const_expr(self.qk_alu):  # S is computed with K * 2^-8
-            scale_log2 = scale_log2 * E4M3_ALU_SCALE
-            scale_ln = scale_ln * E4M3_ALU_SCALE
+        lq, lk, lv, lo = self._perm_layouts(bm, self.stages)
 
         b = mWork[wi, 0]
         if b >= 0:
@@ -487,10 +356,6 @@ class MLADecodePartialFP8Reg:
             s2r_P = cute.make_tiled_copy_A(ldsm, mma).get_slice(tidx)
             tSsQ = s2r_Q.partition_S(sQ)
             tSrQ_v = s2r_Q.retile(tSrQ)
-            if cutlass.const_expr(self.q_regs > 0):
-                cute.arch.barrier()  # sQ written by all threads
-                for k in cutlass.range_constexpr(4 * self.q_regs):
-                    cute.copy(s2r_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
             tOsP = s2r_P.partition_S(sP)
             tOrP_v = s2r_P.retile(tOrP)
             ld128 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.kv_dtype, num_bits_per_copy=128)
@@ -531,44 +396,19 @@ class MLADecodePartialFP8Reg:
                 acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                 acc_S.fill(0.0)
                 rK8 = cute.make_rmem_tensor(cute.make_layout(((2, 2), 4)), self.kv_dtype)
-                if cutlass.const_expr(self.qk_alu):
-                    # the 16 bytes in smem order: byte x = hi + 2lo + 4i holds value
-                    # (lo + 2hi, i) of the fragment; loaded as one vector into rK8f
-                    phys_order = cute.make_layout((2, 2, 4), stride=(2, 1, 4))
-                    rK8f = cute.make_rmem_tensor(cute.make_layout((2, 2, 4)), self.kv_dtype)
-                    rK32 = cute.recast_tensor(rK8f, cutlass.Uint32)  # 4 words
-                    rKh = cute.make_rmem_tensor(cute.make_layout(((2, 2), 4)), mt)
-                    rKh32 = cute.recast_tensor(rKh, cutlass.Uint32)  # 8 B registers
                 for c in cutlass.range_constexpr(N_CHUNK):
                     for nb in cutlass.range_constexpr(n_nb):
                         # 16 consecutive fp8 bytes of one token = B of 4 k-blocks
-                        if cutlass.const_expr(self.qk_alu):
-                            cute.copy(ld128,
-                                      cute.group_modes(cute.composition(tSsK[None, nb, (None, c), st],
-                                                                        phys_order), 0, 3),
-                                      cute.group_modes(rK8f, 0, 3))
-                        else:
-                            cute.copy(ld128, cute.group_modes(tSsK[None, nb, (None, c), st], 0, 2),
-                                      cute.group_modes(rK8, 0, 2))
-                        if cutlass.const_expr(self.qk_alu):
-                            for i in cutlass.range_constexpr(4):
-                                # word i = bytes (hi + 2lo): (b0, b2) = k 2q, 2q+1; (b1, b3) = +8
-                                rKh32[2 * i] = e4m3x2_lo_to_f16x2(rK32[i])
-                                rKh32[2 * i + 1] = e4m3x2_hi_to_f16x2(rK32[i])
-                            tSrK[None, nb, (None, c)].store(rKh.load())
-                        else:
-                            tSrK[None, nb, (None, c)].store(rK8.load().to(mt))
+                        cute.copy(ld128, cute.group_modes(tSsK[None, nb, (None, c), st], 0, 2),
+                                  cute.group_modes(rK8, 0, 2))
+                        tSrK[None, nb, (None, c)].store(rK8.load().to(mt))
                     for i in cutlass.range_constexpr(4):
                         k = 4 * c + i
-                        if cutlass.const_expr(c >= self.q_regs):
-                            cute.copy(s2r_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
+                        cute.copy(s2r_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
                         cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, (i, c)], acc_S)
 
                 # ---------------- mask, local row max -> sRed ----------------
                 acc_S_mn = _acc_mn_view(acc_S)
-                if cutlass.const_expr(self.softmax_local):
-                    m_ref = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-                    l_loc = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
                 for r in cutlass.range_constexpr(n_rows):
                     lim = row_lim[r] - n * BLOCK_N
                     for cc in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
@@ -579,46 +419,10 @@ class MLADecodePartialFP8Reg:
                     )
                     if is_quad_leader:
                         sRed[tScS[r, 0][0], warp_n] = m_loc
-                    if cutlass.const_expr(self.softmax_local):
-                        # P of this warp's 16 tokens against its own max (0 if all masked)
-                        mu = 0.0 if m_loc == -cutlass.Float32.inf else m_loc
-                        p_row = cute.math.exp2(
-                            acc_S_mn[r, None].load() * scale_log2 - mu * scale_log2, fastmath=True
-                        )
-                        l_loc[r] = p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
-                        acc_S_mn[r, None] = p_row
-                        m_ref[r] = mu
-                if cutlass.const_expr(self.softmax_local):
-                    rP = cute.make_fragment_like(acc_S, mt)
-                    rP.store(acc_S.load().to(mt))
-                    cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
                 cute.arch.barrier()
 
-                if cutlass.const_expr(self.softmax_local):
-                    # new max from the 4 warps' maxima; factors for the P blocks of each warp
-                    fac = cute.make_rmem_tensor((n_rows, NW_N), mt)
-                    for r in cutlass.range_constexpr(n_rows):
-                        row = tScS[r, 0][0]
-                        m_cur = cute.arch.fmax(
-                            cute.arch.fmax(sRed[row, 0], sRed[row, 1]),
-                            cute.arch.fmax(sRed[row, 2], sRed[row, 3]),
-                        )
-                        m_prev = row_max[r]
-                        m_new = cute.arch.fmax(m_prev, m_cur)
-                        m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
-                        corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
-                        f_own = cute.math.exp2(m_ref[r] * scale_log2 - m_use * scale_log2, fastmath=True)
-                        row_sum[r] = row_sum[r] * corr + l_loc[r] * f_own
-                        row_max[r] = m_new
-                        acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
-                        for w in cutlass.range_constexpr(NW_N):
-                            m_w = sRed[row, w]
-                            mu_w = 0.0 if m_w == -cutlass.Float32.inf else m_w
-                            fac[r, w] = mt(cute.math.exp2(mu_w * scale_log2 - m_use * scale_log2,
-                                                          fastmath=True))
-
                 # ---------------- online softmax, P -> sP ----------------
-                for r in cutlass.range_constexpr(0 if self.softmax_local else n_rows):
+                for r in cutlass.range_constexpr(n_rows):
                     row = tScS[r, 0][0]
                     m_cur = cute.arch.fmax(
                         cute.arch.fmax(sRed[row, 0], sRed[row, 1]),
@@ -637,11 +441,10 @@ class MLADecodePartialFP8Reg:
                     row_max[r] = m_new
                     acc_S_mn[r, None] = p_row
                     acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
-                if cutlass.const_expr(not self.softmax_local):
-                    rP = cute.make_fragment_like(acc_S, mt)
-                    rP.store(acc_S.load().to(mt))
-                    cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
-                    cute.arch.barrier()
+                rP = cute.make_fragment_like(acc_S, mt)
+                rP.store(acc_S.load().to(mt))
+                cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
+                cute.arch.barrier()
 
                 # ---------------- O += P V (this warp's 128 columns) ----------------
                 # per (k-block, group a of 4 n-blocks): 4 tokens x one 32-bit load of 4
@@ -653,49 +456,20 @@ class MLADecodePartialFP8Reg:
                 nkv = cute.size(tOsP.shape[2])
                 for kb in cutlass.range_constexpr(nkv):
                     cute.copy(s2r_P, tOsP[None, None, kb], tOrP_v[None, None, kb])
-                    if cutlass.const_expr(self.softmax_local):
-                        # A value (v0, v1, v2) of atom m: row g + 8 v1 + 16 m (S row index
-                        # r = v1 + 2m), token 16 kb + 8 v2 + 2q + v0, written by warp (2 kb + v2) % 4
-                        for m_a in cutlass.range_constexpr(cute.size(tOrP.shape[1])):
-                            for v1 in cutlass.range_constexpr(2):
-                                for v2 in cutlass.range_constexpr(2):
-                                    for v0 in cutlass.range_constexpr(2):
-                                        vv = v0 + 2 * v1 + 4 * v2
-                                        tOrP[vv, m_a, kb] = (
-                                            tOrP[vv, m_a, kb] * fac[v1 + 2 * m_a, (2 * kb + v2) % NW_N])
                     for a in cutlass.range_constexpr(4):
                         for v in cutlass.range_constexpr(4):
                             cute.copy(ld32, tOsV[v, (None, a), kb, st], rV8[None, v])
-                        if cutlass.const_expr(a < self.pv_alu_groups):
-                            # word v = dims r = 0..3 of token v; B register (v0, v1) / (v2, v3)
-                            # of n-block r = byte r of words (0, 1) / (2, 3): prmt + ALU cvt
-                            rV32 = cute.recast_tensor(rV8, cutlass.Uint32)
-                            rVh = cute.make_rmem_tensor(cute.make_layout(16), mt)
-                            rVh32 = cute.recast_tensor(rVh, cutlass.Uint32)
+                        for v in cutlass.range_constexpr(4):
                             for r4 in cutlass.range_constexpr(4):
-                                rVh32[2 * r4] = e4m3_pair_to_f16x2(rV32[0], rV32[1], _pv_prmt_sel(r4))
-                                rVh32[2 * r4 + 1] = e4m3_pair_to_f16x2(rV32[2], rV32[3], _pv_prmt_sel(r4))
-                            for v in cutlass.range_constexpr(4):
-                                for r4 in cutlass.range_constexpr(4):
-                                    tOrV[v, (r4, a), kb] = rVh[4 * r4 + v]
-                        else:
-                            for v in cutlass.range_constexpr(4):
-                                for r4 in cutlass.range_constexpr(4):
-                                    rB8[_pv_index(v, r4)] = rV8[r4, v]
-                            rB16 = cute.make_rmem_tensor(cute.make_layout(16), mt)
-                            rB16.store(rB8.load().to(mt))
-                            for v in cutlass.range_constexpr(4):
-                                for r4 in cutlass.range_constexpr(4):
-                                    tOrV[v, (r4, a), kb] = rB16[_pv_index(v, r4)]
+                                rB8[_pv_index(v, r4)] = rV8[r4, v]
+                        rB16 = cute.make_rmem_tensor(cute.make_layout(16), mt)
+                        rB16.store(rB8.load().to(mt))
+                        for v in cutlass.range_constexpr(4):
+                            for r4 in cutlass.range_constexpr(4):
+                                tOrV[v, (r4, a), kb] = rB16[_pv_index(v, r4)]
                     cute.gemm(mma, acc_O, tOrP[None, None, kb], tOrV[None, None, kb], acc_O)
 
             cute.arch.cp_async_wait_group(0)
-            if cutlass.const_expr(self.pv_alu_groups > 0):
-                # columns of the ALU-converted V groups were accumulated with V * 2^-8
-                for a in cutlass.range_constexpr(self.pv_alu_groups):
-                    for r4 in cutlass.range_constexpr(4):
-                        acc_O[None, None, r4 + 4 * a].store(
-                            acc_O[None, None, r4 + 4 * a].load() * E4M3_ALU_SCALE)
 
             # ---------------- epilogue: row sums across the NW_N warps ----------------
             cute.arch.barrier()
@@ -744,44 +518,31 @@ class MLADecodePartialFP8Reg:
 # ---- host helpers (api.mla_decode_sm90 keeps using sm90_decode) ----
 
 
-def _build_partial_fp8(q_name: str, kv_name: str, block_m: int, layout, stages: int,
-                       cvt: str = "f2fp", q_regs: int = 0, softmax: str = "exchange"):
+def _build_partial_fp8(q_name: str, kv_name: str, block_m: int, layout, stages: int):
     from . import api
 
     k = MLADecodePartialFP8Reg(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
-                               layout, stages, cvt, q_regs, softmax)
+                               layout, stages)
     return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
 
 
-def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int = 2,
-                           cvt: str = "f2fp", q_regs: int = 0, softmax: str = "exchange"):
+def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int = 2):
     """Compiled fp8-register partial kernel for (q dtype, BLOCK_M); KV fp8-e4m3.
 
     Same kernel cache as api.get_partial_kernel (memory, disk, else compile),
-    under its own kind ``partial_fp8reg``.  cvt: one of CVT_MODES; q_regs: 64-dim
-    chunks of Q kept in registers; softmax: "exchange" or "local" (the defaults "f2fp",
-    0, "exchange" keep the original cache key).
+    under its own kind ``partial_fp8reg``.
     """
     from . import kernel_cache
 
-    if cvt not in CVT_MODES:
-        raise ValueError(f"cvt must be one of {sorted(CVT_MODES)}, got {cvt!r}")
     if layout is not None:
         layout = tuple(layout)
-    if softmax not in ("exchange", "local"):
-        raise ValueError(f"softmax must be 'exchange' or 'local', got {softmax!r}")
-    spec = (q_name, "fp8_e4m3", block_m, layout, stages)
-    if cvt != "f2fp" or q_regs or softmax != "exchange":
-        spec += (cvt, int(q_regs))
-    if softmax != "exchange":
-        spec += (softmax,)
-    return kernel_cache.get_or_build("partial_fp8reg", spec, _build_partial_fp8)
+    return kernel_cache.get_or_build("partial_fp8reg", (q_name, "fp8_e4m3", block_m, layout, stages),
+                                     _build_partial_fp8)
 
 
 def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                         out, lse, schedule, workspace, *, check: bool = True, layout=None,
-                        stages: int = 2, cvt: str = "f2fp", q_regs: int = 0,
-                        softmax: str = "exchange"):
+                        stages: int = 2):
     """``api.mla_decode_sm90`` with this partial kernel (same arguments and contract).
 
     Needs an fp8-e4m3 KV cache and s_q * H <= 32 (BLOCK_M 16 / 32).  Meant to run
@@ -803,7 +564,7 @@ def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_sc
     B, s_q, H, _ = q.shape
     R = s_q * H
     q_name = api._TORCH_TO_NAME[q.dtype]
-    partial = get_partial_kernel_fp8(q_name, schedule.block_m, layout, stages, cvt, q_regs, softmax)
+    partial = get_partial_kernel_fp8(q_name, schedule.block_m, layout, stages)
     combine = api.combine_kernel_for(q_name, schedule)
     o_part, lse_part = workspace
     s = float(sm_scale) * float(kv_scale)
