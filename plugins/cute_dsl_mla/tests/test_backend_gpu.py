@@ -41,6 +41,21 @@ class TestCuteDslWgmmaFp16Conformance(TestCuteDslWgmmaConformance):
     kv_dtypes = ("fp16", "fp8_e4m3")
 
 
+class TestCuteDslSeesawConformance(TestCuteDslConformance):
+    """The seesaw WGMMA schedule forced (auto takes it from 128 rows with KV in q's dtype), bf16 and fp16;
+    shapes it refuses (fp8 KV, s_q*H <= 32) are skipped with the backend's reason."""
+
+    options = {"mma": "seesaw"}
+    num_heads = (16, 63, 64, 126, 128)
+    kv_dtypes = ("bf16",)
+    single_cell_heads = 128
+
+
+class TestCuteDslSeesawFp16Conformance(TestCuteDslSeesawConformance):
+    q_dtype = "fp16"
+    kv_dtypes = ("fp16",)
+
+
 class TestCuteDslFp8RegConformance(TestCuteDslConformance):
     """The fp8-register kernel forced (auto takes it for fp8 caches up to 32 rows), two CTAs per SM;
     shapes it refuses (bf16 KV, s_q*H > 32) are skipped with the backend's reason."""
