@@ -72,6 +72,17 @@ def test_the_version_has_one_source():
     import mlacore
 
     assert mlacore.__version__ == metadata.version("mlacore")
+    # the plugins too: each package's __version__ is its distribution's (pyproject.toml), not a copy
+    for folder, package, dist in (("cute_dsl_mla", "mla_cute_dsl", "mla-cute-dsl"),
+                                  ("cutlass_mla", "mla_cutlass", "mla-cutlass"),
+                                  ("flashinfer_mla", "mla_flashinfer", "mla-flashinfer")):
+        declared = tomllib.loads((ROOT / "plugins" / folder / "pyproject.toml").read_text())["project"]["version"]
+        assert metadata.version(dist) == declared, f"{dist}: reinstall the plugin (pip install -e)"
+        init = (ROOT / "plugins" / folder / package / "__init__.py").read_text()
+        assert "__version__ = " not in init, f"{package} keeps its own copy of the version"
+        module = __import__(package)
+        if hasattr(module, "__version__"):
+            assert module.__version__ == declared
 
 
 def test_the_makefile_demo_installs_only_the_cli():
