@@ -54,8 +54,9 @@ WGMMA_MIN_ROWS = 64
 # (BLOCK_M 16 / 32); measured 1.4-1.5x faster than mma.sync at 16 and 32 rows with two CTAs per SM
 # (docs/results/h200_fp8_h16_speed.txt)
 FP8REG_MAX_ROWS = 32
-# auto picks the seesaw WGMMA schedule (KV in q's dtype) from this many rows: 1.06-1.12x faster than the
-# plain WGMMA kernel at 128 and 256 rows, 0.98x at 64 rows (docs/results/h200_wgmma_seesaw_speed.txt)
+# auto picks the seesaw WGMMA schedule (KV in q's dtype) from this many rows: 1.02-1.12x faster than the
+# plain WGMMA kernel at 128 and 256 rows, 0.98x at 64 rows, measured at batch 16-128
+# (docs/results/h200_wgmma_seesaw_speed.txt)
 SEESAW_MIN_ROWS = 128
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg"]

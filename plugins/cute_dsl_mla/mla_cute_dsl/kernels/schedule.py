@@ -56,9 +56,10 @@ def wide_combine_for(batch: int, rows: int, num_sms: int) -> bool:
     """Whether MLACombineWide (one CTA per row and 128-column chunk, warps share out the splits) merges a
     step: when MLACombine would have fewer CTAs than the GPU has SMs. Small batches are split many ways
     (the schedule fills every SM), so each of those few warps walks a long list. On an H200 the wide kernel
-    took B=1 H=16 S=4096 from 35.5 to 11.8 us; with 128 per-row CTAs or more it was the same or slower
-    (H=128 s_q=2 B=4, 256 CTAs: 19.4 -> 24.4 us). Batch and rows only, never the lengths: a CUDA graph
-    captured at one step replays the same combine at every later step of its batch size."""
+    took B=1 H=16 S=4096 from 35.5 to 11.8 us; with 256 per-row CTAs it was slower (H=128 s_q=2 B=4:
+    19.4 -> 24.4 us) and with 128 mixed (S=512: 4-6% slower, S=4096-16384: 2-4% faster). Batch and
+    rows only, never the lengths: a CUDA graph captured at one step replays the same combine at every
+    later step of its batch size."""
     return batch * -(-rows // COMBINE_ROWS_PER_CTA) < num_sms
 
 
