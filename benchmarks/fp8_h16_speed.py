@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from wgmma_speed import diff, print_table, time_graph, versions  # noqa: E402
+from wgmma_speed import diff, print_table, time_rows, versions  # noqa: E402
 
 PAGE = 64
 SM_SCALE = 1.0 / math.sqrt(128 + 64)
@@ -145,23 +145,7 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list):
                 rows[label]["status"] = "mismatch"
             print(f"  check {label} vs {ref}: out rel {d['out_rel']:.2e}, lse max abs {d['lse_max_abs']:.2e}"
                   f"{'  MISMATCH' if bad else ''}", flush=True)
-    for label, (run, outs, lses) in runners.items():
-        row = rows[label]
-        try:
-            med, how = time_graph(run, outs, lses, reps)
-        except Exception as exc:
-            row["status"] = "error"
-            row["error"] = f"timing: {type(exc).__name__}: {exc}"[:400]
-            continue
-        row.update(us=round(med, 2), timing=how, gbps=round(nbytes / med / 1e3, 1),
-                   tflops=round(flops / med / 1e6, 1))
-    fa3_us = rows.get("fa3", {}).get("us")
-    for row in rows.values():
-        if fa3_us and row.get("us"):
-            row["x_fa3"] = round(fa3_us / row["us"], 3)
-    for dec in closers:
-        dec.close()
-    return list(rows.values())
+    return time_rows(runners, rows, reps, nbytes, flops, closers)
 
 
 def main(argv=None):

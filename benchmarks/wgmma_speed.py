@@ -211,6 +211,11 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes):
                   f"lse max abs {d['lse_max_abs']:.2e}{', NaN' if d['nan'] else ''}"
                   f"{', -inf rows differ' if d['lse_inf_differs'] else ''}{'  MISMATCH' if bad else ''}",
                   flush=True)
+    return time_rows(runners, rows, reps, nbytes, flops, closers)
+
+
+def time_rows(runners, rows, reps, nbytes, flops, closers):
+    """Time every runner (CUDA-graph replay), fill its row (us, GB/s, TFLOP/s, x fa3), close the decoders."""
     for name, (run, outs, lses) in runners.items():
         row = rows[name]
         try:

@@ -111,17 +111,18 @@ def shape_reasons(shape: DecodeShape) -> List[str]:
     return out
 
 
-def wgmma_reasons(shape: DecodeShape) -> List[str]:
-    """Why the WGMMA kernel cannot take a shape the mma.sync kernels take (empty: it can)."""
+def wgmma_reasons(shape: DecodeShape, option: str = "wgmma") -> List[str]:
+    """Why a WGMMA kernel (mma=wgmma or mma=seesaw: 64-row tiles) cannot take a shape the mma.sync kernels
+    take (empty: it can)."""
     if shape.seq_len_q * shape.num_heads <= 32:
-        return [f"mma=wgmma: s_q*num_heads={shape.seq_len_q * shape.num_heads} <= 32 (its tile is 64 query "
+        return [f"mma={option}: s_q*num_heads={shape.seq_len_q * shape.num_heads} <= 32 (its tile is 64 query "
                 "rows, at least half of them padding here; the mma.sync kernels' 16/32-row tiles fit)"]
     return []
 
 
 def seesaw_reasons(shape: DecodeShape) -> List[str]:
     """Why the seesaw WGMMA kernel cannot take a shape the mma.sync kernels take (empty: it can)."""
-    out = [r.replace("mma=wgmma", "mma=seesaw") for r in wgmma_reasons(shape)]
+    out = wgmma_reasons(shape, "seesaw")
     if shape.kv_dtype != shape.q_dtype:
         out.append(f"mma=seesaw: kv_dtype={shape.kv_dtype}: this schedule reads a cache in q's dtype "
                    f"({shape.q_dtype}) only; mma=wgmma takes fp8")

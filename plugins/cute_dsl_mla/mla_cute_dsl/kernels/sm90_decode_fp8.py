@@ -554,24 +554,11 @@ def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_sc
     from . import api
 
     if check:
-        api.check_inputs(q, kv_cache, page_table, kv_lens, out, lse)
-        if schedule.s_q != q.shape[1] or schedule.num_heads != q.shape[2]:
-            raise ValueError("schedule was made for another s_q / num_heads")
+        api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
         if kv_cache.dtype != torch.float8_e4m3fn:
             raise ValueError("fp8 variant: kv_cache must be float8_e4m3fn")
         if schedule.block_m not in (16, 32):
             raise ValueError(f"fp8 variant: s_q * H must be <= 32, got {schedule.rows}")
-    B, s_q, H, _ = q.shape
-    R = s_q * H
-    q_name = api._TORCH_TO_NAME[q.dtype]
-    partial = get_partial_kernel_fp8(q_name, schedule.block_m, layout, stages)
-    combine = api.combine_kernel_for(q_name, schedule)
-    o_part, lse_part = workspace
-    s = float(sm_scale) * float(kv_scale)
-    stream = api._cu_stream(torch.cuda.current_stream().cuda_stream)
-    o3 = out.view(B, R, D_V)
-    l2 = lse.view(B, R)
-    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, o3, l2, schedule.work_info,
-            o_part, lse_part, s * api.LOG2_E, s, float(kv_scale), s_q, H, stream)
-    combine(o3, l2, schedule.split_info, o_part, lse_part, stream)
-    return out, lse
+    partial = get_partial_kernel_fp8(api._TORCH_TO_NAME[q.dtype], schedule.block_m, layout, stages)
+    return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                      workspace)
