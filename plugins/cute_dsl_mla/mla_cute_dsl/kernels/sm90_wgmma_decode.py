@@ -829,13 +829,20 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         (count 128: the part is complete once every thread of the warpgroup arrived)."""
         mt = self.mma_dtype
         valid = kv_len - n * BLOCK_N
-        for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
-            for i in cutlass.range_constexpr(len(blocks)):
-                rH = cute.make_rmem_tensor_like(tKsK[None, m, blocks[i], stage], mt)
-                rH.store(rRaw[None, m, i].load().to(mt))
-                if tKcK[0, m, 0][0] >= valid:
-                    rH.fill(0)
-                cute.copy(r2s, rH, tKsK[None, m, blocks[i], stage])
+        if valid >= BLOCK_N:  # CTA-uniform: only a request's last tile has rows to zero
+            for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+                for i in cutlass.range_constexpr(len(blocks)):
+                    rH = cute.make_rmem_tensor_like(tKsK[None, m, blocks[i], stage], mt)
+                    rH.store(rRaw[None, m, i].load().to(mt))
+                    cute.copy(r2s, rH, tKsK[None, m, blocks[i], stage])
+        else:
+            for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+                for i in cutlass.range_constexpr(len(blocks)):
+                    rH = cute.make_rmem_tensor_like(tKsK[None, m, blocks[i], stage], mt)
+                    rH.store(rRaw[None, m, i].load().to(mt))
+                    if tKcK[0, m, 0][0] >= valid:
+                        rH.fill(0)
+                    cute.copy(r2s, rH, tKsK[None, m, blocks[i], stage])
         cute.arch.fence_view_async_shared()
         cute.arch.mbarrier_arrive(mbar_ptr)
 
@@ -1279,8 +1286,17 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                             self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg2, n_start + ta + 2,
                                               SEESAW_LOAD_BLOCKS[1][1], blocks_per_page, kv_len, tKcK,
                                               rRaw)
-                        warpgroup.wait_group(0)
-                        if ta + 2 < T:  # columns 256..575 of buffer 0 are free
+                        warpgroup.wait_group(0)  # P_a V_R done: columns 256..575 of buffer 0 free
+                        if ta + 1 < T:
+                            # O_R *= scale_b, issue P_b V_R (RS) and convert tile a+2's part under it
+                            for r in cutlass.range_constexpr(n_rows):
+                                acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
+                            warpgroup.fence()
+                            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+                                cute.gemm(mma_o_rs, acc_O, tOrP[None, None, k], tOrV[None, None, k, 1],
+                                          acc_O)
+                            warpgroup.commit_group()
+                        if ta + 2 < T:
                             self.store_part_fp8(r2s_wg, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[1][1],
                                                 kv_len, tKcK, tKsK, rRaw, mbar + 1)
                         if ta + 1 < T:
@@ -1288,9 +1304,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                 self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg3, n_start + ta + 3,
                                                   SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len,
                                                   tKcK, rRaw)
-                            for r in cutlass.range_constexpr(n_rows):
-                                acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
-                            self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
+                            warpgroup.wait_group(0)  # P_b V_R done: columns 256..511 of buffer 1 free
                             if ta + 3 < T:
                                 self.store_part_fp8(r2s_wg, n_start + ta + 3, 1,
                                                     SEESAW_LOAD_BLOCKS[1][0], kv_len, tKcK, tKsK, rRaw,
@@ -1450,13 +1464,14 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int):
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None):
-    """Compiled seesaw WGMMA partial kernel (KV in the q dtype only); kernel cache kind
+    """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
+    (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key (q, kv, 64)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
-    if kv_name != q_name:
-        raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name}, got {kv_name}")
+    if kv_name not in (q_name, "fp8_e4m3"):
+        raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
     return kernel_cache.get_or_build("partial_wgmma_seesaw", (q_name, kv_name, BLOCK_M),
                                      _build_partial_wgmma_seesaw)
 
@@ -1464,7 +1479,7 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None):
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
-    KV cache in the q dtype)."""
+    KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504)."""
     from . import api
 
     if check:
