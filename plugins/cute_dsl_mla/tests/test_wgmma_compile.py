@@ -747,9 +747,10 @@ def test_seesaw_fp8_ptx_structure(q, tmp_path):
     cvt.rn.f16x2.e4m3x2 (576 per copy of the conversion, two copies: tiles without and with
     rows past kv_len), nothing via f32; 4 mbarriers of count 128 with plain arrives only;
     every part: st.shared -> fence.proxy.async -> mbarrier.arrive; every mbarrier wait ->
-    fence -> wgmma.fence; in the loop each part's ld.global's are issued before the
-    wgmma.wait_group that frees its columns and converted after it, and WG1 converts tile
-    a+2's part while its own P_b V WGMMAs are in flight; L2 prefetch of 36,864 B per tile."""
+    fence -> wgmma.fence; L2 prefetch of 36,864 B per tile; and the pair loop's order of
+    loads, conversions, WGMMA issues, waits and barriers, event by event (each part's
+    ld.global's issued before the wgmma wait that frees its columns; WG0 converts tile b's
+    part under its S_a WGMMAs and WG1 tile a+2's under its P_b V_R WGMMAs)."""
     import re
 
     ptx, regs, frame = _compile_dump_seesaw(q, tmp_path, "fp8_e4m3")
@@ -797,30 +798,35 @@ def test_seesaw_fp8_ptx_structure(q, tmp_path):
     assert len(pf) == 2 and all(f"mov.b32 {r}, 36864;" in flat for r in pf), pf
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
 
-    # event order after the prologue's CTA barrier (the pair loop): per load site, the
-    # ld.global's of the part, then a wgmma.wait_group, then its conversion + arrive
+    # the pair loop in PTX order (between the prologue's and the epilogue's CTA barrier),
+    # runs of equal events collapsed; a part's conversion = 4 cvt per 8 elements, two copies
+    # (tiles without / with rows past kv_len): CVTx160 for 5 blocks, CVTx128 for 4
     toks = re.findall(r"ld\.global\.v2\.b32|cvt\.rn\.f16x2\.e4m3x2|wgmma\.wait_group\.sync\.aligned 0|"
-                      r"wgmma\.commit_group|mbarrier\.arrive\.shared\.b64|bar\.sync 0|"
-                      r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", flat)
-    loop = toks[[i for i, x in enumerate(toks) if x == "bar.sync 0"][1]:]  # after the prologue
-    sites, cur = [], []
-    for x in loop:
-        cur.append(x)
-        if x.startswith("mbarrier.arrive"):
-            sites.append(cur)
-            cur = []
-    assert len(sites) == 4, len(sites)
-    for i, ev in enumerate(sites):
-        last_ldg = max(j for j, x in enumerate(ev) if x == "ld.global.v2.b32")
-        first_cvt = ev.index("cvt.rn.f16x2.e4m3x2")
-        assert ev.count("ld.global.v2.b32") in (16, 20), i
-        # loads issued before a WGMMA wait, converted after it
-        assert "wgmma.wait_group.sync.aligned 0" in ev[last_ldg:first_cvt], i
-    # WG1, tile a+2 (the 3rd site): P_b V_R issued and committed after the wait, before the
-    # conversion, with no wait in between: the conversion runs under its own WGMMAs
-    ev = sites[2]
-    first_cvt = ev.index("cvt.rn.f16x2.e4m3x2")
-    w = max(j for j in range(first_cvt) if ev[j] == "wgmma.wait_group.sync.aligned 0")
-    between = ev[w + 1:first_cvt]
-    assert between.count("wgmma.mma_async.sync.aligned.m64n256k16") == 4
-    assert between[-1] == "wgmma.commit_group"
+                      r"wgmma\.commit_group|mbarrier\.arrive\.shared\.b64|mbarrier\.try_wait|bar\.sync \d|"
+                      r"bar\.arrive \d|wgmma\.mma_async\.sync\.aligned\.m64n\d+k16", flat)
+    names = {"ld.global.v2.b32": "ldg", "cvt.rn.f16x2.e4m3x2": "CVT", "wgmma.wait_group.sync.aligned 0": "wait",
+             "wgmma.commit_group": "commit", "mbarrier.arrive.shared.b64": "arrive", "mbarrier.try_wait": "mwait",
+             "wgmma.mma_async.sync.aligned.m64n64k16": "QK", "wgmma.mma_async.sync.aligned.m64n256k16": "PV"}
+    run = []
+    for x in toks[[i for i, x in enumerate(toks) if x == "bar.sync 0"][1]:]:
+        x = names.get(x, x)
+        if run and run[-1][0] == x:
+            run[-1][1] += 1
+        else:
+            run.append([x, 1])
+    got = " ".join(f"{n}{'x%d' % c if c > 1 else ''}" for n, c in run)
+    want = " ".join([
+        "bar.sync 0",
+        # WG0: S_a issued (own part, then the other), tile b's staged part converted under it
+        "mwait QKx16 commit mwait QKx20 commit CVTx160 arrive wait",
+        # publish P_a; tile a+2's part loaded during P_a V_L, converted after its wait
+        "bar.arrive 1 ldgx16 PVx4 commit wait CVTx128 arrive",
+        # tile b+2's part loaded during the P_b wait and P_b V_L (converted next pair)
+        "ldgx20 bar.sync 2 PVx4 commit wait",
+        # WG1: S_b; P_a V_R issued; publish P_b; tile a+2's part loaded under P_a V_R ...
+        "mwait QKx16 commit mwait QKx20 commit wait bar.sync 1 PVx4 commit bar.arrive 2 ldgx20 wait",
+        # ... and converted under its own P_b V_R; tile b+2's part loaded under the rest of it
+        "PVx4 commit CVTx160 arrive ldgx16 wait CVTx128 arrive",
+        "bar.sync 0",
+    ])
+    assert got == want, got

@@ -932,10 +932,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     def qk(
         self, mma_s_first: cute.TiledMma, mma_s: cute.TiledMma, acc_S: cute.Tensor,
         tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: cutlass.Constexpr, order: cutlass.Constexpr,
-        mbar_own, mbar_other, parity: cutlass.Int32,
+        mbar_own, mbar_other, parity: cutlass.Int32, wait: cutlass.Constexpr = True,
     ):
         """S = Q K^T for the tile in sK[:, :, stage]: wait for this warpgroup's part of the tile,
-        issue its k-blocks, wait for the other part, issue the rest, wait for all."""
+        issue its k-blocks, wait for the other part, issue the rest, wait for all (unless
+        ``wait`` is False: the caller waits, fp8 KV converts a part in between)."""
         cute.arch.mbarrier_wait(mbar_own, parity)
         cute.arch.fence_view_async_shared()
         warpgroup.fence()
@@ -951,7 +952,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             k = order[1][i]
             cute.gemm(mma_s, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(wait):
+            warpgroup.wait_group(0)
 
     @cute.jit
     def softmax_publish(
@@ -1245,8 +1247,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     # ld.global'ed into registers *before* the wait that frees its columns
                     # (under the P V WGMMAs / the P barrier), then converted and stored
                     if wg == 0:
+                        # issue S_a, then convert this pair's tile b part (columns 0..255 + RoPE,
+                        # ld.global'ed during the previous pair) under those WGMMAs, then wait
                         self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
-                                mbar + 0, mbar + 1, parity)
+                                mbar + 0, mbar + 1, parity, False)
+                        if p > 0 and ta + 1 < T:
+                            self.store_part_fp8(r2s_wg, n_start + ta + 1, 1, SEESAW_LOAD_BLOCKS[0][1],
+                                                kv_len, tKcK, tKsK, rRaw, mbar + 2)
+                        warpgroup.wait_group(0)
                         self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
                                              acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
                                              scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
@@ -1260,17 +1268,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                             self.store_part_fp8(r2s_wg, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[0][0],
                                                 kv_len, tKcK, tKsK, rRaw, mbar + 0)
                         if ta + 1 < T:
-                            if ta + 3 < T:  # tile b+2, columns 0..255 + RoPE: in flight during
-                                # the wait for P_b and the P_b V_L WGMMAs
+                            if ta + 3 < T:  # tile b+2, columns 0..255 + RoPE: staged in registers
+                                # here, stored under the next pair's S_{a+2} WGMMAs (above)
                                 self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg3, n_start + ta + 3,
                                                   SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len,
                                                   tKcK, rRaw)
                             self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
                                            row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
-                            if ta + 3 < T:  # columns 0..255 and P's block of buffer 1 are free
-                                self.store_part_fp8(r2s_wg, n_start + ta + 3, 1,
-                                                    SEESAW_LOAD_BLOCKS[0][1], kv_len, tKcK, tKsK, rRaw,
-                                                    mbar + 2)
                     else:
                         if ta + 1 < T:
                             self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
