@@ -126,11 +126,14 @@ def test_wgmma_matches_mma_sync_kernel(variant):
 
 @needs_sm90
 @pytest.mark.parametrize("s_q,H,dtype,kv_dtype", [
-    (1, 128, torch.bfloat16, None), (2, 64, torch.bfloat16, None),
-    (1, 128, torch.float16, None), (3, 40, torch.float16, None),
-    # fp8 e4m3 KV (register-staged conversion): bf16 and fp16 q
-    (1, 128, torch.bfloat16, torch.float8_e4m3fn), (2, 64, torch.bfloat16, torch.float8_e4m3fn),
-    (3, 40, torch.float16, torch.float8_e4m3fn),
+    pytest.param(1, 128, torch.bfloat16, None, id="sq1-H128-bf16"),
+    pytest.param(2, 64, torch.bfloat16, None, id="sq2-H64-bf16"),
+    pytest.param(1, 128, torch.float16, None, id="sq1-H128-fp16"),
+    pytest.param(3, 40, torch.float16, None, id="sq3-H40-fp16"),
+    # fp8 e4m3 KV (register-staged conversion, branch wgmma-fp8-seesaw): bf16 and fp16 q
+    pytest.param(1, 128, torch.bfloat16, torch.float8_e4m3fn, id="sq1-H128-bf16-fp8"),
+    pytest.param(2, 64, torch.bfloat16, torch.float8_e4m3fn, id="sq2-H64-bf16-fp8"),
+    pytest.param(3, 40, torch.float16, torch.float8_e4m3fn, id="sq3-H40-fp16-fp8"),
 ])
 def test_seesaw_whole_requests_every_tile_count(s_q, H, dtype, kv_dtype):
     """One work item per request (a schedule made for 1 SM: no splits, out written

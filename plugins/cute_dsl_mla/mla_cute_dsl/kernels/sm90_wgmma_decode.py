@@ -55,6 +55,9 @@ Schedule (FlashMLA's first SM90 kernel, not yet the "seesaw" one):
   8 elements), ``fence_view_async_shared`` (generic st.shared -> WGMMA's async
   proxy), barrier, then the same WG0 / WG1 math with sK buffer 0.  The
   conversion does not overlap the WGMMAs (one sK buffer; see NOTES.md).
+* ``MLADecodePartialWGMMASeesaw`` (below): both warpgroups compute S for alternate
+  tiles; with fp8 KV it converts per warpgroup from registers into two fp16 K tiles,
+  overlapped with the WGMMAs (branch wgmma-fp8-seesaw, NOTES.md).
 * Rows past ``s_q * H`` are zero in sQ and never written.  Masked scores are
   -inf; fully masked rows give out = 0 and lse = -inf (same contract as the
   mma.sync kernel).
@@ -710,7 +713,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     """Split-KV partial kernel, WGMMA, "seesaw" schedule (both warpgroups compute S).
 
     Same host interface, work items, partial buffers and combine kernel as
-    ``MLADecodePartialWGMMA``; 16-bit KV only (bf16 / fp16 in the q dtype).
+    ``MLADecodePartialWGMMA``; KV in the q dtype (bf16 / fp16) or fp8 e4m3 (below).
 
     * Tiles of a work item go in pairs (a = 2p, b = 2p + 1 in local order):
       warpgroup 0 owns a (K buffer 0), warpgroup 1 owns b (K buffer 1).  The
@@ -739,6 +742,18 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       fine-grained idea at two granules).
     * Smem: sQ 72 KB + 2 x sK 72 KB + sScale / sMax / sL (2 x 64 fp32 each) +
       4 mbarriers = 222,752 B (no separate sP).
+    * fp8 e4m3 KV (branch wgmma-fp8-seesaw; compile-checked, not yet run on a GPU):
+      the same schedule, tiles, parts and mbarriers, fp16 MMAs (q converted as in
+      ``MLADecodePartialWGMMA``), the same 222,752 B: no raw fp8 ring in smem.  A
+      warpgroup ld.global's its fp8 part of a tile (4 or 5 64-column blocks, 8 fp8 per
+      thread-copy, up to 40 registers) *before* the WGMMA wait that frees those columns,
+      then converts it (cvt.rn.f16x2.e4m3x2; rows past kv_len selected to 0 on a
+      request's last tile) and st.shared's it into the fp16 K tile, fences (generic ->
+      async proxy) and arrives on the part's mbarrier (count 128, plain arrives).  Two
+      conversions run under the converting warpgroup's own WGMMAs: WG0 stages its part of
+      tile b+2 at the end of a pair and stores it in the next pair after issuing S_{a+2};
+      WG1 stores its part of tile a+2 after issuing its P_b V_R.  The other two run in
+      the other warpgroup's WGMMA time (seesaw).  See NOTES.md.
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M):
