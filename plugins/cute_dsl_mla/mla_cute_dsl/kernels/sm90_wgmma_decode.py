@@ -1257,10 +1257,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
                 pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
                 if cutlass.const_expr(self.is_fp8):
-                    # fp8 KV: the same schedule and the same smem writes at the same places as
-                    # the cp.async version (the barrier protocol is unchanged), but each part is
-                    # ld.global'ed into registers *before* the wait that frees its columns
-                    # (under the P V WGMMAs / the P barrier), then converted and stored
+                    # fp8 KV: the same schedule, parts, mbarriers and named barriers as the
+                    # cp.async version; each part is ld.global'ed into registers *before* the
+                    # wait that frees its columns, then converted and stored.  Two stores move
+                    # under the converting warpgroup's own WGMMAs (WG0: tile b under S_a; WG1:
+                    # tile a+2 under P_b V_R); tests/test_seesaw_protocol.py models this order
                     if wg == 0:
                         # issue S_a, then convert this pair's tile b part (columns 0..255 + RoPE,
                         # ld.global'ed during the previous pair) under those WGMMAs, then wait
