@@ -16,6 +16,7 @@ SHAPES = {  # kernel: (B, s_q, H, S, kv dtype)
     "seesaw": (128, 1, 128, 4096, torch.bfloat16),
     "wgmma": (128, 1, 128, 4096, torch.bfloat16),
     "wgmma_fp8": (128, 1, 128, 4096, torch.float8_e4m3fn),
+    "seesaw_fp8": (128, 1, 128, 4096, torch.float8_e4m3fn),  # branch wgmma-fp8-seesaw
     "fp8reg": (64, 1, 16, 8192, torch.float8_e4m3fn),
 }
 
@@ -30,7 +31,8 @@ def main() -> None:
     a = ap.parse_args()
     B, s_q, H, S, kv_dtype = SHAPES[a.kernel]
     fn = {"seesaw": mla_decode_sm90_wgmma_seesaw, "wgmma": mla_decode_sm90_wgmma,
-          "wgmma_fp8": mla_decode_sm90_wgmma, "fp8reg": mla_decode_sm90_fp8}[a.kernel]
+          "wgmma_fp8": mla_decode_sm90_wgmma, "seesaw_fp8": mla_decode_sm90_wgmma_seesaw,
+          "fp8reg": mla_decode_sm90_fp8}[a.kernel]
     pages = S // 64
     q = torch.randn(B, s_q, H, 576, device="cuda").to(torch.bfloat16)
     kv = torch.randn(B * pages, 64, 576, device="cuda").to(kv_dtype)

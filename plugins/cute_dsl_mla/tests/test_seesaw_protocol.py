@@ -18,6 +18,15 @@ happens-before with vector clocks.  Checked for T = 0..11 and many interleavings
 
 The model mirrors the kernel by hand: keep it in step with ``kernel_seesaw`` (the mutation test
 checks that it would catch a misplaced load, a missing wait or a swapped barrier).
+
+fp8 KV (``fp8=True``, branch wgmma-fp8-seesaw): a part is ld.global'ed into registers ("ldg",
+no shared-memory effect, one staging register set per warpgroup) and later converted and
+st.shared'ed ("load": the smem write, complete when the part's mbarrier phase completes: the
+stores precede the arrive).  Same events as the cp.async kernel except for two moved stores: WG1
+issues its P_b V WGMMAs (reads of buffer 1) *before* converting tile a+2's part into buffer 0
+and waits for them afterwards; WG0 stages its part of tile b+2 at the end of pair p and stores
+it in pair p + 1 after issuing S_{a+2} (reads of buffer 0), before waiting for them.  Checked in addition: every "load" converts exactly the part the
+warpgroup's last "ldg" fetched, and no "ldg" overwrites staged registers not yet stored.
 """
 
 from __future__ import annotations
@@ -30,8 +39,11 @@ import pytest
 LOAD = {0: ((0, 1, 2, 3), (0, 1, 2, 3, 8)), 1: ((4, 5, 6, 7), (4, 5, 6, 7, 8))}
 
 
-def wg_program(w, T, mutate=None):
+def wg_program(w, T, mutate=None, fp8=False):
     """Events of warpgroup w for an item of T tiles (tile a = 2p in buffer 0, b = 2p + 1 in buffer 1)."""
+    if fp8:
+        yield from wg_program_fp8(w, T, mutate)
+        return
     for t in range(2):  # prologue: tiles 0 and 1, mbarrier 2 * buffer + loading warpgroup
         if T > t:
             yield ("load", t, t, LOAD[w][0 if t == w else 1], 2 * t + w)
@@ -91,14 +103,88 @@ def wg_program(w, T, mutate=None):
     yield ("ctabar",)
 
 
+def wg_program_fp8(w, T, mutate=None):
+    """fp8 KV (``kernel_seesaw`` with ``is_fp8``): "ldg" = ld.global of a part into the staging
+    registers, "load" = its conversion + st.shared + fence + mbarrier arrive."""
+    for t in range(2):  # prologue: ldg then store at once
+        if T > t:
+            blocks = LOAD[w][0 if t == w else 1]
+            yield ("ldg", t, blocks)
+            yield ("load", t, t, blocks, 2 * t + w)
+    yield ("ctabar",)
+    for p in range((T + 1) // 2):
+        ta, par = 2 * p, p % 2
+        if w == 0:
+            yield ("mwait", 0, par)  # S_a issued, not waited
+            yield ("read", 0, ta, (0, 1, 2, 3), "K")
+            yield ("mwait", 1, par)
+            yield ("read", 0, ta, (4, 5, 6, 7, 8), "K")
+            if p > 0 and ta + 1 < T and mutate != "fp8_store_before_wait":
+                yield ("load", ta + 1, 1, LOAD[0][1], 2)  # tile b's part (staged last pair), under S_a
+            yield ("wait_reads",)
+            yield ("write_p", 0, ta)
+            yield ("write_scale", 0, ta)
+            yield ("arrive", 1)
+            if ta + 2 < T:
+                yield ("ldg", ta + 2, LOAD[0][0])  # in flight during P_a V_L
+            yield ("read", 0, ta, (0, 1, 2, 3), "K")  # pv_rs, waited
+            yield ("wait_reads",)
+            if ta + 2 < T:
+                yield ("load", ta + 2, 0, LOAD[0][0], 0)
+            if ta + 1 < T:
+                if ta + 3 < T:
+                    yield ("ldg", ta + 3, LOAD[0][1])  # staged; stored in the next pair
+                yield ("sync", 2)
+                yield ("read_scale", 1, ta + 1)
+                yield ("read", 1, ta + 1, (0, 1, 2, 3), "K")
+                yield ("read", 1, ta + 1, (8,), "P")
+                if mutate == "fp8_store_before_wait" and ta + 3 < T:
+                    yield ("load", ta + 3, 1, LOAD[0][1], 2)
+                yield ("wait_reads",)
+        else:
+            if ta + 1 < T:
+                yield ("mwait", 3, par)
+                yield ("read", 1, ta + 1, (4, 5, 6, 7), "K")
+                yield ("mwait", 2, par)
+                yield ("read", 1, ta + 1, (0, 1, 2, 3, 8), "K")
+                yield ("wait_reads",)
+            yield ("sync", 1)  # pv_remote(a), not waited
+            yield ("read_scale", 0, ta)
+            yield ("read", 0, ta, (4, 5, 6, 7), "K")
+            yield ("read", 0, ta, (8,), "P")
+            if ta + 1 < T:
+                yield ("write_p", 1, ta + 1)
+                yield ("write_scale", 1, ta + 1)
+                yield ("arrive", 2)
+            if ta + 2 < T:
+                yield ("ldg", ta + 2, LOAD[1][1])  # in flight under P_a V_R
+            if mutate == "fp8_double_ldg" and ta + 3 < T:
+                yield ("ldg", ta + 3, LOAD[1][0])
+            yield ("wait_reads",)  # P_a V_R done: buffer 0 columns 256..575 free
+            if ta + 1 < T:
+                yield ("read", 1, ta + 1, (4, 5, 6, 7), "K")  # P_b V_R issued, not waited
+            if ta + 2 < T:
+                yield ("load", ta + 2, 0, LOAD[1][1], 1)  # converted under P_b V_R
+            if ta + 1 < T:
+                if ta + 3 < T and mutate != "fp8_double_ldg":
+                    yield ("ldg", ta + 3, LOAD[1][0])
+                if mutate == "fp8_store_before_wait" and ta + 3 < T:
+                    yield ("load", ta + 3, 1, LOAD[1][0], 3)
+                yield ("wait_reads",)
+                if ta + 3 < T and mutate != "fp8_store_before_wait":
+                    yield ("load", ta + 3, 1, LOAD[1][0], 3)
+    yield ("ctabar",)
+
+
 def _hb(a, b):
     return a[0] <= b[0] and a[1] <= b[1]
 
 
-def run(T, seed, mutate=None):
+def run(T, seed, mutate=None, fp8=False):
     """Interleave the two programs at random; return the list of violations (empty: fine)."""
     rng = random.Random(seed)
-    progs = [wg_program(0, T, mutate), wg_program(1, T, mutate)]
+    progs = [wg_program(0, T, mutate, fp8), wg_program(1, T, mutate, fp8)]
+    staged = [None, None]  # fp8: (tile, blocks) in each warpgroup's staging registers
     vc = [[0, 0], [0, 0]]
     nxt = [next(progs[0], None), next(progs[1], None)]
     phase_done = [0] * 4  # completed phases per mbarrier
@@ -141,6 +227,14 @@ def run(T, seed, mutate=None):
             vc[0], vc[1] = list(merged), list(merged)
             nxt = [next(progs[0], None), next(progs[1], None)]
             continue
+        if kind == "ldg":
+            if staged[w] is not None:
+                errors.append(f"WG{w}: ldg of tile {ev[1]} over staged tile {staged[w][0]} not yet stored")
+            staged[w] = (ev[1], tuple(ev[2]))
+        if kind == "load" and fp8:
+            if staged[w] != (ev[1], tuple(ev[3])):
+                errors.append(f"WG{w}: stores tile {ev[1]} blocks {ev[3]} but staged {staged[w]}")
+            staged[w] = None
         if kind == "load":
             _, t, buf, blocks, mb = ev
             for blk in blocks:
@@ -221,3 +315,31 @@ def test_the_model_catches_broken_orders(mutate):
     """A load issued before the warpgroup's own P V wait, a skipped wait on the warpgroup's own
     cp.async part, a rescale read before the barrier: each is reported for some T."""
     assert any(run(T, seed, mutate) for T in range(1, 8) for seed in range(20))
+
+
+@pytest.mark.parametrize("T", range(12))
+def test_seesaw_fp8_protocol_has_no_deadlock_or_hazard(T):
+    bad = {seed: e for seed in range(150) if (e := run(T, seed, fp8=True))}
+    assert not bad, next(iter(bad.items()))
+
+
+def test_seesaw_fp8_program_is_the_cp_async_program_plus_ldg_and_one_moved_store():
+    """Without the "ldg" events, the fp8 programs are the cp.async programs with two stores
+    moved (WG1's tile a+2 after the issue of its P_b V reads, WG0's tile b+2 into the next
+    pair after the issue of S_{a+2}): the same events, each exactly once, one ldg per store."""
+    for T in range(12):
+        for w in (0, 1):
+            base = list(wg_program(w, T))
+            f8 = [e for e in wg_program(w, T, fp8=True) if e[0] != "ldg"]
+            assert sorted(map(repr, base)) == sorted(map(repr, f8)), (T, w)
+            # every non-load event keeps its order
+            assert [e for e in base if e[0] != "load"] == [e for e in f8 if e[0] != "load"], (T, w)
+            n_ldg = sum(e[0] == "ldg" for e in wg_program(w, T, fp8=True))
+            assert n_ldg == sum(e[0] == "load" for e in base), (T, w)
+
+
+@pytest.mark.parametrize("mutate", ["fp8_store_before_wait", "fp8_double_ldg"])
+def test_the_model_catches_broken_fp8_orders(mutate):
+    """A conversion stored before the warpgroup's own P V wait (WAR on the buffer), an ldg
+    that overwrites staged registers before they were stored: each is reported for some T."""
+    assert any(run(T, seed, mutate, fp8=True) for T in range(1, 8) for seed in range(20))

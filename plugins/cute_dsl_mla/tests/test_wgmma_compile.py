@@ -458,13 +458,13 @@ def test_fp8_conversion_copies_map_each_element_once():
 # ----------------------------------------------------------------------------
 
 
-def _seesaw(q="bf16"):
+def _seesaw(q="bf16", kv=None):
     import cutlass
 
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
-    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-    return MLADecodePartialWGMMASeesaw(dt[q], dt[q])
+    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_e4m3": cutlass.Float8E4M3FN}
+    return MLADecodePartialWGMMASeesaw(dt[q], dt[kv or q])
 
 
 def test_seesaw_schedule_tables_are_consistent():
@@ -502,12 +502,20 @@ def test_seesaw_smem_budget_and_refusals():
         # sQ + 2 sK (P lives over each K tile's RoPE columns) + sScale/sMax/sL + 4 mbarriers
         assert k.smem_bytes() == 73728 + 2 * 73728 + 3 * 2 * 64 * 4 + 4 * 8 == 222752
         assert k.smem_bytes() <= W.SMEM_LIMIT
-    with pytest.raises(NotImplementedError):
-        W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN)
+        # fp8 KV (branch wgmma-fp8-seesaw): the same two fp16 K tiles, no raw fp8 ring in smem
+        k8 = _seesaw(q, "fp8_e4m3")
+        assert (k8.is_fp8, k8.mma_dtype, k8.k_bufs, k8.raw_stages) == (True, cutlass.Float16, 2, 0)
+        assert k8.q_cvt == (q == "bf16")
+        assert k8.smem_bytes() == 222752
     with pytest.raises(NotImplementedError):
         W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float16)
+    with pytest.raises(NotImplementedError):
+        W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E5M2)
     with pytest.raises(ValueError):
-        W.get_partial_kernel_wgmma_seesaw("bf16", "fp8_e4m3")  # refused before any compile
+        W.get_partial_kernel_wgmma_seesaw("bf16", "fp16")  # refused before any compile
+    # the one-S fp8 kernel keeps its raw ring (unchanged, still selectable)
+    k1 = W.MLADecodePartialWGMMA(cutlass.BFloat16, cutlass.Float8E4M3FN)
+    assert (k1.k_bufs, k1.raw_stages, k1.smem_bytes()) == (1, 2, 229632)
 
 
 def test_seesaw_p_over_rope_columns_and_wg_loads():
@@ -573,13 +581,13 @@ def test_seesaw_kernel_compiles(q):
     assert get_partial_kernel_wgmma(q) is not fn  # the one-S kernel stays selectable
 
 
-def _compile_dump_seesaw(q, tmp_path):
+def _compile_dump_seesaw(q, tmp_path, kv=None):
     import cutlass.cute as cute
 
     from mla_cute_dsl.kernels import api
 
-    k = _seesaw(q)
-    cute.compile(k, *api._fake_args_partial(q, q),
+    k = _seesaw(q, kv)
+    cute.compile(k, *api._fake_args_partial(q, kv or q),
                  options=api.COMPILE_OPTIONS + f" --keep-ptx --keep-cubin --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     cubin = b"".join(p.read_bytes() for p in tmp_path.glob("*.cubin"))
@@ -647,3 +655,178 @@ def test_seesaw_ptx_structure(q, tmp_path):
     # all wgmma groups waited with 0 (nothing in flight across the pair loop's back edge)
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
     assert "cvt.rn.f16x2.e4m3x2" not in flat
+
+
+# ----------------------------------------------------------------------------
+# Seesaw with fp8 e4m3 KV (branch wgmma-fp8-seesaw): no raw fp8 ring in smem; each
+# warpgroup ld.global's its fp8 part of the next tile into registers before the WGMMA wait
+# that frees the columns, then converts (cvt.rn.f16x2.e4m3x2) and st.shared's it into the
+# fp16 K tile, fences (generic -> async proxy) and arrives on the part's mbarrier (count 128).
+# ----------------------------------------------------------------------------
+
+
+def test_seesaw_fp8_copies_store_each_element_once_into_16_byte_swizzle_units():
+    """Coordinate by coordinate, for all 128 threads of a warpgroup: the fp8 ld.global
+    partition (g2r), the fp16 st.shared partition (r2s) and the partition whose coordinates
+    the kernel's row masks read (``_wg_copy``, tKcK) list the same (row, col) at every
+    position (CPY, m, block), so each converted value goes to the element it was loaded
+    from; chunk (m, block) of thread t is row t // 8 + 16 m, 8 consecutive columns starting
+    at a multiple of 8 inside the 64-column block; the register staging tensor (CPY, 4, 5)
+    holds the largest part (5 blocks); and through the sK layout *with its swizzle* the 8
+    fp16 of a chunk are 8 consecutive elements starting 16-byte aligned in both K buffers
+    (one 128-bit st.shared each: the SW128 swizzle permutes whole 16-byte units, so it
+    never splits a chunk).  Every element of a tile is written exactly once."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
+    k = _seesaw("bf16", "fp8_e4m3")
+    res = {}
+
+    @cute.jit
+    def probe():
+        _, sK, _, _ = k._smem_layouts()
+        g2r, r2s = k._wg_fp8_copies()
+        cp = k._wg_copy()
+        c = cute.make_identity_tensor((W.BLOCK_N, W.D_QK))
+        # (comprehensions only: a plain `for` over range() would be traced as a device loop)
+        for t in cutlass.range_constexpr(W.WG_THREADS):  # static thread ids
+            a = g2r.get_slice(t).partition_S(c)
+            b = r2s.get_slice(t).partition_D(c)
+            m = cp.get_slice(t).partition_S(c)
+            shp = (cute.size(a.shape[0]), cute.size(a.shape[1]), cute.size(a.shape[2]))
+            res[("shape", t)] = (shp, (cute.size(b.shape[0]), cute.size(b.shape[1]), cute.size(b.shape[2])))
+            res[("same", t)] = all(a[v, mm, blk] == b[v, mm, blk] and b[v, mm, blk] == m[v, mm, blk]
+                                   for v in range(shp[0]) for mm in range(shp[1]) for blk in range(shp[2]))
+            res[("elems", t)] = [[[tuple(b[v, mm, blk]) for v in range(shp[0])] for blk in range(shp[2])]
+                                 for mm in range(shp[1])]
+        # swizzled element offsets of every 8-column chunk, both K buffers
+        res["units_ok"] = all(
+            [sK((r, c0 + i, j)) for i in range(8)] == list(range(sK((r, c0, j)), sK((r, c0, j)) + 8))
+            and sK((r, c0, j)) % 8 == 0
+            for r in range(W.BLOCK_N) for c0 in range(0, W.D_QK, 8) for j in range(2)
+        )
+
+    cute.compile(probe)
+    assert res["units_ok"] is True
+    cover = []
+    for t in range(W.WG_THREADS):
+        assert res[("shape", t)] == ((8, 4, 9), (8, 4, 9))
+        assert res[("same", t)] is True, t
+        for mm, per_m in enumerate(res[("elems", t)]):
+            for blk, vals in enumerate(per_m):
+                assert all(r == t // 8 + 16 * mm for r, _ in vals)
+                cols = [col for _, col in vals]
+                assert cols == list(range(cols[0], cols[0] + 8)) and cols[0] % 8 == 0
+                assert 64 * blk <= cols[0] < 64 * blk + 64
+                cover += vals
+    assert len(cover) == len(set(cover)) == W.BLOCK_N * W.D_QK
+    # the staging registers: (CPY 8, 4 row passes, 5 blocks) fp8 = 40 32-bit registers
+    assert max(len(b) for w in W.SEESAW_LOAD_BLOCKS for b in w) == 5
+
+
+@pytest.mark.parametrize("q", ["bf16", "fp16"])
+def test_seesaw_fp8_kernel_compiles(q):
+    from mla_cute_dsl.kernels import kernel_cache
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import get_partial_kernel_wgmma, get_partial_kernel_wgmma_seesaw
+
+    fn = get_partial_kernel_wgmma_seesaw(q, "fp8_e4m3")
+    assert fn is not None
+    assert get_partial_kernel_wgmma_seesaw(q, "fp8_e4m3") is fn
+    assert kernel_cache.origin("partial_wgmma_seesaw", (q, "fp8_e4m3", 64)) in ("compiled", "disk")
+    assert get_partial_kernel_wgmma(q, "fp8_e4m3") is not fn  # the one-S fp8 kernel stays selectable
+
+
+@pytest.mark.parametrize("q", ["bf16", "fp16"])
+def test_seesaw_fp8_ptx_structure(q, tmp_path):
+    """The fp8 seesaw kernel's PTX/cubin: no spills (<= 255 registers, no stack frame),
+    fp16 WGMMAs (2 x 36 m64n64k16, 8 RS + 8 SS m64n256k16) with the canonical SW128
+    descriptors; KV only through 64-bit ld.global (no cp.async for KV: 8 load sites x 4 row
+    passes, parts of 4 + 5 blocks: 144 per thread, + 1 for the work item) and
+    cvt.rn.f16x2.e4m3x2 (576 per copy of the conversion, two copies: tiles without and with
+    rows past kv_len), nothing via f32; 4 mbarriers of count 128 with plain arrives only;
+    every part: st.shared -> fence.proxy.async -> mbarrier.arrive; every mbarrier wait ->
+    fence -> wgmma.fence; L2 prefetch of 36,864 B per tile; and the pair loop's order of
+    loads, conversions, WGMMA issues, waits and barriers, event by event (each part's
+    ld.global's issued before the wgmma wait that frees its columns; WG0 converts tile b's
+    part under its S_a WGMMAs and WG1 tile a+2's under its P_b V_R WGMMAs)."""
+    import re
+
+    ptx, regs, frame = _compile_dump_seesaw(q, tmp_path, "fp8_e4m3")
+    assert regs <= 255 and frame == 0, (regs, frame)
+    assert ".reqntid 256, 1, 1" in ptx
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.f16\.f16", ptx)) == 72
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.f16\.f16", ptx)) == 16
+    assert "bf16.bf16" not in ptx
+    assert len(re.findall(r"m64n256k16[^\n]*\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+, p, 1,  1, 1;", ptx)) == 8
+    assert len(re.findall(r"m64n256k16[^\n]*\}, %rd\d+, %rd\d+, p, 1,  1, 0, 1;", ptx)) == 8
+    descs = set()
+    for c in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx):
+        v = int(c)
+        if v >> 62 == 1:
+            descs.add((((v >> 16) & 0x3FFF) * 16, ((v >> 32) & 0x3FFF) * 16, (v >> 49) & 7))
+    assert descs == {(16, 1024, 0), (8192, 1024, 0)}, descs
+
+    flat = re.sub(r"\s+", " ", ptx)
+    assert "139264" in flat and "212992" in flat  # P over the RoPE block of buffer 0 / 1
+    # KV: 64-bit ld.global only; Q: 18 cp.async (fp16 q) or 18 x (ld.global.v4 bf16, cvt, st.shared)
+    assert flat.count("ld.global.v2.b32") == 144 + 1
+    assert flat.count("cp.async.cg.shared.global") == (18 if q == "fp16" else 0)
+    if q == "bf16":
+        assert flat.count("ld.global.v4") == 18 and flat.count("cvt.f32.bf16") == 144
+    assert flat.count("cvt.rn.f16x2.e4m3x2") == 2 * 576
+    assert not re.search(r"cvt\.[a-z.]*e4m3 |cvt\.f32\.e4m3", flat)
+    # mbarriers: 4, count 128, plain arrives only (8 sites), no cp.async arrive
+    inits = re.findall(r"mbarrier\.init\.shared\.b64 \[[^\]]*\], (%r\d+|\d+);", flat)
+    assert len(inits) == 4 and len(set(inits)) == 1
+    assert inits[0] == "128" or f"mov.b32 {inits[0]}, 128;" in flat
+    assert "cp.async.mbarrier.arrive" not in flat
+    assert len(re.findall(r"(?<!cp\.async\.)mbarrier\.arrive\.shared\.b64", flat)) == 8
+    # (the label: the masked and unmasked copies of the conversion join before the fence)
+    assert len(re.findall(r"st\.shared\.v4\.b32 \[[^\]]*\], \{[^}]*\}; (\$L__BB\d+_\d+: )?"
+                          r"fence\.proxy\.async\.shared::cta; mov\.b32 %r\d+, 1; "
+                          r"mbarrier\.arrive\.shared\.b64", flat)) == 8
+    waits = re.findall(r"mbarrier\.try_wait\.parity\.shared\.b64 P1, \[[^\]]*\], %r\d+, \d+; @P1 bra\.uni DONE; "
+                       r"bra\.uni LAB_WAIT; DONE: \} // end inline asm fence\.proxy\.async\.shared::cta; "
+                       r"wgmma\.fence\.sync\.aligned;", flat)
+    assert len(waits) == flat.count("mbarrier.try_wait") == 4
+    for bar in (1, 2):
+        assert flat.count(f"bar.arrive {bar}, 256;") == 1 and flat.count(f"bar.sync {bar}, 256;") == 1
+        assert re.search(rf"bar\.sync {bar}, 256; fence\.proxy\.async\.shared::cta;", flat), bar
+    pf = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", flat)
+    assert len(pf) == 2 and all(f"mov.b32 {r}, 36864;" in flat for r in pf), pf
+    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
+
+    # the pair loop in PTX order (between the prologue's and the epilogue's CTA barrier),
+    # runs of equal events collapsed; a part's conversion = 4 cvt per 8 elements, two copies
+    # (tiles without / with rows past kv_len): CVTx160 for 5 blocks, CVTx128 for 4
+    toks = re.findall(r"ld\.global\.v2\.b32|cvt\.rn\.f16x2\.e4m3x2|wgmma\.wait_group\.sync\.aligned 0|"
+                      r"wgmma\.commit_group|mbarrier\.arrive\.shared\.b64|mbarrier\.try_wait|bar\.sync \d|"
+                      r"bar\.arrive \d|wgmma\.mma_async\.sync\.aligned\.m64n\d+k16", flat)
+    names = {"ld.global.v2.b32": "ldg", "cvt.rn.f16x2.e4m3x2": "CVT", "wgmma.wait_group.sync.aligned 0": "wait",
+             "wgmma.commit_group": "commit", "mbarrier.arrive.shared.b64": "arrive", "mbarrier.try_wait": "mwait",
+             "wgmma.mma_async.sync.aligned.m64n64k16": "QK", "wgmma.mma_async.sync.aligned.m64n256k16": "PV"}
+    run = []
+    for x in toks[[i for i, x in enumerate(toks) if x == "bar.sync 0"][1]:]:
+        x = names.get(x, x)
+        if run and run[-1][0] == x:
+            run[-1][1] += 1
+        else:
+            run.append([x, 1])
+    got = " ".join(f"{n}{'x%d' % c if c > 1 else ''}" for n, c in run)
+    want = " ".join([
+        "bar.sync 0",
+        # WG0: S_a issued (own part, then the other), tile b's staged part converted under it
+        "mwait QKx16 commit mwait QKx20 commit CVTx160 arrive wait",
+        # publish P_a; tile a+2's part loaded during P_a V_L, converted after its wait
+        "bar.arrive 1 ldgx16 PVx4 commit wait CVTx128 arrive",
+        # tile b+2's part loaded during the P_b wait and P_b V_L (converted next pair)
+        "ldgx20 bar.sync 2 PVx4 commit wait",
+        # WG1: S_b; P_a V_R issued; publish P_b; tile a+2's part loaded under P_a V_R ...
+        "mwait QKx16 commit mwait QKx20 commit wait bar.sync 1 PVx4 commit bar.arrive 2 ldgx20 wait",
+        # ... and converted under its own P_b V_R; tile b+2's part loaded under the rest of it
+        "PVx4 commit CVTx160 arrive ldgx16 wait CVTx128 arrive",
+        "bar.sync 0",
+    ])
+    assert got == want, got

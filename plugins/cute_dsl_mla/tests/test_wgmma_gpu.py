@@ -8,8 +8,9 @@ page tails, kv_scale 0.37, bf16 and fp16 q; same tolerances as the mma.sync
 fp8 tests), s_q * H >= 40 (the shapes this kernel is for; 64-row m-blocks,
 partial last m-block included).  The 16-bit tests run both schedules of the
 module (``variant``: ``wgmma`` = MLADecodePartialWGMMA, ``seesaw`` =
-MLADecodePartialWGMMASeesaw, branch wgmma-overlap), plus seesaw-only tests
-(every tile count per item, fp16, graph replay).  Skips cleanly without an SM90 GPU.
+MLADecodePartialWGMMASeesaw, branch wgmma-overlap; with fp8 KV branch
+wgmma-fp8-seesaw, the fp8 tests take ``variant`` too), plus seesaw-only tests
+(every tile count per item, fp16 and fp8 KV, graph replay).  Skips cleanly without an SM90 GPU.
 
     PYTHONPATH=plugins/cute_dsl_mla:. python -m pytest -q -rfs plugins/cute_dsl_mla/tests/test_wgmma_gpu.py
 """
@@ -42,7 +43,7 @@ def run_wgmma(case, out, lse, variant="wgmma", sched=None, ws=None):
     return run_kernel(case, out, lse, sched=sched, ws=ws, decode=decode)[0]
 
 
-# the 16-bit KV tests run both schedules (fp8 KV: the one-S kernel only)
+# both schedules, for 16-bit and fp8 KV (seesaw + fp8: branch wgmma-fp8-seesaw)
 VARIANTS = ["wgmma", "seesaw"]
 
 
@@ -124,17 +125,25 @@ def test_wgmma_matches_mma_sync_kernel(variant):
 
 
 @needs_sm90
-@pytest.mark.parametrize("s_q,H,dtype", [(1, 128, torch.bfloat16), (2, 64, torch.bfloat16),
-                                         (1, 128, torch.float16), (3, 40, torch.float16)])
-def test_seesaw_whole_requests_every_tile_count(s_q, H, dtype):
+@pytest.mark.parametrize("s_q,H,dtype,kv_dtype", [
+    pytest.param(1, 128, torch.bfloat16, None, id="sq1-H128-bf16"),
+    pytest.param(2, 64, torch.bfloat16, None, id="sq2-H64-bf16"),
+    pytest.param(1, 128, torch.float16, None, id="sq1-H128-fp16"),
+    pytest.param(3, 40, torch.float16, None, id="sq3-H40-fp16"),
+    # fp8 e4m3 KV (register-staged conversion, branch wgmma-fp8-seesaw): bf16 and fp16 q
+    pytest.param(1, 128, torch.bfloat16, torch.float8_e4m3fn, id="sq1-H128-bf16-fp8"),
+    pytest.param(2, 64, torch.bfloat16, torch.float8_e4m3fn, id="sq2-H64-bf16-fp8"),
+    pytest.param(3, 40, torch.float16, torch.float8_e4m3fn, id="sq3-H40-fp16-fp8"),
+])
+def test_seesaw_whole_requests_every_tile_count(s_q, H, dtype, kv_dtype):
     """One work item per request (a schedule made for 1 SM: no splits, out written
     directly), random lengths 0..640 plus 0 / 1 / s_q - 1 / 640: items of 0..10 tiles,
     odd and even (the last pair without a WG1 tile), partial last tiles with NaN
-    page tails, causal rows for s_q > 1; fp16 included."""
+    page tails, causal rows for s_q > 1; fp16 included; fp8 KV (e4m3 NaN page tails)."""
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
 
     B = 14
-    case = make_case(B, s_q, H, 640, dtype, varlen=True, seed=random.randrange(1 << 30))
+    case = make_case(B, s_q, H, 640, kv_dtype or dtype, varlen=True, seed=random.randrange(1 << 30))
     case["q"] = case["q"].to(dtype)  # make_case's q is bf16
     sched = make_schedule(case["lens_cpu"], s_q, H, 1)
     ws = alloc_workspace(sched)
@@ -228,26 +237,29 @@ def _fp8_case(B, s_q, H, S, varlen, page=64, q_dtype="bf16", q_std=1.0):
 
 
 @needs_sm90
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("B,s_q,S,H,varlen,page,q_dtype", FP8_CASES)
-def test_wgmma_fp8_against_fp64_reference(B, s_q, S, H, varlen, page, q_dtype):
+def test_wgmma_fp8_against_fp64_reference(B, s_q, S, H, varlen, page, q_dtype, variant):
     case, out, lse = _fp8_case(B, s_q, H, S, varlen, page, q_dtype)
-    run_wgmma(case, out, lse)
+    run_wgmma(case, out, lse, variant)
     torch.cuda.synchronize()
     check(case, out, lse)
 
 
 @needs_sm90
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("B,s_q,H,S", [(2, 1, 128, 4096), (2, 2, 64, 1000)])
-def test_wgmma_fp8_large_magnitude_q(B, s_q, H, S):
+def test_wgmma_fp8_large_magnitude_q(B, s_q, H, S, variant):
     """|q| ~ 100 (bf16 q converted to fp16 for the fp16 MMAs: exact range, 11-bit mantissa)."""
     case, out, lse = _fp8_case(B, s_q, H, S, varlen=False, q_std=100.0)
-    run_wgmma(case, out, lse)
+    run_wgmma(case, out, lse, variant)
     torch.cuda.synchronize()
     check(case, out, lse, tol=2e-2)
 
 
 @needs_sm90
-def test_wgmma_fp8_matches_mma_sync_kernel():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_wgmma_fp8_matches_mma_sync_kernel(variant):
     """fp8 KV through both partial kernels (both fp16 MMAs on the same converted
     values): close, which separates a WGMMA/conversion bug from a reference bug."""
     from test_kernel_gpu import run_kernel
@@ -255,7 +267,7 @@ def test_wgmma_fp8_matches_mma_sync_kernel():
     case, o1, l1 = _fp8_case(4, 2, 128, 2000, varlen=True)
     o2, l2 = o1.clone(), l1.clone()
     run_kernel(case, o1, l1)
-    run_wgmma(case, o2, l2)
+    run_wgmma(case, o2, l2, variant)
     torch.cuda.synchronize()
     d = (o1.float() - o2.float()).norm() / o1.float().norm().clamp_min(1e-30)
     assert d < 1e-2, f"rel diff vs mma.sync kernel {d:.3e}"
@@ -265,10 +277,13 @@ def test_wgmma_fp8_matches_mma_sync_kernel():
 
 
 @needs_sm90
-def test_wgmma_fp8_graph_replay_equals_eager():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_wgmma_fp8_graph_replay_equals_eager(variant):
     """Captured once, replayed on new q: equal to an eager call (bitwise)."""
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
-    from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma, mla_decode_sm90_wgmma_seesaw
+
+    decode = {"wgmma": mla_decode_sm90_wgmma, "seesaw": mla_decode_sm90_wgmma_seesaw}[variant]
 
     case, out, lse = _fp8_case(6, 2, 64, 1000, varlen=True)
     q = case["q"]
@@ -277,8 +292,8 @@ def test_wgmma_fp8_graph_replay_equals_eager():
     ws = alloc_workspace(sched)
 
     def call():
-        mla_decode_sm90_wgmma(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"],
-                              case["kv_scale"], out, lse, sched, ws)
+        decode(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"],
+               case["kv_scale"], out, lse, sched, ws)
 
     call()  # compile outside capture
     torch.cuda.synchronize()

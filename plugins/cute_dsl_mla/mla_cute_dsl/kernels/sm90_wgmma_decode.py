@@ -55,6 +55,9 @@ Schedule (FlashMLA's first SM90 kernel, not yet the "seesaw" one):
   8 elements), ``fence_view_async_shared`` (generic st.shared -> WGMMA's async
   proxy), barrier, then the same WG0 / WG1 math with sK buffer 0.  The
   conversion does not overlap the WGMMAs (one sK buffer; see NOTES.md).
+* ``MLADecodePartialWGMMASeesaw`` (below): both warpgroups compute S for alternate
+  tiles; with fp8 KV it converts per warpgroup from registers into two fp16 K tiles,
+  overlapped with the WGMMAs (branch wgmma-fp8-seesaw, NOTES.md).
 * Rows past ``s_q * H`` are zero in sQ and never written.  Masked scores are
   -inf; fully masked rows give out = 0 and lse = -inf (same contract as the
   mma.sync kernel).
@@ -710,7 +713,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     """Split-KV partial kernel, WGMMA, "seesaw" schedule (both warpgroups compute S).
 
     Same host interface, work items, partial buffers and combine kernel as
-    ``MLADecodePartialWGMMA``; 16-bit KV only (bf16 / fp16 in the q dtype).
+    ``MLADecodePartialWGMMA``; KV in the q dtype (bf16 / fp16) or fp8 e4m3 (below).
 
     * Tiles of a work item go in pairs (a = 2p, b = 2p + 1 in local order):
       warpgroup 0 owns a (K buffer 0), warpgroup 1 owns b (K buffer 1).  The
@@ -739,12 +742,27 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       fine-grained idea at two granules).
     * Smem: sQ 72 KB + 2 x sK 72 KB + sScale / sMax / sL (2 x 64 fp32 each) +
       4 mbarriers = 222,752 B (no separate sP).
+    * fp8 e4m3 KV (branch wgmma-fp8-seesaw; compile-checked, not yet run on a GPU):
+      the same schedule, tiles, parts and mbarriers, fp16 MMAs (q converted as in
+      ``MLADecodePartialWGMMA``), the same 222,752 B: no raw fp8 ring in smem.  A
+      warpgroup ld.global's its fp8 part of a tile (4 or 5 64-column blocks, 8 fp8 per
+      thread-copy, up to 40 registers) *before* the WGMMA wait that frees those columns,
+      then converts it (cvt.rn.f16x2.e4m3x2; rows past kv_len selected to 0 on a
+      request's last tile) and st.shared's it into the fp16 K tile, fences (generic ->
+      async proxy) and arrives on the part's mbarrier (count 128, plain arrives).  Two
+      conversions run under the converting warpgroup's own WGMMAs: WG0 stages its part of
+      tile b+2 at the end of a pair and stores it in the next pair after issuing S_{a+2};
+      WG1 stores its part of tile a+2 after issuing its P_b V_R.  The other two run in
+      the other warpgroup's WGMMA time (seesaw).  See NOTES.md.
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M):
         super().__init__(q_dtype, kv_dtype, block_m)
-        if self.is_fp8:
-            raise NotImplementedError("seesaw WGMMA kernel: KV cache must have the q dtype (no fp8 path)")
+        # fp8 e4m3 KV (branch wgmma-fp8-seesaw): two fp16 K tiles as for 16-bit KV, no raw
+        # fp8 ring in smem: each warpgroup ld.global's its fp8 part of a tile into registers,
+        # converts it and st.shared's it into the fp16 K tile (see the class docstring)
+        self.k_bufs = STAGES
+        self.raw_stages = 0
 
     def smem_bytes(self) -> int:
         """sQ + 2 sK (P lives in each K tile's RoPE columns) + sScale, sMax, sL (2 x 64 fp32) + 4 mbarriers."""
@@ -773,6 +791,75 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             cute.make_layout((WG_THREADS // 8, 8), stride=(8, 1)),
             cute.make_layout((1, 8)),
         )
+
+    def _wg_fp8_copies(self):
+        """fp8 KV, one warpgroup (128 threads), the thread-value layout of ``_wg_copy``:
+        8 threads per 64-column block, 16 rows per pass, 8 elements per thread-copy, so a
+        (64, 576) tile partitions as (CPY, 4, 9) with the same (row, col) per position in
+        both copies (checked in the CPU test).
+
+        g2r: gmem fp8 -> registers, 8 fp8 (64 bit) per ld.global.
+        r2s: registers -> sK (fp16, SW128 through the pointer swizzle), 8 x 16 bit (128 bit)
+             per st.shared: one 16-byte swizzle unit, never split by the swizzle.
+        """
+        thr = cute.make_layout((WG_THREADS // 8, 8), stride=(8, 1))
+        g2r = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=64),
+            thr, cute.make_layout((1, 8)),
+        )
+        r2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=128),
+            thr, cute.make_layout((1, 8)),
+        )
+        return g2r, r2s
+
+    @cute.jit
+    def ldg_part_fp8(
+        self, g2r: cute.TiledCopy, thr_g2r, mKV: cute.Tensor, page: cutlass.Int32,
+        n: cutlass.Int32, blocks: cutlass.Constexpr, blocks_per_page: cutlass.Int32,
+        kv_len: cutlass.Int32, tKcK: cute.Tensor, rRaw: cute.Tensor,
+    ):
+        """fp8 KV: this warpgroup's 64-column blocks ``blocks`` of KV block n (cache page
+        ``page``) -> registers rRaw[:, m, i] (ld.global, 8 fp8 per thread-copy).  Rows >=
+        kv_len are not loaded (their registers are don't-care: ``store_part_fp8`` selects 0
+        for them).  Touches no shared memory: may run while WGMMAs still read the buffer."""
+        gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
+        tKgK = thr_g2r.partition_S(gK)  # (CPY, 4, 9)
+        valid = kv_len - n * BLOCK_N
+        for m in cutlass.range_constexpr(cute.size(tKgK.shape[1])):
+            if tKcK[0, m, 0][0] < valid:
+                for i in cutlass.range_constexpr(len(blocks)):
+                    cute.copy(g2r, tKgK[None, m, blocks[i]], rRaw[None, m, i])
+
+    @cute.jit
+    def store_part_fp8(
+        self, r2s: cute.TiledCopy, n: cutlass.Int32, stage: cutlass.Constexpr,
+        blocks: cutlass.Constexpr, kv_len: cutlass.Int32, tKcK: cute.Tensor,
+        tKsK: cute.Tensor, rRaw: cute.Tensor, mbar_ptr,
+    ):
+        """fp8 KV: registers rRaw (from ``ldg_part_fp8``) -> fp16 -> sK[:, :, stage] blocks
+        ``blocks`` (4 x cvt.rn.f16x2.e4m3x2 and one 128-bit st.shared per 8 elements; rows >=
+        kv_len selected to 0, not multiplied: page tails may hold e4m3 NaN), then this
+        thread's async-proxy fence (generic st.shared -> WGMMA) and one arrive on mbar_ptr
+        (count 128: the part is complete once every thread of the warpgroup arrived)."""
+        mt = self.mma_dtype
+        valid = kv_len - n * BLOCK_N
+        if valid >= BLOCK_N:  # CTA-uniform: only a request's last tile has rows to zero
+            for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+                for i in cutlass.range_constexpr(len(blocks)):
+                    rH = cute.make_rmem_tensor_like(tKsK[None, m, blocks[i], stage], mt)
+                    rH.store(rRaw[None, m, i].load().to(mt))
+                    cute.copy(r2s, rH, tKsK[None, m, blocks[i], stage])
+        else:
+            for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+                for i in cutlass.range_constexpr(len(blocks)):
+                    rH = cute.make_rmem_tensor_like(tKsK[None, m, blocks[i], stage], mt)
+                    rH.store(rRaw[None, m, i].load().to(mt))
+                    if tKcK[0, m, 0][0] >= valid:
+                        rH.fill(0)
+                    cute.copy(r2s, rH, tKsK[None, m, blocks[i], stage])
+        cute.arch.fence_view_async_shared()
+        cute.arch.mbarrier_arrive(mbar_ptr)
 
     @cute.jit
     def __call__(
@@ -854,16 +941,17 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         ``cp.async.bulk.prefetch.L2.global`` (best effort, no completion to wait for)."""
         if cutlass.const_expr(_nvw is not None):
             gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
-            _nvw.cp_async_bulk_prefetch(gK.iterator, BLOCK_N * D_QK * (self.mma_dtype.width // 8))
+            _nvw.cp_async_bulk_prefetch(gK.iterator, BLOCK_N * D_QK * (self.kv_dtype.width // 8))
 
     @cute.jit
     def qk(
         self, mma_s_first: cute.TiledMma, mma_s: cute.TiledMma, acc_S: cute.Tensor,
         tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: cutlass.Constexpr, order: cutlass.Constexpr,
-        mbar_own, mbar_other, parity: cutlass.Int32,
+        mbar_own, mbar_other, parity: cutlass.Int32, wait: cutlass.Constexpr = True,
     ):
         """S = Q K^T for the tile in sK[:, :, stage]: wait for this warpgroup's part of the tile,
-        issue its k-blocks, wait for the other part, issue the rest, wait for all."""
+        issue its k-blocks, wait for the other part, issue the rest, wait for all (unless
+        ``wait`` is False: the caller waits, fp8 KV converts a part in between)."""
         cute.arch.mbarrier_wait(mbar_own, parity)
         cute.arch.fence_view_async_shared()
         warpgroup.fence()
@@ -879,7 +967,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             k = order[1][i]
             cute.gemm(mma_s, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(wait):
+            warpgroup.wait_group(0)
 
     @cute.jit
     def softmax_publish(
@@ -1022,7 +1111,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 
             if tidx == 0:
                 for i in cutlass.range_constexpr(4):
-                    cute.arch.mbarrier_init(mbar + i, 2 * WG_THREADS)
+                    # cp.async (16-bit KV): 128 noinc + 128 plain arrives; fp8 KV: 128 plain
+                    cute.arch.mbarrier_init(mbar + i, WG_THREADS if self.is_fp8 else 2 * WG_THREADS)
             cute.arch.mbarrier_init_fence()
             cute.arch.barrier()
 
@@ -1032,14 +1122,33 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             cQ = cute.local_tile(
                 cute.make_identity_tensor((mQ.shape[1], D_QK)), (BLOCK_M, D_QK), (m_block, 0)
             )
-            tQgQ = thr_g2s.partition_S(gQ)
-            tQsQ = thr_g2s.partition_D(sQ)
-            tQcQ = thr_g2s.partition_S(cQ)
-            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-                if tQcQ[0, m, 0][0] < R:
-                    cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
-                else:
-                    tQsQ[None, m, None].fill(0)
+            if cutlass.const_expr(self.q_cvt):
+                # bf16 q with fp8 KV (as MLADecodePartialWGMMA): ld.global (bf16) -> cvt to
+                # fp16 -> st.shared, one 32-row chunk at a time, rows >= R zero; covered by
+                # the async-proxy fence before the barrier below
+                _, _, r2s_q, g2r_q = self._fp8_copies()
+                thr_q = g2r_q.get_slice(tidx)
+                thr_r2s_q = r2s_q.get_slice(tidx)
+                tQgQ = thr_q.partition_S(gQ)
+                tQcQ = thr_q.partition_S(cQ)
+                tQsQ = thr_r2s_q.partition_D(sQ)
+                for m in cutlass.range_constexpr(cute.size(tQgQ.shape[1])):
+                    rQ = cute.make_rmem_tensor_like(tQgQ[None, m, None])
+                    rQ.fill(0)
+                    if tQcQ[0, m, 0][0] < R:
+                        cute.copy(g2r_q, tQgQ[None, m, None], rQ)
+                    rQm = cute.make_rmem_tensor_like(tQsQ[None, m, None], mt)
+                    rQm.store(rQ.load().to(mt))
+                    cute.copy(r2s_q, rQm, tQsQ[None, m, None])
+            else:
+                tQgQ = thr_g2s.partition_S(gQ)
+                tQsQ = thr_g2s.partition_D(sQ)
+                tQcQ = thr_g2s.partition_S(cQ)
+                for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+                    if tQcQ[0, m, 0][0] < R:
+                        cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
+                    else:
+                        tQsQ[None, m, None].fill(0)
             cute.arch.cp_async_commit_group()
 
             # ---------------- KV tiles 0 and 1: each warpgroup loads its parts ----------------
@@ -1047,19 +1156,42 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
             tKcK = thr_g2s_wg.partition_S(cKV)  # (CPY, 4, 9)
             tKsK = thr_g2s_wg.partition_D(sK)  # (CPY, 4, 9, STAGES)
+            if cutlass.const_expr(self.is_fp8):
+                # fp8 KV: ld.global -> registers (one part: up to 5 blocks x 4 passes x 8
+                # fp8 = 40 registers), later cvt + st.shared into the fp16 sK; same (row, col)
+                # per position as tKsK (the TV layout of g2s_wg)
+                g2r_wg, r2s_wg = self._wg_fp8_copies()
+                thr_g2r_wg = g2r_wg.get_slice(wg_tidx)
+                tKsK = r2s_wg.get_slice(wg_tidx).partition_D(sK)  # (CPY, 4, 9, STAGES)
+                rRaw = cute.make_rmem_tensor(
+                    (cute.size(tKcK.shape[0]), cute.size(tKcK.shape[1]), 5), cutlass.Float8E4M3FN)
             # WG w loads blocks SEESAW_LOAD_BLOCKS[w][0] of the tile it owns (w) and
             # SEESAW_LOAD_BLOCKS[w][1] of the other one; mbarrier 2 * buffer + w
             for t in cutlass.range_constexpr(2):
                 if T > t:
                     pg = mPT[b, (n_start + t) // blocks_per_page]
-                    if wg == 0:
-                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg, n_start + t, t,
-                                       SEESAW_LOAD_BLOCKS[0][t], blocks_per_page, kv_len, tKcK, tKsK,
-                                       mbar + 2 * t)
+                    if cutlass.const_expr(self.is_fp8):
+                        if wg == 0:
+                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg, n_start + t,
+                                              SEESAW_LOAD_BLOCKS[0][t], blocks_per_page, kv_len, tKcK,
+                                              rRaw)
+                            self.store_part_fp8(r2s_wg, n_start + t, t, SEESAW_LOAD_BLOCKS[0][t],
+                                                kv_len, tKcK, tKsK, rRaw, mbar + 2 * t)
+                        else:
+                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg, n_start + t,
+                                              SEESAW_LOAD_BLOCKS[1][1 - t], blocks_per_page, kv_len,
+                                              tKcK, rRaw)
+                            self.store_part_fp8(r2s_wg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
+                                                kv_len, tKcK, tKsK, rRaw, mbar + 2 * t + 1)
                     else:
-                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg, n_start + t, t,
-                                       SEESAW_LOAD_BLOCKS[1][1 - t], blocks_per_page, kv_len, tKcK,
-                                       tKsK, mbar + 2 * t + 1)
+                        if wg == 0:
+                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg, n_start + t, t,
+                                           SEESAW_LOAD_BLOCKS[0][t], blocks_per_page, kv_len, tKcK, tKsK,
+                                           mbar + 2 * t)
+                        else:
+                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg, n_start + t, t,
+                                           SEESAW_LOAD_BLOCKS[1][1 - t], blocks_per_page, kv_len, tKcK,
+                                           tKsK, mbar + 2 * t + 1)
             cute.arch.cp_async_commit_group()
             # Q landed (the KV group may still fly), visible to the async proxy and to all threads
             cute.arch.cp_async_wait_group(1)
@@ -1124,57 +1256,131 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
                 pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
                 pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
-                if wg == 0:
-                    # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
-                    self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
-                            mbar + 0, mbar + 1, parity)
-                    self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
-                                         acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
-                                         scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
-                                         True)
-                    self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
-                    # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
-                    if ta + 2 < T:
-                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg2, n_start + ta + 2, 0,
-                                       SEESAW_LOAD_BLOCKS[0][0], blocks_per_page, kv_len, tKcK, tKsK,
-                                       mbar + 0)
-                    if ta + 1 < T:
-                        # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS)
-                        self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
-                                       row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
-                        # columns 0..255 and P's block of buffer 1 are free: tile b+2's
-                        if ta + 3 < T:
-                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg3, n_start + ta + 3, 1,
-                                           SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len, tKcK,
-                                           tKsK, mbar + 2)
+                if cutlass.const_expr(self.is_fp8):
+                    # fp8 KV: the same schedule, parts, mbarriers and named barriers as the
+                    # cp.async version; each part is ld.global'ed into registers *before* the
+                    # wait that frees its columns, then converted and stored.  Two stores move
+                    # under the converting warpgroup's own WGMMAs (WG0: tile b under S_a; WG1:
+                    # tile a+2 under P_b V_R); tests/test_seesaw_protocol.py models this order
+                    if wg == 0:
+                        # issue S_a, then convert this pair's tile b part (columns 0..255 + RoPE,
+                        # ld.global'ed during the previous pair) under those WGMMAs, then wait
+                        self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
+                                mbar + 0, mbar + 1, parity, False)
+                        if p > 0 and ta + 1 < T:
+                            self.store_part_fp8(r2s_wg, n_start + ta + 1, 1, SEESAW_LOAD_BLOCKS[0][1],
+                                                kv_len, tKcK, tKsK, rRaw, mbar + 2)
+                        warpgroup.wait_group(0)
+                        self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
+                                             acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
+                                             scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
+                                             True)
+                        if ta + 2 < T:  # tile a+2, columns 0..255: in flight during P_a V_L
+                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg2, n_start + ta + 2,
+                                              SEESAW_LOAD_BLOCKS[0][0], blocks_per_page, kv_len, tKcK,
+                                              rRaw)
+                        self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
+                        if ta + 2 < T:  # columns 0..255 of buffer 0 are free
+                            self.store_part_fp8(r2s_wg, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[0][0],
+                                                kv_len, tKcK, tKsK, rRaw, mbar + 0)
+                        if ta + 1 < T:
+                            if ta + 3 < T:  # tile b+2, columns 0..255 + RoPE: staged in registers
+                                # here, stored under the next pair's S_{a+2} WGMMAs (above)
+                                self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg3, n_start + ta + 3,
+                                                  SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len,
+                                                  tKcK, rRaw)
+                            self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
+                                           row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
+                    else:
+                        if ta + 1 < T:
+                            self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
+                                    mbar + 3, mbar + 2, parity)
+                        self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
+                                       row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
+                        if ta + 1 < T:
+                            self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
+                                                 acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
+                                                 scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1],
+                                                 row_corr, False)
+                        if ta + 2 < T:  # tile a+2, columns 256..575: in flight under P_a V_R
+                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg2, n_start + ta + 2,
+                                              SEESAW_LOAD_BLOCKS[1][1], blocks_per_page, kv_len, tKcK,
+                                              rRaw)
+                        warpgroup.wait_group(0)  # P_a V_R done: columns 256..575 of buffer 0 free
+                        if ta + 1 < T:
+                            # O_R *= scale_b, issue P_b V_R (RS) and convert tile a+2's part under it
+                            for r in cutlass.range_constexpr(n_rows):
+                                acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
+                            warpgroup.fence()
+                            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+                                cute.gemm(mma_o_rs, acc_O, tOrP[None, None, k], tOrV[None, None, k, 1],
+                                          acc_O)
+                            warpgroup.commit_group()
+                        if ta + 2 < T:
+                            self.store_part_fp8(r2s_wg, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[1][1],
+                                                kv_len, tKcK, tKsK, rRaw, mbar + 1)
+                        if ta + 1 < T:
+                            if ta + 3 < T:  # tile b+2, columns 256..511: in flight under P_b V_R
+                                self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg3, n_start + ta + 3,
+                                                  SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len,
+                                                  tKcK, rRaw)
+                            warpgroup.wait_group(0)  # P_b V_R done: columns 256..511 of buffer 1 free
+                            if ta + 3 < T:
+                                self.store_part_fp8(r2s_wg, n_start + ta + 3, 1,
+                                                    SEESAW_LOAD_BLOCKS[1][0], kv_len, tKcK, tKsK, rRaw,
+                                                    mbar + 3)
                 else:
-                    if ta + 1 < T:
-                        # S_b (runs while WG0 does softmax_a)
-                        self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
-                                mbar + 3, mbar + 2, parity)
-                    # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet
-                    self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
-                                   row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
-                    if ta + 1 < T:
-                        # softmax_b under the P_a V WGMMAs; O_R *= scale_b needs them done
-                        self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
-                                             acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
-                                             scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1], row_corr,
-                                             False)
-                    warpgroup.wait_group(0)
-                    # columns 256..575 of buffer 0 are free: tile a+2's
-                    if ta + 2 < T:
-                        self.load_part(g2s_wg, thr_g2s_wg, mKV, pg2, n_start + ta + 2, 0,
-                                       SEESAW_LOAD_BLOCKS[1][1], blocks_per_page, kv_len, tKcK, tKsK,
-                                       mbar + 1)
-                    if ta + 1 < T:
-                        for r in cutlass.range_constexpr(n_rows):
-                            acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
-                        self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
-                        if ta + 3 < T:
-                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg3, n_start + ta + 3, 1,
-                                           SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len, tKcK,
-                                           tKsK, mbar + 3)
+                    if wg == 0:
+                        # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
+                        self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
+                                mbar + 0, mbar + 1, parity)
+                        self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
+                                             acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
+                                             scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
+                                             True)
+                        self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
+                        # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
+                        if ta + 2 < T:
+                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg2, n_start + ta + 2, 0,
+                                           SEESAW_LOAD_BLOCKS[0][0], blocks_per_page, kv_len, tKcK, tKsK,
+                                           mbar + 0)
+                        if ta + 1 < T:
+                            # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS)
+                            self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
+                                           row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
+                            # columns 0..255 and P's block of buffer 1 are free: tile b+2's
+                            if ta + 3 < T:
+                                self.load_part(g2s_wg, thr_g2s_wg, mKV, pg3, n_start + ta + 3, 1,
+                                               SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len, tKcK,
+                                               tKsK, mbar + 2)
+                    else:
+                        if ta + 1 < T:
+                            # S_b (runs while WG0 does softmax_a)
+                            self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
+                                    mbar + 3, mbar + 2, parity)
+                        # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet
+                        self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
+                                       row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
+                        if ta + 1 < T:
+                            # softmax_b under the P_a V WGMMAs; O_R *= scale_b needs them done
+                            self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
+                                                 acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
+                                                 scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1], row_corr,
+                                                 False)
+                        warpgroup.wait_group(0)
+                        # columns 256..575 of buffer 0 are free: tile a+2's
+                        if ta + 2 < T:
+                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg2, n_start + ta + 2, 0,
+                                           SEESAW_LOAD_BLOCKS[1][1], blocks_per_page, kv_len, tKcK, tKsK,
+                                           mbar + 1)
+                        if ta + 1 < T:
+                            for r in cutlass.range_constexpr(n_rows):
+                                acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
+                            self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
+                            if ta + 3 < T:
+                                self.load_part(g2s_wg, thr_g2s_wg, mKV, pg3, n_start + ta + 3, 1,
+                                               SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len, tKcK,
+                                               tKsK, mbar + 3)
 
             cute.arch.cp_async_wait_group(0)
 
@@ -1278,13 +1484,14 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int):
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None):
-    """Compiled seesaw WGMMA partial kernel (KV in the q dtype only); kernel cache kind
+    """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
+    (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key (q, kv, 64)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
-    if kv_name != q_name:
-        raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name}, got {kv_name}")
+    if kv_name not in (q_name, "fp8_e4m3"):
+        raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
     return kernel_cache.get_or_build("partial_wgmma_seesaw", (q_name, kv_name, BLOCK_M),
                                      _build_partial_wgmma_seesaw)
 
@@ -1292,7 +1499,7 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None):
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
-    KV cache in the q dtype)."""
+    KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504)."""
     from . import api
 
     if check:
