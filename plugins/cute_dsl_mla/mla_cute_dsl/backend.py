@@ -54,9 +54,10 @@ WGMMA_MIN_ROWS = 64
 # (BLOCK_M 16 / 32); measured 1.4-1.5x faster than mma.sync at 16 and 32 rows with two CTAs per SM
 # (docs/results/h200_fp8_h16_speed.txt)
 FP8REG_MAX_ROWS = 32
-# auto picks the seesaw WGMMA schedule (KV in q's dtype) from this many rows: 1.02-1.12x faster than the
-# plain WGMMA kernel at 128 and 256 rows, 0.98x at 64 rows, measured at batch 16-128
-# (docs/results/h200_wgmma_seesaw_speed.txt)
+# auto picks the seesaw WGMMA schedule from this many rows: with KV in q's dtype 1.02-1.12x faster than
+# the plain WGMMA kernel at 128 and 256 rows, 0.98x at 64 rows, measured at batch 16-128
+# (docs/results/h200_wgmma_seesaw_speed.txt); with an fp8 cache 1.04x at B128 H128 S4096 and equal at
+# B16 (docs/results/h200_seesaw_fp8_speed.txt)
 SEESAW_MIN_ROWS = 128
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg"]
@@ -69,10 +70,10 @@ class CuteDslOptions(BackendOptions):
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg"] = Field(
         default="auto",
         description="sm_90 partial kernel: wgmma (s_q*num_heads > 32; 1.4-1.7x faster than mma_sync at H=64/128 on "
-                    "an H200, bf16 or fp8 KV), seesaw (WGMMA, each warpgroup its own KV tile; KV in q's dtype, "
+                    "an H200, bf16 or fp8 KV), seesaw (WGMMA, each warpgroup its own KV tile; bf16, fp16 or fp8 KV, "
                     "s_q*num_heads > 32), fp8reg (fp8 KV, s_q*num_heads <= 32: fp8 B fragments converted in "
                     "registers), mma_sync (every shape). auto: fp8reg for fp8 KV up to "
-                    f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows with KV in q's dtype, wgmma from "
+                    f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows, wgmma from "
                     f"s_q*num_heads >= {WGMMA_MIN_ROWS}, else mma_sync")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
@@ -122,11 +123,7 @@ def wgmma_reasons(shape: DecodeShape, option: str = "wgmma") -> List[str]:
 
 def seesaw_reasons(shape: DecodeShape) -> List[str]:
     """Why the seesaw WGMMA kernel cannot take a shape the mma.sync kernels take (empty: it can)."""
-    out = wgmma_reasons(shape, "seesaw")
-    if shape.kv_dtype != shape.q_dtype:
-        out.append(f"mma=seesaw: kv_dtype={shape.kv_dtype}: this schedule reads a cache in q's dtype "
-                   f"({shape.q_dtype}) only; mma=wgmma takes fp8")
-    return out
+    return wgmma_reasons(shape, "seesaw")
 
 
 def fp8reg_reasons(shape: DecodeShape) -> List[str]:
@@ -147,7 +144,7 @@ def partial_kernel(shape: DecodeShape, options: CuteDslOptions) -> PartialKernel
     rows = shape.seq_len_q * shape.num_heads
     if shape.kv_dtype == "fp8_e4m3" and rows <= FP8REG_MAX_ROWS:
         return "fp8reg"
-    if rows >= SEESAW_MIN_ROWS and shape.kv_dtype == shape.q_dtype:
+    if rows >= SEESAW_MIN_ROWS:
         return "seesaw"
     return "wgmma" if rows >= WGMMA_MIN_ROWS else "mma_sync"
 
@@ -169,8 +166,8 @@ class CuteDslBackend(Backend):
     def info(self) -> BackendInfo:
         return BackendInfo(
             description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
-            notes=("sm_90 kernels checked on an H200: WGMMA from s_q*H >= 64 (its seesaw schedule from 128 "
-                   "with KV in q's dtype), fp8reg for an fp8 cache up to s_q*H = 32, mma.sync otherwise",
+            notes=("sm_90 kernels checked on an H200: WGMMA from s_q*H >= 64 (its seesaw schedule from 128, "
+                   "bf16, fp16 or fp8 KV), fp8reg for an fp8 cache up to s_q*H = 32, mma.sync otherwise",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
                    "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504"),

@@ -42,18 +42,18 @@ class TestCuteDslWgmmaFp16Conformance(TestCuteDslWgmmaConformance):
 
 
 class TestCuteDslSeesawConformance(TestCuteDslConformance):
-    """The seesaw WGMMA schedule forced (auto takes it from 128 rows with KV in q's dtype), bf16 and fp16;
-    shapes it refuses (fp8 KV, s_q*H <= 32) are skipped with the backend's reason."""
+    """The seesaw WGMMA schedule forced (auto takes it from 128 rows), bf16 and fp16 q, a cache in q's dtype
+    or fp8; shapes it refuses (s_q*H <= 32) are skipped with the backend's reason."""
 
     options = {"mma": "seesaw"}
     num_heads = (16, 63, 64, 126, 128)
-    kv_dtypes = ("bf16",)
+    kv_dtypes = ("bf16", "fp8_e4m3")
     single_cell_heads = 128
 
 
 class TestCuteDslSeesawFp16Conformance(TestCuteDslSeesawConformance):
     q_dtype = "fp16"
-    kv_dtypes = ("fp16",)
+    kv_dtypes = ("fp16", "fp8_e4m3")
 
 
 class TestCuteDslFp8RegConformance(TestCuteDslConformance):

@@ -160,11 +160,12 @@ def test_the_partial_kernel_is_chosen_per_shape_and_forced_values_are_refused_wi
 
     auto, forced, off = CuteDslOptions(), CuteDslOptions(mma="wgmma"), CuteDslOptions(mma="mma_sync")
     # auto: WGMMA from one full 64-row tile (s_q * H >= 64), bf16/fp16 or fp8 KV
-    assert partial_kernel(prob(num_heads=128), auto) == "seesaw"  # from 128 rows, KV in q's dtype
+    assert partial_kernel(prob(num_heads=128), auto) == "seesaw"  # from 128 rows, any cache dtype
     assert partial_kernel(prob(num_heads=64, seq_len_q=2), auto) == "seesaw"
     assert partial_kernel(prob(num_heads=127), auto) == "wgmma"
     assert partial_kernel(prob(num_heads=16, seq_len_q=4), auto) == "wgmma"
-    assert partial_kernel(prob(num_heads=128, kv_dtype="fp8_e4m3"), auto) == "wgmma"
+    assert partial_kernel(prob(num_heads=128, kv_dtype="fp8_e4m3"), auto) == "seesaw"
+    assert partial_kernel(prob(num_heads=64, kv_dtype="fp8_e4m3"), auto) == "wgmma"
     assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=64), auto) == "wgmma"
     assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=128), auto) == "seesaw"
     assert partial_kernel(prob(num_heads=63), auto) == "mma_sync"
@@ -179,8 +180,8 @@ def test_the_partial_kernel_is_chosen_per_shape_and_forced_values_are_refused_wi
     assert partial_kernel(prob(num_heads=128), forced) == "wgmma"
     seesaw = CuteDslOptions(mma="seesaw")
     assert CuteDslBackend().can_implement(prob(num_heads=33).shape, seesaw) == []
-    assert CuteDslBackend().can_implement(prob(num_heads=128, kv_dtype="fp8_e4m3").shape, seesaw) == [
-        "mma=seesaw: kv_dtype=fp8_e4m3: this schedule reads a cache in q's dtype (bf16) only; mma=wgmma takes fp8"]
+    assert CuteDslBackend().can_implement(prob(num_heads=128, kv_dtype="fp8_e4m3").shape, seesaw) == []
+    assert CuteDslBackend().can_implement(prob(q_dtype="fp16", kv_dtype="fp8_e4m3", num_heads=40).shape, seesaw) == []
     assert CuteDslBackend().can_implement(prob(num_heads=32).shape, seesaw)[0].startswith(
         "mma=seesaw: s_q*num_heads=32 <= 32")
     backend = CuteDslBackend()
@@ -213,8 +214,8 @@ def test_fp8reg_takes_fp8_caches_up_to_32_rows_and_refuses_the_rest_with_reasons
 
 
 @pytest.mark.parametrize("kv_dtype,heads,s_q,kernel,ctas", [
-    ("fp8_e4m3", 16, 2, "fp8reg", 2), ("fp8_e4m3", 128, 1, "wgmma", 1), ("bf16", 16, 1, "mma_sync", 1),
-    ("bf16", 128, 1, "seesaw", 1),
+    ("fp8_e4m3", 16, 2, "fp8reg", 2), ("fp8_e4m3", 64, 1, "wgmma", 1), ("bf16", 16, 1, "mma_sync", 1),
+    ("bf16", 128, 1, "seesaw", 1), ("fp8_e4m3", 128, 1, "seesaw", 1),
 ])
 def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_combines(
         monkeypatch, kv_dtype, heads, s_q, kernel, ctas):
