@@ -600,7 +600,7 @@ def _refine(args: argparse.Namespace, report):
     device = args.device or ("cuda" if _cuda() else "cpu")
     graph = device == "cuda" and not args.no_graph
     for round_no in range(1, args.refine + 1):
-        problems = refine_problems(report)
+        problems = refine_problems(report, max_cells=args.refine_cells)
         if not problems:
             _say(f"--refine: round {round_no}: every switch of winner is placed within 1.5x; done")
             break
@@ -638,8 +638,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         report = _run_bench(args, args.grid)
     if args.refine:
         report = _refine(args, report)
-    if not args.from_json or args.refine:
-        _write_outputs(report, args)
+    _write_outputs(report, args)  # with --from: the joined (and refined) measurements, as asked
     path = Path(args.write)
     try:
         base = path.read_text(encoding="utf-8") if path.is_file() else builtin_policy_text()
@@ -734,6 +733,17 @@ def _print_validation(result, worst_n: int, path) -> None:
 # -- wiring ----------------------------------------------------------------
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; building it imports nothing beyond the standard library."""
     parser = argparse.ArgumentParser(prog="mla", description="Choose, explain and check MLA decode backends.")
@@ -808,6 +818,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refine", type=int, default=0, metavar="ROUNDS",
                    help="before writing, measure up to ROUNDS rounds of midpoint cells between neighbouring "
                         "cells whose winners differ (where the rules place a switch)")
+    p.add_argument("--refine-cells", type=_positive_int, default=None, metavar="N",
+                   help="measure at most N midpoint cells per --refine round: those where taking a neighbour's "
+                        "winner costs most (default: all)")
     p.add_argument("--validate", metavar="GRID",
                    help="after writing, time the written policy against every arm on this second grid "
                         "and record mean and worst regret in [tuned.validation]")

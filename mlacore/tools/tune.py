@@ -17,7 +17,8 @@ picks the fastest correct backend measured for every cell of the grid:
   wins every measured cell along the rule's own edge there; head counts,
   dtypes and page sizes not measured are left to the default arm;
 * arms within `TIE` of a cell's fastest are tied there, and the tie goes to
-  the arm that wins most of the cell's group;
+  the arm that wins most of the cell's group; an arm within `GROUP_TIE` of
+  the fastest at every cell of a group takes the whole group;
 * what no rule claims within a group (heads, s_q, dtypes, page size: the
   unmeasured space between and past its points) goes to the arm that wins
   most of that group, not to the default of the whole grid.
@@ -58,15 +59,20 @@ def _cell(p: DecodeProblem) -> tuple:
 
 # Arms within this fraction of a cell's fastest count as tied there (repeat runs on the H200 differ by 2-5%).
 TIE = 0.03
+# An arm within this fraction of the fastest at every measured cell of a group takes the whole group.
+GROUP_TIE = 0.04
 
 
-def winners(report: BenchReport, tie: float = TIE) -> Dict[tuple, str]:
+def winners(report: BenchReport, tie: float = TIE, group_tie: float = GROUP_TIE) -> Dict[tuple, str]:
     """The arm each cell is routed to: the fastest correct one, except that among arms within `tie` of the
-    fastest the one that wins most cells of the cell's group (heads, s_q, dtypes, page size) is taken.
+    fastest the one that wins most cells of the cell's group (heads, s_q, dtypes, page size) is taken, and
+    that an arm within `group_tie` of the fastest at every cell of a group takes every cell of it.
 
     Why: a near-tie decided by noise would give an arm a rule in the middle of another arm's region, and
     that rule then reaches over unmeasured shapes where it loses by far more than the tie (seen on the H200:
-    a 1.7% "win" of one arm at one cell routed its neighbours 28% slow). Exact ties: the first label.
+    a 1.7% "win" of one arm at one cell routed its neighbours 28% slow; and fa3's 3.1% wins at 4 of 50
+    H=16 s_q=1 bf16 cells, where our kernel was never more than 3.1% slower, routed an off-grid cell
+    between them 30.7% slow). Exact ties: the first label.
     """
     times: Dict[tuple, Dict[str, float]] = defaultdict(dict)
     for r in report.rows:
@@ -83,7 +89,28 @@ def winners(report: BenchReport, tie: float = TIE) -> Dict[tuple, str]:
         best = min(ts.values())
         tied = [lbl for lbl, t in ts.items() if t <= best * (1.0 + tie)]
         out[c] = min(tied, key=lambda lbl: (-group_wins[(c[:5], lbl)], ts[lbl], lbl))
+    if group_tie > 0:
+        for members in _groups(times).values():
+            arm = _group_arm(members, times, group_tie)
+            if arm is not None:
+                out.update((c, arm) for c in members)
     return out
+
+
+def _groups(cells) -> Dict[tuple, List[tuple]]:
+    out: Dict[tuple, List[tuple]] = defaultdict(list)
+    for c in sorted(cells):
+        out[c[:5]].append(c)
+    return out
+
+
+def _group_arm(members: List[tuple], times: Dict[tuple, Dict[str, float]], group_tie: float) -> Optional[str]:
+    """The arm within `group_tie` of the fastest at every cell of a group (timed at all of them; the
+    smallest worst-case ratio, then the label, decides between several), else None."""
+    arms = set.intersection(*(set(times[c]) for c in members))
+    worst = {a: max(times[c][a] / min(times[c].values()) for c in members) for a in arms}
+    good = [a for a, w in worst.items() if w <= 1.0 + group_tie]
+    return min(good, key=lambda a: (worst[a], a)) if good else None
 
 
 def join_reports(reports: List[BenchReport], names: Sequence[str]) -> BenchReport:
@@ -120,7 +147,8 @@ def join_reports(reports: List[BenchReport], names: Sequence[str]) -> BenchRepor
                        fingerprint, max(r.date for r in reports))
 
 
-def refine_problems(report: BenchReport, min_ratio: float = 1.5) -> List[DecodeProblem]:
+def refine_problems(report: BenchReport, min_ratio: float = 1.5,
+                    max_cells: Optional[int] = None) -> List[DecodeProblem]:
     """The cells to measure next so that a switch of winner is placed where it happens.
 
     Between two measured points of a group that are neighbours on one axis
@@ -135,8 +163,20 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5) -> List[DecodeP
     not (on the H200 fa2's batch-1 time at long contexts barely grows up to
     batch 4 while ours drops per request: a rule from points 1 and 16 was
     122% slow at batch 4).
+
+    `max_cells` keeps the cells with most at stake: those of the switches where taking one neighbour's
+    winner at the other costs most (a joined run on the H200 proposed 177 cells in one round, past
+    the device's 10-minute limit with three arms).
     """
     win = winners(report)
+    times: Dict[tuple, Dict[str, float]] = defaultdict(dict)
+    for r in report.rows:
+        if r.status == OK:
+            times[_cell(r.problem)][r.backend] = r.time_us
+
+    def cost(cell: tuple, arm: str) -> float:
+        ts = times.get(cell, {})
+        return ts[arm] / min(ts.values()) - 1.0 if arm in ts else math.inf
     template: Dict[tuple, DecodeProblem] = {}
     for r in report.rows:
         template.setdefault(_cell(r.problem), r.problem)
@@ -144,6 +184,7 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5) -> List[DecodeP
     for c, label in win.items():
         groups[c[:5]][(c[5], c[6])] = label
     wanted: Dict[tuple, DecodeProblem] = {}
+    stake: Dict[tuple, float] = {}
     for cat, at in groups.items():
         b_all = sorted({b for b, _ in at})
         l_all = sorted({n for _, n in at})
@@ -161,9 +202,12 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5) -> List[DecodeP
                     mid = split_point(lo, hi)
                     if mid in (lo, hi):
                         continue
+                    at_stake = max(cost(cat + pt_lo, at[pt_hi]), cost(cat + pt_hi, at[pt_lo]))
                     for other in (l_all if axis == 0 else b_all):  # the whole line: the grid stays full
                         pt = (mid, other) if axis == 0 else (other, mid)
                         key = cat + pt
+                        if key in wanted:
+                            stake[key] = max(stake[key], at_stake)
                         if pt in at or key in template or key in wanted:
                             continue
                         near = min(((pt2, template[cat + pt2]) for pt2 in at if pt2[1 - axis] == other),
@@ -178,7 +222,11 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5) -> List[DecodeP
                                       "min_kv_len": min(mid, max(near.seq_len_q if near.batch_size > 1 else mid,
                                                                  int(round(mid * spread))))}
                         wanted[key] = near.model_copy(update=update)
-    return [wanted[k] for k in sorted(wanted, key=str)]
+                        stake[key] = at_stake
+    keys = sorted(wanted, key=str)
+    if max_cells is not None:
+        keys = sorted(sorted(keys, key=lambda k: -stake[k])[:max_cells], key=str)
+    return [wanted[k] for k in keys]
 
 
 def statuses(report: BenchReport) -> Dict[Tuple[tuple, str], str]:
