@@ -14,7 +14,7 @@ mkdir -p /tmp/retune
 if [ "${PART:-tune}" = measure ]; then
   for g in ${GRIDS:-h200_tune h200_offgrid h200_offgrid2}; do
     start=$(date +%s)
-    timeout ${BENCH_TIMEOUT:-240} python -m mlacore bench --device cuda --grid benchmarks/grids/$g.toml $ARMS \
+    timeout ${BENCH_TIMEOUT:-170} python -m mlacore bench --device cuda --grid benchmarks/grids/$g.toml $ARMS \
       --budget ${BUDGET:-0.08} --no-progress -o /tmp/retune/$g.json > "$OUT/bench_$g.txt" 2>&1
     echo "$g rc=$? in $(( $(date +%s) - start )) s"; cp /tmp/retune/$g.json "$OUT/" 2>/dev/null; tail -2 "$OUT/bench_$g.txt"
   done

@@ -632,6 +632,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .bench import BackendSpec
     from .tune import TuneError, _cell, record_validation, tune, validate, write_atomically
 
+    if args.refine_cells is not None and not args.refine:
+        raise CLIError("--refine-cells limits --refine rounds: give --refine ROUNDS too")
+    for flag, out in (("-o/--output", args.output), ("--csv", args.csv)):
+        if out and args.from_json and any(_same_file(out, f) for f in args.from_json):
+            raise CLIError(f"{flag} {out}: is one of the --from files; the joined measurements would replace it")
     if args.from_json:
         report = _join_reports([_read_report(f, "--from") for f in args.from_json], args.from_json)
     else:
@@ -733,6 +738,16 @@ def _print_validation(result, worst_n: int, path) -> None:
 # -- wiring ----------------------------------------------------------------
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (through links; a path that does not exist yet is none of them)."""
+    import os
+
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (argparse names the flag in its error)."""
     try:
@@ -799,7 +814,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per backend and cell")
         p.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
         p.add_argument("-o", "--output", metavar="FILE",
-                       help="write the measurements as JSON (the input of `mla tune --from`)")
+                       help="write the measurements as JSON (the input of `mla tune --from`; with --from: "
+                            "the joined runs and any --refine cells)")
         p.add_argument("--csv", metavar="FILE", help="write every row to this CSV file")
         p.add_argument("--plot", metavar="FILE", help="draw time against kv length to this PNG (needs matplotlib)")
         p.add_argument("--no-progress", action="store_true")
@@ -819,8 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before writing, measure up to ROUNDS rounds of midpoint cells between neighbouring "
                         "cells whose winners differ (where the rules place a switch)")
     p.add_argument("--refine-cells", type=_positive_int, default=None, metavar="N",
-                   help="measure at most N midpoint cells per --refine round: those where taking a neighbour's "
-                        "winner costs most (default: all)")
+                   help="measure at most N midpoint cells per --refine round, whole lines, those where taking "
+                        "a neighbour's winner costs most first (default: all)")
     p.add_argument("--validate", metavar="GRID",
                    help="after writing, time the written policy against every arm on this second grid "
                         "and record mean and worst regret in [tuned.validation]")

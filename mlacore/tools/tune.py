@@ -59,8 +59,9 @@ def _cell(p: DecodeProblem) -> tuple:
 
 # Arms within this fraction of a cell's fastest count as tied there (repeat runs on the H200 differ by 2-5%).
 TIE = 0.03
-# An arm within this fraction of the fastest at every measured cell of a group takes the whole group.
-GROUP_TIE = 0.04
+# An arm within this fraction of the fastest at every measured cell of a group takes the whole group
+# (the bound `mla tune --validate` is held to: no cell more than 5% slow).
+GROUP_TIE = 0.05
 
 
 def winners(report: BenchReport, tie: float = TIE, group_tie: float = GROUP_TIE) -> Dict[tuple, str]:
@@ -70,28 +71,30 @@ def winners(report: BenchReport, tie: float = TIE, group_tie: float = GROUP_TIE)
 
     Why: a near-tie decided by noise would give an arm a rule in the middle of another arm's region, and
     that rule then reaches over unmeasured shapes where it loses by far more than the tie (seen on the H200:
-    a 1.7% "win" of one arm at one cell routed its neighbours 28% slow; and fa3's 3.1% wins at 4 of 50
-    H=16 s_q=1 bf16 cells, where our kernel was never more than 3.1% slower, routed an off-grid cell
-    between them 30.7% slow). Exact ties: the first label.
+    a 1.7% "win" of one arm at one cell routed its neighbours 28% slow; and at H=16 s_q=1 bf16, where
+    our kernel was at most 3.6% slower than fa3 at every cell and fastest at 25 of 26, fa3's rule around
+    its one 3.6% win (batch 20-50, S 3808-9914) routed an off-grid cell 30.7% slow). With several arms
+    within `group_tie` everywhere, the one fastest at most of the group's cells is taken. Exact ties:
+    the first label. `tie=0` and `group_tie=0` turn each off.
     """
     times: Dict[tuple, Dict[str, float]] = defaultdict(dict)
     for r in report.rows:
         if r.status == OK:
             times[_cell(r.problem)][r.backend] = r.time_us
     strict = {c: min(ts, key=lambda lbl: (ts[lbl], lbl)) for c, ts in times.items()}
-    if tie <= 0:
-        return strict
     group_wins: Dict[tuple, int] = defaultdict(int)
     for c, lbl in strict.items():
         group_wins[(c[:5], lbl)] += 1
-    out: Dict[tuple, str] = {}
-    for c, ts in times.items():
-        best = min(ts.values())
-        tied = [lbl for lbl, t in ts.items() if t <= best * (1.0 + tie)]
-        out[c] = min(tied, key=lambda lbl: (-group_wins[(c[:5], lbl)], ts[lbl], lbl))
+    out: Dict[tuple, str] = dict(strict)
+    if tie > 0:
+        for c, ts in times.items():
+            best = min(ts.values())
+            tied = [lbl for lbl, t in ts.items() if t <= best * (1.0 + tie)]
+            out[c] = min(tied, key=lambda lbl: (-group_wins[(c[:5], lbl)], ts[lbl], lbl))
     if group_tie > 0:
-        for members in _groups(times).values():
-            arm = _group_arm(members, times, group_tie)
+        for cat, members in _groups(times).items():
+            wins = {lbl: n for (g, lbl), n in group_wins.items() if g == cat}
+            arm = _group_arm(members, times, group_tie, wins)
             if arm is not None:
                 out.update((c, arm) for c in members)
     return out
@@ -104,13 +107,15 @@ def _groups(cells) -> Dict[tuple, List[tuple]]:
     return out
 
 
-def _group_arm(members: List[tuple], times: Dict[tuple, Dict[str, float]], group_tie: float) -> Optional[str]:
-    """The arm within `group_tie` of the fastest at every cell of a group (timed at all of them; the
-    smallest worst-case ratio, then the label, decides between several), else None."""
+def _group_arm(members: List[tuple], times: Dict[tuple, Dict[str, float]], group_tie: float,
+               wins: Dict[str, int]) -> Optional[str]:
+    """The arm within `group_tie` of the fastest at every cell of a group (timed at all of them), else None.
+    Between several: the one fastest at most cells (`wins`), then the smallest mean and worst ratio, then
+    the label (an arm a little slower everywhere must not displace one that wins nearly every cell)."""
     arms = set.intersection(*(set(times[c]) for c in members))
-    worst = {a: max(times[c][a] / min(times[c].values()) for c in members) for a in arms}
-    good = [a for a, w in worst.items() if w <= 1.0 + group_tie]
-    return min(good, key=lambda a: (worst[a], a)) if good else None
+    ratio = {a: [times[c][a] / min(times[c].values()) for c in members] for a in arms}
+    good = [a for a, rs in ratio.items() if max(rs) <= 1.0 + group_tie]
+    return min(good, key=lambda a: (-wins.get(a, 0), statistics.fmean(ratio[a]), max(ratio[a]), a)) if good else None
 
 
 def join_reports(reports: List[BenchReport], names: Sequence[str]) -> BenchReport:
@@ -164,9 +169,11 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5,
     batch 4 while ours drops per request: a rule from points 1 and 16 was
     122% slow at batch 4).
 
-    `max_cells` keeps the cells with most at stake: those of the switches where taking one neighbour's
-    winner at the other costs most (a joined run on the H200 proposed 177 cells in one round, past
-    the device's 10-minute limit with three arms).
+    `max_cells` keeps whole lines, those with most at stake first: the lines of the switches where
+    taking one neighbour's winner at the other costs most (a switch to an arm that cannot run at the
+    other neighbour first). A line that does not fit is passed over for smaller ones; when not even
+    one fits, the first line is cut to `max_cells` cells. Why: a joined run on the H200 proposed 177
+    cells in one round, past the device's 10-minute limit with three arms.
     """
     win = winners(report)
     times: Dict[tuple, Dict[str, float]] = defaultdict(dict)
@@ -184,7 +191,8 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5,
     for c, label in win.items():
         groups[c[:5]][(c[5], c[6])] = label
     wanted: Dict[tuple, DecodeProblem] = {}
-    stake: Dict[tuple, float] = {}
+    line_of: Dict[tuple, tuple] = {}  # proposed cell -> the line (group, axis, midpoint) that proposed it
+    stake: Dict[tuple, float] = defaultdict(float)  # line -> the most one of its switches costs
     for cat, at in groups.items():
         b_all = sorted({b for b, _ in at})
         l_all = sorted({n for _, n in at})
@@ -202,12 +210,11 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5,
                     mid = split_point(lo, hi)
                     if mid in (lo, hi):
                         continue
-                    at_stake = max(cost(cat + pt_lo, at[pt_hi]), cost(cat + pt_hi, at[pt_lo]))
+                    line = (cat, axis, mid)
+                    stake[line] = max(stake[line], cost(cat + pt_lo, at[pt_hi]), cost(cat + pt_hi, at[pt_lo]))
                     for other in (l_all if axis == 0 else b_all):  # the whole line: the grid stays full
                         pt = (mid, other) if axis == 0 else (other, mid)
                         key = cat + pt
-                        if key in wanted:
-                            stake[key] = max(stake[key], at_stake)
                         if pt in at or key in template or key in wanted:
                             continue
                         near = min(((pt2, template[cat + pt2]) for pt2 in at if pt2[1 - axis] == other),
@@ -222,10 +229,18 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5,
                                       "min_kv_len": min(mid, max(near.seq_len_q if near.batch_size > 1 else mid,
                                                                  int(round(mid * spread))))}
                         wanted[key] = near.model_copy(update=update)
-                        stake[key] = at_stake
+                        line_of[key] = line
     keys = sorted(wanted, key=str)
-    if max_cells is not None:
-        keys = sorted(sorted(keys, key=lambda k: -stake[k])[:max_cells], key=str)
+    if max_cells is not None and len(keys) > max_cells:
+        cells_of: Dict[tuple, List[tuple]] = defaultdict(list)
+        for k in keys:
+            cells_of[line_of[k]].append(k)
+        ranked = sorted(cells_of, key=lambda ln: (-stake[ln], str(ln)))
+        chosen: List[tuple] = []
+        for ln in ranked:
+            if len(chosen) + len(cells_of[ln]) <= max_cells:
+                chosen += cells_of[ln]
+        keys = sorted(chosen or cells_of[ranked[0]][:max_cells], key=str)
     return [wanted[k] for k in keys]
 
 
