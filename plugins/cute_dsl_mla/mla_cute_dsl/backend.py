@@ -17,7 +17,7 @@ the combine kernel; no host work.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Tuple
 
 from pydantic import Field
 
@@ -234,21 +234,26 @@ class CuteDslBackend(Backend):
         return CuteDslSession(config, options)
 
 
+def run_function(kernel: PartialKernel) -> Callable[..., Any]:
+    """The host entry (partial kernel + combine, same arguments for all) that runs `kernel`."""
+    if kernel == "wgmma":
+        from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as run_fn
+    elif kernel == "seesaw":
+        from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw as run_fn
+    elif kernel == "fp8reg":
+        from .kernels.sm90_decode_fp8 import mla_decode_sm90_fp8 as run_fn
+    else:
+        from .kernels.api import mla_decode_sm90 as run_fn
+    return run_fn
+
+
 class CuteDslPlanned(Planned):
     __slots__ = ("kv_lens", "page_table", "schedule", "workspace", "lse_scratch", "sm_scale", "kv_scale", "run_fn")
 
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
                  kernel: PartialKernel = "mma_sync") -> None:
-        if kernel == "wgmma":
-            from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as run_fn
-        elif kernel == "seesaw":
-            from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw as run_fn
-        elif kernel == "fp8reg":
-            from .kernels.sm90_decode_fp8 import mla_decode_sm90_fp8 as run_fn
-        else:
-            from .kernels.api import mla_decode_sm90 as run_fn
-
+        run_fn = run_function(kernel)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
         self.lse_scratch, self.sm_scale, self.kv_scale = lse_scratch, sm_scale, kv_scale
         self.run_fn = run_fn
