@@ -325,6 +325,45 @@ class MLADecodePartialWGMMA:
 
     # ---------------------------------------------------------------- device side
     @cute.jit
+    def load_q(
+        self, mQ: cute.Tensor, sQ: cute.Tensor, g2s: cute.TiledCopy, thr_g2s, r2s_q: cute.TiledCopy,
+        g2r_q: cute.TiledCopy, tidx: cutlass.Int32, b: cutlass.Int32, m_block: cutlass.Int32,
+        R: cutlass.Int32,
+    ):
+        """Q rows of m-block `m_block` of request b into sQ, rows >= R zeroed.  16-bit KV: cp.async
+        (the caller commits the group).  bf16 q with fp8 KV: ld.global (q dtype) -> cvt to the MMA
+        dtype -> st.shared, one 32-row chunk at a time; generic-proxy stores, covered by the fence
+        the caller issues before the first WGMMA reads sQ."""
+        mt = self.mma_dtype
+        gQ = cute.local_tile(mQ[b, None, None], (BLOCK_M, D_QK), (m_block, 0))
+        cQ = cute.local_tile(
+            cute.make_identity_tensor((mQ.shape[1], D_QK)), (BLOCK_M, D_QK), (m_block, 0)
+        )
+        if cutlass.const_expr(self.q_cvt):
+            thr_q = g2r_q.get_slice(tidx)
+            thr_r2s_q = r2s_q.get_slice(tidx)
+            tQgQ = thr_q.partition_S(gQ)
+            tQcQ = thr_q.partition_S(cQ)
+            tQsQ = thr_r2s_q.partition_D(sQ)
+            for m in cutlass.range_constexpr(cute.size(tQgQ.shape[1])):
+                rQ = cute.make_rmem_tensor_like(tQgQ[None, m, None])
+                rQ.fill(0)
+                if tQcQ[0, m, 0][0] < R:
+                    cute.copy(g2r_q, tQgQ[None, m, None], rQ)
+                rQm = cute.make_rmem_tensor_like(tQsQ[None, m, None], mt)
+                rQm.store(rQ.load().to(mt))
+                cute.copy(r2s_q, rQm, tQsQ[None, m, None])
+        else:
+            tQgQ = thr_g2s.partition_S(gQ)
+            tQsQ = thr_g2s.partition_D(sQ)
+            tQcQ = thr_g2s.partition_S(cQ)
+            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+                if tQcQ[0, m, 0][0] < R:
+                    cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
+                else:
+                    tQsQ[None, m, None].fill(0)
+
+    @cute.jit
     def load_tile(
         self, g2s: cute.TiledCopy, thr_g2s, mKV: cute.Tensor, mPT: cute.Tensor,
         b: cutlass.Int32, n: cutlass.Int32, stage: cutlass.Int32,
@@ -424,37 +463,7 @@ class MLADecodePartialWGMMA:
 
             # ---------------- Q: gmem -> smem (rows >= R zero), one commit group -------------
             thr_g2s = g2s.get_slice(tidx)
-            gQ = cute.local_tile(mQ[b, None, None], (BLOCK_M, D_QK), (m_block, 0))
-            cQ = cute.local_tile(
-                cute.make_identity_tensor((mQ.shape[1], D_QK)), (BLOCK_M, D_QK), (m_block, 0)
-            )
-            if cutlass.const_expr(self.q_cvt):
-                # bf16 q with fp8 KV: ld.global (q dtype) -> cvt to fp16 -> st.shared,
-                # one chunk row (m: 32 rows of the 64) at a time; rows >= R zero.  The
-                # st.shared writes are generic-proxy: the fence before the first WGMMA
-                # (after the first conversion) covers them.
-                thr_q = g2r_q.get_slice(tidx)
-                thr_r2s_q = r2s.get_slice(tidx)
-                tQgQ = thr_q.partition_S(gQ)
-                tQcQ = thr_q.partition_S(cQ)
-                tQsQ = thr_r2s_q.partition_D(sQ)
-                for m in cutlass.range_constexpr(cute.size(tQgQ.shape[1])):
-                    rQ = cute.make_rmem_tensor_like(tQgQ[None, m, None])
-                    rQ.fill(0)
-                    if tQcQ[0, m, 0][0] < R:
-                        cute.copy(g2r_q, tQgQ[None, m, None], rQ)
-                    rQm = cute.make_rmem_tensor_like(tQsQ[None, m, None], mt)
-                    rQm.store(rQ.load().to(mt))
-                    cute.copy(r2s, rQm, tQsQ[None, m, None])
-            else:
-                tQgQ = thr_g2s.partition_S(gQ)
-                tQsQ = thr_g2s.partition_D(sQ)
-                tQcQ = thr_g2s.partition_S(cQ)
-                for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-                    if tQcQ[0, m, 0][0] < R:
-                        cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
-                    else:
-                        tQsQ[None, m, None].fill(0)
+            self.load_q(mQ, sQ, g2s, thr_g2s, r2s, g2r_q, tidx, b, m_block, R)
 
             cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
             tKcK = thr_g2s.partition_S(cKV)
@@ -1118,37 +1127,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 
             # ---------------- Q: gmem -> smem (rows >= R zero), its own commit group ----------
             thr_g2s = g2s.get_slice(tidx)
-            gQ = cute.local_tile(mQ[b, None, None], (BLOCK_M, D_QK), (m_block, 0))
-            cQ = cute.local_tile(
-                cute.make_identity_tensor((mQ.shape[1], D_QK)), (BLOCK_M, D_QK), (m_block, 0)
-            )
-            if cutlass.const_expr(self.q_cvt):
-                # bf16 q with fp8 KV (as MLADecodePartialWGMMA): ld.global (bf16) -> cvt to
-                # fp16 -> st.shared, one 32-row chunk at a time, rows >= R zero; covered by
-                # the async-proxy fence before the barrier below
-                _, _, r2s_q, g2r_q = self._fp8_copies()
-                thr_q = g2r_q.get_slice(tidx)
-                thr_r2s_q = r2s_q.get_slice(tidx)
-                tQgQ = thr_q.partition_S(gQ)
-                tQcQ = thr_q.partition_S(cQ)
-                tQsQ = thr_r2s_q.partition_D(sQ)
-                for m in cutlass.range_constexpr(cute.size(tQgQ.shape[1])):
-                    rQ = cute.make_rmem_tensor_like(tQgQ[None, m, None])
-                    rQ.fill(0)
-                    if tQcQ[0, m, 0][0] < R:
-                        cute.copy(g2r_q, tQgQ[None, m, None], rQ)
-                    rQm = cute.make_rmem_tensor_like(tQsQ[None, m, None], mt)
-                    rQm.store(rQ.load().to(mt))
-                    cute.copy(r2s_q, rQm, tQsQ[None, m, None])
-            else:
-                tQgQ = thr_g2s.partition_S(gQ)
-                tQsQ = thr_g2s.partition_D(sQ)
-                tQcQ = thr_g2s.partition_S(cQ)
-                for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-                    if tQcQ[0, m, 0][0] < R:
-                        cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
-                    else:
-                        tQsQ[None, m, None].fill(0)
+            _, _, r2s_q, g2r_q = self._fp8_copies()
+            self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
             cute.arch.cp_async_commit_group()
 
             # ---------------- KV tiles 0 and 1: each warpgroup loads its parts ----------------
