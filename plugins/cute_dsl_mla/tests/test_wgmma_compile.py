@@ -316,6 +316,19 @@ def _nv_info_attrs(cubin: bytes):
     return out
 
 
+def _sw128_descriptors(ptx):
+    """(LBO, SBO, base offset) in bytes of every SW128 WGMMA shared-memory descriptor the PTX builds
+    from a constant (the `or.b64` of the layout bits into the address)."""
+    import re
+
+    descs = set()
+    for c in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx):
+        v = int(c)
+        if v >> 62 == 1:  # SW128
+            descs.add((((v >> 16) & 0x3FFF) * 16, ((v >> 32) & 0x3FFF) * 16, (v >> 49) & 7))
+    return descs
+
+
 def _compile_dump(q, kv, tmp_path):
     """Compile one specialization with --keep-ptx/--keep-cubin; (ptx, regs, stack frame bytes)."""
     import cutlass.cute as cute
@@ -357,11 +370,7 @@ def test_ptx_structure_registers_and_descriptors(q, kv, tmp_path):
     assert len(re.findall(r"m64n256k16[^\n]*\}, %rd\d+, %rd\d+, p, 1,  1, 0, 1;", ptx)) == 4
     assert len(re.findall(r"m64n64k16[^\n]*\}, %rd\d+, %rd\d+, p, 1,  1, 0, 0;", ptx)) == 36
 
-    descs = set()
-    for c in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx):
-        v = int(c)
-        if v >> 62 == 1:  # SW128
-            descs.add((((v >> 16) & 0x3FFF) * 16, ((v >> 32) & 0x3FFF) * 16, (v >> 49) & 7))
+    descs = _sw128_descriptors(ptx)
     # (LBO, SBO, base offset): K-major Q / K / P (LBO unused), MN-major V
     assert descs == {(16, 1024, 0), (8192, 1024, 0)}, descs
 
@@ -616,11 +625,7 @@ def test_seesaw_ptx_structure(q, tmp_path):
     assert len(re.findall(r"m64n256k16[^\n]*\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+, p, 1,  1, 1;", ptx)) == 8
     assert len(re.findall(r"m64n256k16[^\n]*\}, %rd\d+, %rd\d+, p, 1,  1, 0, 1;", ptx)) == 8
     assert len(re.findall(r"m64n64k16[^\n]*\}, %rd\d+, %rd\d+, p, 1,  1, 0, 0;", ptx)) == 72
-    descs = set()
-    for c in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx):
-        v = int(c)
-        if v >> 62 == 1:
-            descs.add((((v >> 16) & 0x3FFF) * 16, ((v >> 32) & 0x3FFF) * 16, (v >> 49) & 7))
+    descs = _sw128_descriptors(ptx)
     assert descs == {(16, 1024, 0), (8192, 1024, 0)}, descs
 
     flat = re.sub(r"\s+", " ", ptx)
@@ -761,11 +766,7 @@ def test_seesaw_fp8_ptx_structure(q, tmp_path):
     assert "bf16.bf16" not in ptx
     assert len(re.findall(r"m64n256k16[^\n]*\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+, p, 1,  1, 1;", ptx)) == 8
     assert len(re.findall(r"m64n256k16[^\n]*\}, %rd\d+, %rd\d+, p, 1,  1, 0, 1;", ptx)) == 8
-    descs = set()
-    for c in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx):
-        v = int(c)
-        if v >> 62 == 1:
-            descs.add((((v >> 16) & 0x3FFF) * 16, ((v >> 32) & 0x3FFF) * 16, (v >> 49) & 7))
+    descs = _sw128_descriptors(ptx)
     assert descs == {(16, 1024, 0), (8192, 1024, 0)}, descs
 
     flat = re.sub(r"\s+", " ", ptx)

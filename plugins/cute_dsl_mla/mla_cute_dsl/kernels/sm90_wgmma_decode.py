@@ -434,7 +434,6 @@ class MLADecodePartialWGMMA:
         mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        mt = self.mma_dtype
         tidx, _, _ = cute.arch.thread_idx()
         m_block, wi, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
