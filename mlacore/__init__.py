@@ -36,13 +36,10 @@ __all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "__version__":  # one source: the installed distribution's metadata (pyproject.toml)
-        from importlib import metadata
+    if name == "__version__":  # one source: the installed distribution's metadata
+        from .versions import distribution_version
 
-        try:
-            return metadata.version("mlacore")
-        except metadata.PackageNotFoundError:  # a source tree that is not installed
-            return "0+unknown"
+        return distribution_version("mlacore")
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'mlacore' has no attribute {name!r}")

@@ -90,3 +90,14 @@ def test_the_makefile_demo_installs_only_the_cli():
     test = text.split("$(VENV)/.test:")[1].split("\n\n")[0]
     assert "plugins/flashinfer_mla" in test and "$(FLASHINFER_PIN)" in test
     assert "make test" in (ROOT / ".ci/run").read_text()
+
+
+def test_versions_come_from_metadata_with_a_marked_fallback():
+    from mlacore.versions import distribution_version, version_getattr
+
+    assert distribution_version("mlacore") == metadata.version("mlacore")
+    assert distribution_version("no-such-distribution-mla") == "0+unknown"
+    getattr_ = version_getattr("pkg", "mlacore")
+    assert getattr_("__version__") == metadata.version("mlacore")
+    with pytest.raises(AttributeError, match="module 'pkg' has no attribute 'other'"):
+        getattr_("other")

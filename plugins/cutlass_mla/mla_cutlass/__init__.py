@@ -4,13 +4,6 @@ Not verified on hardware. Importing this package imports neither torch nor
 flashinfer: listing backends and checking a policy stay light.
 """
 
+from mlacore.versions import version_getattr
 
-def __getattr__(name: str) -> str:
-    if name == "__version__":  # one source: the installed distribution's metadata (pyproject.toml)
-        from importlib import metadata
-
-        try:
-            return metadata.version("mla-cutlass")
-        except metadata.PackageNotFoundError:  # a source tree that is not installed
-            return "0+unknown"
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = version_getattr(__name__, "mla-cutlass")
