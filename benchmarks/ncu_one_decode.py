@@ -16,7 +16,7 @@ SHAPES = {  # kernel: (B, s_q, H, S, kv dtype)
     "seesaw": (128, 1, 128, 4096, torch.bfloat16),
     "wgmma": (128, 1, 128, 4096, torch.bfloat16),
     "wgmma_fp8": (128, 1, 128, 4096, torch.float8_e4m3fn),
-    "seesaw_fp8": (128, 1, 128, 4096, torch.float8_e4m3fn),  # branch wgmma-fp8-seesaw
+    "seesaw_fp8": (128, 1, 128, 4096, torch.float8_e4m3fn),
     "fp8reg": (64, 1, 16, 8192, torch.float8_e4m3fn),
 }
 

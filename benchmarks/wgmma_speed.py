@@ -2,12 +2,12 @@
 
     wgmma  mla_cute_dsl's WGMMA partial kernel + combine (sm90_wgmma_decode)
     seesaw the same module's seesaw-schedule WGMMA kernel (MLADecodePartialWGMMASeesaw; KV in q's
-           dtype, or fp8 e4m3 with --kv fp8: register-staged conversion, branch wgmma-fp8-seesaw)
+           dtype, or fp8 e4m3 with --kv fp8: converted in registers)
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     fa3    FlashInfer fa3 through mlacore.MLADecoder (dispatcher forced to flashinfer_mla, variant fa3)
 
 Shapes with H * s_q >= 64, KV bf16 (or fp8 e4m3 with --kv fp8, kv_scale 1: wgmma, seesaw
-and mma all take it; the seesaw fp8 path is not verified on hardware before its GPU tests pass), page 64,
+and mma all take it), page 64,
 every request of length S.
 Per shape: the first call of each way is timed on its own (it compiles or loads
 kernels); the outputs of all ways are compared with fa3's (max abs diff of out

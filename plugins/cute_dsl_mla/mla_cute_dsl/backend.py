@@ -121,11 +121,6 @@ def wgmma_reasons(shape: DecodeShape, option: str = "wgmma") -> List[str]:
     return []
 
 
-def seesaw_reasons(shape: DecodeShape) -> List[str]:
-    """Why the seesaw WGMMA kernel cannot take a shape the mma.sync kernels take (empty: it can)."""
-    return wgmma_reasons(shape, "seesaw")
-
-
 def fp8reg_reasons(shape: DecodeShape) -> List[str]:
     """Why the fp8-register kernel cannot take a shape the mma.sync kernels take (empty: it can)."""
     out = []
@@ -213,10 +208,8 @@ class CuteDslBackend(Backend):
     def can_implement(self, shape: DecodeShape, options: CuteDslOptions) -> List[str]:
         reasons = shape_reasons(shape)
         if not (shape.device.type == "cuda" and sm100.is_sm100(shape.device.capability)):
-            if options.mma == "wgmma":
-                reasons += wgmma_reasons(shape)
-            elif options.mma == "seesaw":
-                reasons += seesaw_reasons(shape)
+            if options.mma in ("wgmma", "seesaw"):
+                reasons += wgmma_reasons(shape, options.mma)
             elif options.mma == "fp8reg":
                 reasons += fp8reg_reasons(shape)
         return reasons
