@@ -77,10 +77,7 @@ def winners(report: BenchReport, tie: float = TIE, group_tie: float = GROUP_TIE)
     within `group_tie` everywhere, the one fastest at most of the group's cells is taken. Exact ties:
     the first label. `tie=0` and `group_tie=0` turn each off.
     """
-    times: Dict[tuple, Dict[str, float]] = defaultdict(dict)
-    for r in report.rows:
-        if r.status == OK:
-            times[_cell(r.problem)][r.backend] = r.time_us
+    times = _times(report)
     strict = {c: min(ts, key=lambda lbl: (ts[lbl], lbl)) for c, ts in times.items()}
     group_wins: Dict[tuple, int] = defaultdict(int)
     for c, lbl in strict.items():
@@ -100,7 +97,17 @@ def winners(report: BenchReport, tie: float = TIE, group_tie: float = GROUP_TIE)
     return out
 
 
+def _times(report: BenchReport) -> Dict[tuple, Dict[str, float]]:
+    """Per cell, the time of every arm that ran correctly there."""
+    times: Dict[tuple, Dict[str, float]] = defaultdict(dict)
+    for r in report.rows:
+        if r.status == OK:
+            times[_cell(r.problem)][r.backend] = r.time_us
+    return times
+
+
 def _groups(cells) -> Dict[tuple, List[tuple]]:
+    """Cells by group (heads, s_q, dtypes, page size), each group's cells sorted."""
     out: Dict[tuple, List[tuple]] = defaultdict(list)
     for c in sorted(cells):
         out[c[:5]].append(c)
@@ -176,10 +183,7 @@ def refine_problems(report: BenchReport, min_ratio: float = 1.5,
     cells in one round, past the device's 10-minute limit with three arms.
     """
     win = winners(report)
-    times: Dict[tuple, Dict[str, float]] = defaultdict(dict)
-    for r in report.rows:
-        if r.status == OK:
-            times[_cell(r.problem)][r.backend] = r.time_us
+    times = _times(report)
 
     def cost(cell: tuple, arm: str) -> float:
         ts = times.get(cell, {})
@@ -358,9 +362,7 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
     stat = statuses(report)
     backends, arms = arm_order(report)
     default = backends[-1]
-    groups: Dict[tuple, List[tuple]] = defaultdict(list)
-    for c in sorted(win):
-        groups[c[:5]].append(c)
+    groups = _groups(win)
     rules: Dict[str, List[dict]] = {}
     for i, label in enumerate(arms):
         name, options = _arm(label)
