@@ -3,6 +3,8 @@
     wgmma  mla_cute_dsl's WGMMA partial kernel + combine (sm90_wgmma_decode)
     seesaw the same module's seesaw-schedule WGMMA kernel (MLADecodePartialWGMMASeesaw; KV in q's
            dtype, or fp8 e4m3 with --kv fp8: converted in registers)
+    seesaw_l2pf  the seesaw kernel with its L2 bulk prefetch of the next pair's tiles (l2_prefetch=True,
+           the default up to mla-cute-dsl 0.2.1)
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     fa3    FlashInfer fa3 through mlacore.MLADecoder (dispatcher forced to flashinfer_mla, variant fa3)
 
@@ -43,7 +45,8 @@ SHAPES = [  # (B, H, s_q, S)
     (4, 128, 1, 16384),
 ]
 QUICK_SHAPES = [0, 3]
-WAYS = ("wgmma", "seesaw", "mma", "fa3")
+WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "mma", "fa3")
+DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
 
@@ -97,8 +100,12 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
 
     if name == "wgmma":
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as fn
-    elif name == "seesaw":
-        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw as fn
+    elif name in ("seesaw", "seesaw_l2pf"):
+        import functools
+
+        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
+
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=name == "seesaw_l2pf")
     else:
         from mla_cute_dsl.kernels import mla_decode_sm90 as fn
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
@@ -272,7 +279,8 @@ def main(argv=None):
     ap.add_argument("--shapes", help="comma-separated shape indices or BxHxSQxS (default: all)")
     ap.add_argument("--quick", action="store_true",
                     help=f"shapes {','.join(map(str, QUICK_SHAPES))} only (unless --shapes), 100 replays")
-    ap.add_argument("--ways", default=",".join(WAYS), help=f"subset of {','.join(WAYS)} (default: all)")
+    ap.add_argument("--ways", default=",".join(DEFAULT_WAYS),
+                    help=f"subset of {','.join(WAYS)} (default: {','.join(DEFAULT_WAYS)})")
     ap.add_argument("--reps", type=int, help="graph replays per way and shape (default 200, --quick 100)")
     ap.add_argument("--sets", type=int, help=f"input sets (default: enough for 4x L2, at most {MAX_SETS})")
     ap.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="KV cache dtype (q is bf16)")

@@ -467,13 +467,13 @@ def test_fp8_conversion_copies_map_each_element_once():
 # ----------------------------------------------------------------------------
 
 
-def _seesaw(q="bf16", kv=None):
+def _seesaw(q="bf16", kv=None, l2_prefetch=False):
     import cutlass
 
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_e4m3": cutlass.Float8E4M3FN}
-    return MLADecodePartialWGMMASeesaw(dt[q], dt[kv or q])
+    return MLADecodePartialWGMMASeesaw(dt[q], dt[kv or q], l2_prefetch=l2_prefetch)
 
 
 def test_seesaw_schedule_tables_are_consistent():
@@ -590,12 +590,31 @@ def test_seesaw_kernel_compiles(q):
     assert get_partial_kernel_wgmma(q) is not fn  # the one-S kernel stays selectable
 
 
-def _compile_dump_seesaw(q, tmp_path, kv=None):
+@pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
+def test_seesaw_l2_prefetch_option(kv, tmp_path):
+    """``l2_prefetch=True`` (the default up to 0.2.1, an option since 0.2.2) adds exactly thread 0's two bulk
+    prefetches of the next pair's tiles, one whole 64-token tile each (73,728 B bf16, 36,864 B fp8),
+    under a kernel cache key of its own; the default kernel has none (the structure tests)."""
+    import re
+
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import seesaw_spec
+
+    ptx, regs, frame = _compile_dump_seesaw("bf16", tmp_path, kv, l2_prefetch=True)
+    assert regs <= 255 and frame == 0, (regs, frame)
+    flat = re.sub(r"\s+", " ", ptx)
+    pf = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", flat)
+    size = 36864 if kv else 73728
+    assert len(pf) == 2 and all(f"mov.b32 {r}, {size};" in flat for r in pf), pf
+    assert seesaw_spec("bf16", kv or "bf16", True) != seesaw_spec("bf16", kv or "bf16")
+    assert seesaw_spec("bf16", "bf16") == ("bf16", "bf16", 64)
+
+
+def _compile_dump_seesaw(q, tmp_path, kv=None, l2_prefetch=False):
     import cutlass.cute as cute
 
     from mla_cute_dsl.kernels import api
 
-    k = _seesaw(q, kv)
+    k = _seesaw(q, kv, l2_prefetch)
     cute.compile(k, *api._fake_args_partial(q, kv or q),
                  options=api.COMPILE_OPTIONS + f" --keep-ptx --keep-cubin --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
@@ -652,11 +671,8 @@ def test_seesaw_ptx_structure(q, tmp_path):
         assert flat.count(f"bar.arrive {bar}, 256;") == 1 and flat.count(f"bar.sync {bar}, 256;") == 1
         # the non-owner: barrier -> async-proxy fence before anything else
         assert re.search(rf"bar\.sync {bar}, 256; fence\.proxy\.async\.shared::cta;", flat), bar
-    # thread 0 prefetches the next pair's two tiles into L2: one 72 KB bulk prefetch each
-    pf = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", flat)
-    assert len(pf) == 2, pf
-    for reg in pf:
-        assert f"mov.b32 {reg}, 73728;" in flat
+    # no L2 bulk prefetch by default (option l2_prefetch: test_seesaw_l2_prefetch_option)
+    assert "cp.async.bulk.prefetch" not in flat
     # all wgmma groups waited with 0 (nothing in flight across the pair loop's back edge)
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
     assert "cvt.rn.f16x2.e4m3x2" not in flat
@@ -752,7 +768,7 @@ def test_seesaw_fp8_ptx_structure(q, tmp_path):
     cvt.rn.f16x2.e4m3x2 (576 per copy of the conversion, two copies: tiles without and with
     rows past kv_len), nothing via f32; 4 mbarriers of count 128 with plain arrives only;
     every part: st.shared -> fence.proxy.async -> mbarrier.arrive; every mbarrier wait ->
-    fence -> wgmma.fence; L2 prefetch of 36,864 B per tile; and the pair loop's order of
+    fence -> wgmma.fence; no L2 prefetch (off by default); and the pair loop's order of
     loads, conversions, WGMMA issues, waits and barriers, event by event (each part's
     ld.global's issued before the wgmma wait that frees its columns; WG0 converts tile b's
     part under its S_a WGMMAs and WG1 tile a+2's under its P_b V_R WGMMAs)."""
@@ -795,8 +811,7 @@ def test_seesaw_fp8_ptx_structure(q, tmp_path):
     for bar in (1, 2):
         assert flat.count(f"bar.arrive {bar}, 256;") == 1 and flat.count(f"bar.sync {bar}, 256;") == 1
         assert re.search(rf"bar\.sync {bar}, 256; fence\.proxy\.async\.shared::cta;", flat), bar
-    pf = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", flat)
-    assert len(pf) == 2 and all(f"mov.b32 {r}, 36864;" in flat for r in pf), pf
+    assert "cp.async.bulk.prefetch" not in flat  # off by default (test_seesaw_l2_prefetch_option)
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
 
     # the pair loop in PTX order (between the prologue's and the epilogue's CTA barrier),

@@ -315,3 +315,28 @@ def test_wgmma_fp8_graph_replay_equals_eager(variant):
     call()
     torch.cuda.synchronize()
     assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)
+
+
+@needs_sm90
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("B,s_q,H,S,varlen", [(3, 2, 128, 1000, True), (2, 1, 128, 4096, False)])
+def test_seesaw_l2_prefetch_option_is_bitwise_equal(kv, B, s_q, H, S, varlen):
+    """The L2 prefetch (option ``l2_prefetch``, off by default since 0.2.2) only warms L2: the
+    kernel with it writes the same bits as without, and both match the fp64 reference."""
+    import functools
+
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
+
+    if kv == "fp8":
+        case, o1, l1 = _fp8_case(B, s_q, H, S, varlen)
+    else:
+        case = make_case(B, s_q, H, S, torch.bfloat16, varlen, seed=random.randrange(1 << 30))
+        o1 = torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        l1 = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
+    o2, l2 = o1.clone(), l1.clone()
+    run_kernel(case, o1, l1, decode=mla_decode_sm90_wgmma_seesaw)
+    run_kernel(case, o2, l2, decode=functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=True))
+    torch.cuda.synchronize()
+    check(case, o1, l1)
+    assert torch.equal(o1, o2)
+    assert torch.equal(l1.nan_to_num(), l2.nan_to_num())

@@ -764,8 +764,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       the other warpgroup's WGMMA time (seesaw).  See NOTES.md.
     """
 
-    def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M):
+    def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m)
+        # l2_prefetch: thread 0 issues one cp.async.bulk.prefetch.L2 per tile of the next pair
+        # before this pair's loads.  Off by default: on the H200 the kernel ran faster without it
+        # (B128 H128 S4096 bf16: 300.9 vs 310.4 us at s_q=1, 589.8 vs 661.9 us at s_q=2; see
+        # NOTES.md "L2 prefetch off"); kept as an option to measure on other parts
+        self.l2_prefetch = bool(l2_prefetch)
         # fp8 e4m3 KV (branch wgmma-fp8-seesaw): two fp16 K tiles as for 16-bit KV, no raw
         # fp8 ring in smem: each warpgroup ld.global's its fp8 part of a tile into registers,
         # converts it and st.shared's it into the fp16 K tile (see the class docstring)
@@ -1228,11 +1233,12 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 pg3 = pg_next3
                 # tiles a+2, b+2 -> L2 now (one bulk prefetch each: a 64-token block of a page is
                 # contiguous), so that their cp.asyncs later in this pair hit L2
-                if tidx == 0:
-                    if ta + 2 < T:
-                        self.prefetch_tile_l2(mKV, pg2, n_start + ta + 2, blocks_per_page)
-                    if ta + 3 < T:
-                        self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
+                if cutlass.const_expr(self.l2_prefetch):
+                    if tidx == 0:
+                        if ta + 2 < T:
+                            self.prefetch_tile_l2(mKV, pg2, n_start + ta + 2, blocks_per_page)
+                        if ta + 3 < T:
+                            self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
                 pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
                 pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
                 if cutlass.const_expr(self.is_fp8):
@@ -1455,34 +1461,45 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
                       workspace)
 
 
-def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int):
+def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags: str):
     from . import api
 
-    k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m)
+    k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
+                                    l2_prefetch="l2pf" in flags)
     return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
 
 
-def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None):
+def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False) -> tuple:
+    """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set
+    (the default kernel keeps the three-part key)."""
+    return (q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ())
+
+
+def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *, l2_prefetch: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
-    ``partial_wgmma_seesaw``, key (q, kv, 64)."""
+    ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
+    next pair's tiles (off by default, see the class)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
     if kv_name not in (q_name, "fp8_e4m3"):
         raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
-    return kernel_cache.get_or_build("partial_wgmma_seesaw", (q_name, kv_name, BLOCK_M),
+    return kernel_cache.get_or_build("partial_wgmma_seesaw", seesaw_spec(q_name, kv_name, l2_prefetch),
                                      _build_partial_wgmma_seesaw)
 
 
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
-                                 out, lse, schedule, workspace, *, check: bool = True):
+                                 out, lse, schedule, workspace, *, check: bool = True,
+                                 l2_prefetch: bool = False):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
-    KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504)."""
+    KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
+    ``l2_prefetch``: see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
-    partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype])
+    partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
+                                              l2_prefetch=l2_prefetch)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
