@@ -321,8 +321,8 @@ def test_wgmma_fp8_graph_replay_equals_eager(variant):
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("B,s_q,H,S,varlen", [(3, 2, 128, 1000, True), (2, 1, 128, 4096, False)])
 def test_seesaw_l2_prefetch_option_is_bitwise_equal(kv, B, s_q, H, S, varlen):
-    """The L2 prefetch (option ``l2_prefetch``, off by default since 0.2.2) only warms L2: the
-    kernel with it writes the same bits as without, and both match the fp64 reference."""
+    """The L2 prefetch (option ``l2_prefetch``; since 0.2.2 on by default only for fp8 caches) only
+    warms L2: the kernel with it writes the same bits as without, and both match the fp64 reference."""
     import functools
 
     from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
@@ -334,7 +334,7 @@ def test_seesaw_l2_prefetch_option_is_bitwise_equal(kv, B, s_q, H, S, varlen):
         o1 = torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         l1 = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
     o2, l2 = o1.clone(), l1.clone()
-    run_kernel(case, o1, l1, decode=mla_decode_sm90_wgmma_seesaw)
+    run_kernel(case, o1, l1, decode=functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=False))
     run_kernel(case, o2, l2, decode=functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=True))
     torch.cuda.synchronize()
     check(case, o1, l1)

@@ -767,9 +767,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m)
         # l2_prefetch: thread 0 issues one cp.async.bulk.prefetch.L2 per tile of the next pair
-        # before this pair's loads.  Off by default: on the H200 the kernel ran faster without it
-        # (B128 H128 S4096 bf16: 300.9 vs 310.4 us at s_q=1, 589.8 vs 661.9 us at s_q=2; see
-        # NOTES.md "L2 prefetch off"); kept as an option to measure on other parts
+        # before this pair's loads (the getter's default: seesaw_l2_prefetch_default)
         self.l2_prefetch = bool(l2_prefetch)
         # fp8 e4m3 KV (branch wgmma-fp8-seesaw): two fp16 K tiles as for 16-bit KV, no raw
         # fp8 ring in smem: each warpgroup ld.global's its fp8 part of a tile into registers,
@@ -1469,29 +1467,44 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
     return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
 
 
+def seesaw_l2_prefetch_default(kv_name: str) -> bool:
+    """Whether the seesaw kernel prefetches the next pair's tiles into L2, per cache dtype.
+
+    Measured on the H200 (sixth session, NOTES.md "Seesaw without the L2 prefetch"), same
+    process, CUDA-graph replay: with a 16-bit cache the prefetch costs time at large batch
+    (B128 H128 S4096: 282.1 vs 345.2 us at s_q=1, 587.2 vs 665.9 us at s_q=2; B16 51.2 vs 52.9
+    with it), so it is off; with an fp8 cache it helps a little (403.9 vs 414.0 us at B128 s_q=1,
+    65.4 vs 67.6 at B16, equal at s_q=2), so it stays on.
+    """
+    return kv_name == "fp8_e4m3"
+
+
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False) -> tuple:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set
     (the default kernel keeps the three-part key)."""
     return (q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ())
 
 
-def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *, l2_prefetch: bool = False):
+def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
+                                    l2_prefetch: bool | None = None):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
-    next pair's tiles (off by default, see the class)."""
+    next pair's tiles (None: ``seesaw_l2_prefetch_default`` of the cache dtype)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
     if kv_name not in (q_name, "fp8_e4m3"):
         raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
+    if l2_prefetch is None:
+        l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw", seesaw_spec(q_name, kv_name, l2_prefetch),
                                      _build_partial_wgmma_seesaw)
 
 
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True,
-                                 l2_prefetch: bool = False):
+                                 l2_prefetch: bool | None = None):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
     ``l2_prefetch``: see ``get_partial_kernel_wgmma_seesaw``."""
