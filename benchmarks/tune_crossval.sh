@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Leave-one-grid-out check of `mla tune` on the stored H200 runs (CPU only, ~3 s per fold): for each
+# measured grid, rules are written from all the other runs (plus the refine cells) and validated on
+# the grid left out, as `mla tune --validate` would on a fresh run.
+#   bash benchmarks/tune_crossval.sh            (from the repository root, the project installed)
+set -euo pipefail
+R=docs/results
+PY=${PY:-python}
+GRIDS="h200_tune_bench h200_tune_offgrid_bench h200_tune_offgrid2_bench h200_validate_offgrid5s_bench
+h200_validate_offgrid6_bench h200_validate_offgrid7_bench"
+ALWAYS=${ALWAYS:-h200_tune_refine6_bench}
+ARMS="--backend flashinfer_mla:variant=fa3 --backend flashinfer_mla:variant=fa2 --backend cute_dsl_mla"
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+for held in $GRIDS; do
+  from=""
+  for g in $GRIDS $ALWAYS; do [ "$g" = "$held" ] || from="$from --from $R/$g.json"; done
+  cp mlacore/default_policy.toml "$tmp/policy.toml"
+  line=$($PY -m mlacore tune $from --write "$tmp/policy.toml" --validate-from "$R/$held.json" $ARMS 2>&1 \
+         | grep "^validation" | sed 's/; recorded.*//')
+  printf '%-32s %s\n' "$held" "$line"
+done
