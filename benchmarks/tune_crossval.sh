@@ -11,11 +11,18 @@ h200_validate_offgrid6_bench h200_validate_offgrid7_bench"
 ALWAYS=${ALWAYS:-h200_tune_refine6_bench}
 ARMS="--backend flashinfer_mla:variant=fa3 --backend flashinfer_mla:variant=fa2 --backend cute_dsl_mla"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+status=0
 for held in $GRIDS; do
   from=""
   for g in $GRIDS $ALWAYS; do [ "$g" = "$held" ] || from="$from --from $R/$g.json"; done
   cp mlacore/default_policy.toml "$tmp/policy.toml"
-  line=$($PY -m mlacore tune $from --write "$tmp/policy.toml" --validate-from "$R/$held.json" $ARMS 2>&1 \
-         | grep "^validation" | sed 's/; recorded.*//')
+  rc=0
+  $PY -m mlacore tune $from --write "$tmp/policy.toml" --validate-from "$R/$held.json" $ARMS \
+    > "$tmp/out.txt" 2>&1 || rc=$?
+  line=$(grep "^validation" "$tmp/out.txt" | sed 's/; recorded.*//' || true)
+  if [ "$rc" != 0 ] || [ -z "$line" ]; then
+    printf '%-32s FAILED (rc=%s):\n' "$held" "$rc"; tail -5 "$tmp/out.txt"; status=1; continue
+  fi
   printf '%-32s %s\n' "$held" "$line"
 done
+exit $status

@@ -1,10 +1,11 @@
-"""Time four ways to compute the same MLA decode, side by side, on one SM90 GPU.
+"""Time ways to compute the same MLA decode, side by side, on one SM90 GPU.
 
     wgmma  mla_cute_dsl's WGMMA partial kernel + combine (sm90_wgmma_decode)
     seesaw the same module's seesaw-schedule WGMMA kernel (MLADecodePartialWGMMASeesaw; KV in q's
-           dtype, or fp8 e4m3 with --kv fp8: converted in registers)
-    seesaw_l2pf  the seesaw kernel with its L2 bulk prefetch of the next pair's tiles (l2_prefetch=True,
-           the default up to mla-cute-dsl 0.2.1)
+           dtype, or fp8 e4m3 with --kv fp8: converted in registers), as the backend runs it (the L2
+           prefetch of the next pair's tiles as seesaw_l2_prefetch_default says: off for a 16-bit
+           cache, on for fp8)
+    seesaw_l2pf / seesaw_nopf  the seesaw kernel with / without that L2 prefetch
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     fa3    FlashInfer fa3 through mlacore.MLADecoder (dispatcher forced to flashinfer_mla, variant fa3)
 
@@ -45,7 +46,7 @@ SHAPES = [  # (B, H, s_q, S)
     (4, 128, 1, 16384),
 ]
 QUICK_SHAPES = [0, 3]
-WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "mma", "fa3")
+WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "mma", "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
@@ -100,12 +101,13 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
 
     if name == "wgmma":
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as fn
-    elif name in ("seesaw", "seesaw_l2pf"):
+    elif name in ("seesaw", "seesaw_l2pf", "seesaw_nopf"):
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
 
-        fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=name == "seesaw_l2pf")
+        prefetch = {"seesaw": None, "seesaw_l2pf": True, "seesaw_nopf": False}[name]
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch)
     else:
         from mla_cute_dsl.kernels import mla_decode_sm90 as fn
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count

@@ -57,7 +57,8 @@ FP8REG_MAX_ROWS = 32
 # auto picks the seesaw WGMMA schedule from this many rows: with KV in q's dtype 1.02-1.12x faster than
 # the plain WGMMA kernel at 128 and 256 rows, 0.98x at 64 rows, measured at batch 16-128
 # (docs/results/h200_wgmma_seesaw_speed.txt); with an fp8 cache 1.04x at B128 H128 S4096 and equal at
-# B16 (docs/results/h200_seesaw_fp8_speed.txt)
+# B16 (docs/results/h200_seesaw_fp8_speed.txt); both measured with the seesaw's L2 prefetch on, which
+# from 0.2.2 is off for 16-bit caches and only made the seesaw faster there (NOTES.md, sixth session)
 SEESAW_MIN_ROWS = 128
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg"]

@@ -66,15 +66,16 @@ def _compiled_then_from_disk(call):
     """Run ``call`` with its kernels compiled, then again with them loaded from the disk cache."""
     from mla_cute_dsl.kernels import kernel_cache
 
-    for _ in range(2):
+    for attempt in range(2):
         with pytest.raises(ValueError, match=r"Mismatched Tensor on argument #0") as err:
             call()
         assert "Expects" not in str(err.value) and "positional" not in str(err.value)
-        if kernel_cache.stats()["disk_hits"]:
-            return
-        assert kernel_cache.stats()["disk_writes"] >= 1  # compiled and stored: load them next
-        kernel_cache.clear()
-    raise AssertionError("the second call did not load its kernels from the disk cache")
+        stats = kernel_cache.stats()
+        if attempt == 0:
+            assert stats["compiled"] >= 1 and stats["disk_writes"] == stats["compiled"], stats
+            kernel_cache.clear()  # forget them in-process: the second call loads them from disk
+        else:
+            assert stats["compiled"] == 0 and stats["disk_hits"] >= 1, stats
 
 
 @pytest.mark.parametrize("kernel,H,s_q,kv_dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
@@ -87,13 +88,17 @@ def test_backend_entry_passes_the_compiled_argument_count(kernel, H, s_q, kv_dty
 
 
 @pytest.mark.parametrize("wide", [False, True])
-def test_combine_takes_the_arguments_launch_passes(wide, cpu_stream, cache_dir):
-    """launch() calls the combine kernel with (out, lse, split_info, o_partial, lse_partial, stream)."""
-    from mla_cute_dsl.kernels.api import get_combine_kernel
+def test_launch_passes_the_combine_kernel_its_arguments(wide, cpu_stream, cache_dir):
+    """api.launch's own call of the combine kernel (narrow and wide): the partial kernel is a stand-in
+    that returns at once, so that launch goes on to the real combine kernel it picks."""
+    from mla_cute_dsl.kernels import api
 
-    q, kv, table, lens, out, lse, sched, (o_part, lse_part) = _case(16, 1, torch.bfloat16)
-    _compiled_then_from_disk(lambda: get_combine_kernel("bf16", wide=wide)(
-        out.view(2, 16, 512), lse.view(2, 16), sched.split_info, o_part, lse_part, None))
+    q, kv, table, lens, out, lse, sched, ws = _case(16, 1, torch.bfloat16)
+    sched.wide_combine = wide
+    partial_calls = []
+    _compiled_then_from_disk(lambda: api.launch(lambda *a: partial_calls.append(len(a)), q, kv, table, lens,
+                                                0.1, 1.0, out, lse, sched, ws))
+    assert partial_calls == [15, 15]  # and the partial kernels take 15 (the backend-entry tests)
 
 
 def test_a_wrong_argument_count_is_what_this_catches(cpu_stream, cache_dir):

@@ -467,12 +467,15 @@ def test_fp8_conversion_copies_map_each_element_once():
 # ----------------------------------------------------------------------------
 
 
-def _seesaw(q="bf16", kv=None, l2_prefetch=False):
+def _seesaw(q="bf16", kv=None, l2_prefetch=None):
+    """The seesaw kernel object; ``l2_prefetch`` None: the getter's default for the cache dtype."""
     import cutlass
 
-    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw, seesaw_l2_prefetch_default
 
     dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_e4m3": cutlass.Float8E4M3FN}
+    if l2_prefetch is None:
+        l2_prefetch = seesaw_l2_prefetch_default(kv or q)
     return MLADecodePartialWGMMASeesaw(dt[q], dt[kv or q], l2_prefetch=l2_prefetch)
 
 
@@ -592,21 +595,43 @@ def test_seesaw_kernel_compiles(q):
 
 @pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
 def test_seesaw_l2_prefetch_option(kv, tmp_path):
-    """``l2_prefetch=True`` (the default up to 0.2.1, an option since 0.2.2) adds exactly thread 0's two bulk
-    prefetches of the next pair's tiles, one whole 64-token tile each (73,728 B bf16, 36,864 B fp8),
-    under a kernel cache key of its own; the default kernel has none (the structure tests)."""
+    """The non-default value of ``l2_prefetch`` for each cache dtype (on for bf16, off for fp8; the
+    structure tests cover the defaults): on adds exactly thread 0's two bulk prefetches of the next
+    pair's tiles, one whole 64-token tile each (73,728 B bf16, 36,864 B fp8); off has none. Each
+    value has a kernel cache key of its own."""
     import re
 
-    from mla_cute_dsl.kernels.sm90_wgmma_decode import seesaw_spec
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import seesaw_l2_prefetch_default, seesaw_spec
 
-    ptx, regs, frame = _compile_dump_seesaw("bf16", tmp_path, kv, l2_prefetch=True)
+    on = not seesaw_l2_prefetch_default(kv or "bf16")
+    ptx, regs, frame = _compile_dump_seesaw("bf16", tmp_path, kv, l2_prefetch=on)
     assert regs <= 255 and frame == 0, (regs, frame)
     flat = re.sub(r"\s+", " ", ptx)
     pf = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", flat)
-    size = 36864 if kv else 73728
-    assert len(pf) == 2 and all(f"mov.b32 {r}, {size};" in flat for r in pf), pf
+    if on:
+        size = 36864 if kv else 73728
+        assert len(pf) == 2 and all(f"mov.b32 {r}, {size};" in flat for r in pf), pf
+    else:
+        assert "cp.async.bulk.prefetch" not in flat
     assert seesaw_spec("bf16", kv or "bf16", True) != seesaw_spec("bf16", kv or "bf16")
     assert seesaw_spec("bf16", "bf16") == ("bf16", "bf16", 64)
+
+
+@pytest.mark.parametrize("flags,expected", [((), False), (("l2pf",), True)])
+def test_seesaw_builder_turns_the_key_into_the_kernel(flags, expected, monkeypatch):
+    """The kernel cache builds from the key alone: its "l2pf" flag must reach the kernel object (a
+    builder that dropped it would compile the same kernel under both keys, and the GPU bitwise test
+    would not notice); unknown flags are refused."""
+    import cutlass.cute as cute
+
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
+    built = []  # the kernel objects handed to the compiler (not compiled: their settings are checked)
+    monkeypatch.setattr(cute, "compile", lambda k, *a, **kw: built.append(k))
+    W._build_partial_wgmma_seesaw("bf16", "fp8_e4m3", 64, *flags)
+    assert len(built) == 1 and built[0].l2_prefetch is expected and built[0].is_fp8
+    with pytest.raises(ValueError, match="unknown flags"):
+        W._build_partial_wgmma_seesaw("bf16", "bf16", 64, "nopf")
 
 
 def test_seesaw_l2_prefetch_default_per_cache_dtype(monkeypatch):
@@ -629,7 +654,7 @@ def test_seesaw_l2_prefetch_default_per_cache_dtype(monkeypatch):
                      ("partial_wgmma_seesaw", ("fp16", "fp16", 64, "l2pf"))]
 
 
-def _compile_dump_seesaw(q, tmp_path, kv=None, l2_prefetch=False):
+def _compile_dump_seesaw(q, tmp_path, kv=None, l2_prefetch=None):
     import cutlass.cute as cute
 
     from mla_cute_dsl.kernels import api
@@ -788,8 +813,7 @@ def test_seesaw_fp8_ptx_structure(q, tmp_path):
     cvt.rn.f16x2.e4m3x2 (576 per copy of the conversion, two copies: tiles without and with
     rows past kv_len), nothing via f32; 4 mbarriers of count 128 with plain arrives only;
     every part: st.shared -> fence.proxy.async -> mbarrier.arrive; every mbarrier wait ->
-    fence -> wgmma.fence; no L2 prefetch (this variant; the default fp8 kernel adds it, as
-    test_seesaw_l2_prefetch_option checks); and the pair loop's order of
+    fence -> wgmma.fence; L2 prefetch of 36,864 B per tile (the fp8 default); and the pair loop's order of
     loads, conversions, WGMMA issues, waits and barriers, event by event (each part's
     ld.global's issued before the wgmma wait that frees its columns; WG0 converts tile b's
     part under its S_a WGMMAs and WG1 tile a+2's under its P_b V_R WGMMAs)."""
@@ -832,7 +856,9 @@ def test_seesaw_fp8_ptx_structure(q, tmp_path):
     for bar in (1, 2):
         assert flat.count(f"bar.arrive {bar}, 256;") == 1 and flat.count(f"bar.sync {bar}, 256;") == 1
         assert re.search(rf"bar\.sync {bar}, 256; fence\.proxy\.async\.shared::cta;", flat), bar
-    assert "cp.async.bulk.prefetch" not in flat  # l2_prefetch=False here (test_seesaw_l2_prefetch_option)
+    # the default fp8 kernel prefetches the next pair's two tiles into L2 (seesaw_l2_prefetch_default)
+    pf = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (%r\d+);", flat)
+    assert len(pf) == 2 and all(f"mov.b32 {r}, 36864;" in flat for r in pf), pf
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
 
     # the pair loop in PTX order (between the prologue's and the epilogue's CTA barrier),

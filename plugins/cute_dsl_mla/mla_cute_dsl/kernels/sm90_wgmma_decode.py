@@ -1459,9 +1459,15 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
                       workspace)
 
 
+SEESAW_FLAGS = ("l2pf",)  # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
+
+
 def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags: str):
     from . import api
 
+    unknown = [f for f in flags if f not in SEESAW_FLAGS]
+    if unknown:
+        raise ValueError(f"seesaw kernel key: unknown flags {unknown}, expected a subset of {SEESAW_FLAGS}")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags)
     return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
@@ -1471,15 +1477,16 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
     """Whether the seesaw kernel prefetches the next pair's tiles into L2, per cache dtype.
 
     Measured on the H200 (sixth session, NOTES.md "Seesaw without the L2 prefetch"), same
-    process, CUDA-graph replay: with a 16-bit cache the prefetch costs time at large batch
-    (B128 H128 S4096: 282.1 vs 345.2 us at s_q=1, 587.2 vs 665.9 us at s_q=2; B16 51.2 vs 52.9
-    with it), so it is off; with an fp8 cache it helps a little (403.9 vs 414.0 us at B128 s_q=1,
-    65.4 vs 67.6 at B16, equal at s_q=2), so it stays on.
+    process, CUDA-graph replay, times without vs with the prefetch: with a 16-bit cache the
+    prefetch costs time at large batch (B128 H128 S4096: 282.1 vs 345.2 us at s_q=1, 587.2 vs
+    665.9 us at s_q=2) and saves a little at B16 (52.9 vs 51.2 us), so it is off; with an fp8
+    cache it saves a little (B128 s_q=1 414.0 vs 403.9 us, B16 67.6 vs 65.4, s_q=2 equal), so it
+    stays on.
     """
     return kv_name == "fp8_e4m3"
 
 
-def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False) -> tuple:
+def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set
     (the default kernel keeps the three-part key)."""
     return (q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ())
