@@ -339,4 +339,4 @@ def test_seesaw_l2_prefetch_option_is_bitwise_equal(kv, B, s_q, H, S, varlen):
     torch.cuda.synchronize()
     check(case, o1, l1)
     assert torch.equal(o1, o2)
-    assert torch.equal(l1.nan_to_num(), l2.nan_to_num())
+    assert torch.equal(l1, l2)  # check() found no NaN in l1: a NaN in l2 makes this unequal
