@@ -2,12 +2,15 @@
 # Leave-one-grid-out check of `mla tune` on the stored H200 runs (CPU only, ~3 s per fold): for each
 # measured grid, rules are written from all the other runs (plus the refine cells) and validated on
 # the grid left out, as `mla tune --validate` would on a fresh run.
-#   bash benchmarks/tune_crossval.sh            (from the repository root, the project installed)
+#   bash benchmarks/tune_crossval.sh            (from the repository root, the project installed; the
+#                                                mla-cute-dsl 0.2.1 runs)
+#   GRIDS="h200_tune7_bench h200_tune7_offgrid_bench h200_tune7_offgrid2_bench h200_validate7_offgrid7_bench" \
+#   ALWAYS=h200_tune7_refine_bench bash benchmarks/tune_crossval.sh    (the 0.2.2 runs)
 set -euo pipefail
 R=docs/results
 PY=${PY:-python}
-GRIDS="h200_tune_bench h200_tune_offgrid_bench h200_tune_offgrid2_bench h200_validate_offgrid5s_bench
-h200_validate_offgrid6_bench h200_validate_offgrid7_bench"
+GRIDS=${GRIDS:-"h200_tune_bench h200_tune_offgrid_bench h200_tune_offgrid2_bench h200_validate_offgrid5s_bench
+h200_validate_offgrid6_bench h200_validate_offgrid7_bench"}
 ALWAYS=${ALWAYS:-h200_tune_refine6_bench}
 ARMS="--backend flashinfer_mla:variant=fa3 --backend flashinfer_mla:variant=fa2 --backend cute_dsl_mla"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
