@@ -18,6 +18,12 @@ means the item wrote out directly (combine skips it).
 
 Every item of request b holds at most ``blocks_per_split`` 64-token blocks,
 and the items of one request differ in size by at most one block.
+
+Opt-in balanced schedule (``make_schedule(..., balanced=True)``, ``plan_balanced``): a fixed grid of
+CTA columns each walks one contiguous range of the concatenated block stream of all requests, so the
+same work_info/split_info rows are produced column by column, plus ``cta_ranges`` (int32
+[num_cols + 1]: column c runs rows cta_ranges[c] .. cta_ranges[c + 1] - 1). Only
+``MLADecodePartial(balanced=True)`` reads it (see the section above ``plan_balanced``).
 """
 
 from __future__ import annotations
@@ -77,6 +83,20 @@ class Schedule:
     num_items: int = 0
     blocks_per_split: int = 0
     wide_combine: bool = False  # run MLACombineWide for this step (wide_combine_for)
+    # balanced split-KV (make_schedule(balanced=True)): int32 [num_cols + 1] item offsets per CTA
+    # column (device, fixed size per decoder), else None
+    cta_ranges: torch.Tensor | None = None
+    item_cost: int = 0  # plan_balanced's per-item cost (balanced schedules)
+    max_cta_blocks: int = 0  # most 64-token blocks one CTA walks this step (balanced schedules)
+
+    @property
+    def balanced(self) -> bool:
+        return self.cta_ranges is not None
+
+    @property
+    def num_cols(self) -> int:
+        """CTA columns of the balanced grid (0 for a plan_items schedule)."""
+        return 0 if self.cta_ranges is None else self.cta_ranges.shape[0] - 1
 
     @property
     def rows(self) -> int:
@@ -140,15 +160,171 @@ def plan_items(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int
     return items, split, bps
 
 
+# ---------------------------------------------------------------------------
+# Balanced split-KV (opt-in; MLADecodePartial(balanced=True), make_schedule(balanced=True))
+# ---------------------------------------------------------------------------
+#
+# A fixed grid of m_blocks x num_cols CTAs (num_cols = target // m_blocks, target = num_sms *
+# ctas_per_sm) walks the concatenation of every request's 64-token KV blocks (request 0's blocks,
+# then request 1's, ...). CTA column c takes one contiguous range of that stream, so it may finish
+# one request's tail and start the next request's head; each (column, request) intersection is one
+# work item (its own partial slot, or slot -1 when it covers the whole request). Items are stored
+# column by column in stream order, so column c runs work_info[cta_ranges[c]:cta_ranges[c + 1]] and
+# the items of one request are adjacent: their slots are consecutive (split_info holds the first
+# and the count, as for plan_items).
+#
+# Cost model: a column costs its blocks plus ``item_cost`` block-equivalents per item (the per-item
+# Q load, pipeline fill and epilogue). The planner finds the least per-column budget L for which a
+# greedy walk fits in num_cols columns (greedy is optimal for contiguous pieces with a fixed cost
+# per piece: being further along the stream never costs more), then re-walks with per-column
+# budgets spread over the columns left (so the tail columns are not left empty), falling back to
+# the plain greedy walk if the spread walk would not fit.
+#
+# Bounds (T = total blocks, N = requests with kv_len > 0, C = num_cols, k = item_cost):
+#   * items <= N + C - 1: an item is a (column, request) pair and a column boundary adds at most
+#     one pair -> items <= capacity_for(max_batch, num_sms, ctas_per_sm) = max_batch + target.
+#   * slots (items of requests with > 1 item) <= 2 (C - 1): a split request holds at least one
+#     of the C - 1 column boundaries, and its count is 1 + its boundaries
+#     -> <= slots_for(rows, num_sms, ctas_per_sm) = 2 * target // m_blocks + 2.
+#   * blocks per column: k = 0 -> <= ceil(T / C) (the spread walk gives every column
+#     ceil(rest / columns left)). k > 0 -> <= floor((T + k (N + C - 1)) / C) + 1: a greedy column
+#     closes only once it has spent more than L - k - 1, so if C columns did not suffice,
+#     C (L - k) <= T + k (items) <= T + k (N + C - 1); hence L = floor((T + k (N + C - 1)) / C)
+#     + k + 1 always fits, and a column's blocks are <= L - k.
+
+#: default per-item cost in 64-token-block equivalents (see plan_balanced)
+BALANCED_ITEM_COST = 1
+
+
+def balanced_cols(rows: int, num_sms: int, ctas_per_sm: int = 1) -> int:
+    """CTA columns of the balanced grid (fixed per decoder: rows, GPU)."""
+    m_blocks = -(-rows // block_m_for(rows))
+    return max(1, (num_sms * ctas_per_sm) // m_blocks)
+
+
+def _walk(nblocks, cols: int, k: int, budget):
+    """Greedy walk of the block stream. budget(c, rest_blocks, rest_reqs) -> cost cap of column c.
+    Returns the per-column list of pieces [(b, first_block, n_blocks)], or None if > cols columns."""
+    out = []
+    pieces = []
+    c = 0
+    rest = sum(nblocks)
+    rest_reqs = sum(1 for nb in nblocks if nb)
+    rem = budget(0, rest, rest_reqs)
+    for b, nb in enumerate(nblocks):
+        pos = 0
+        while pos < nb:
+            if rem < k + 1:
+                out.append(pieces)
+                pieces = []
+                c += 1
+                if c >= cols:
+                    return None
+                rem = budget(c, rest, rest_reqs)
+                continue
+            t = min(nb - pos, rem - k)
+            pieces.append((b, pos, t))
+            rem -= k + t
+            pos += t
+            rest -= t
+        if nb:
+            rest_reqs -= 1
+    out.append(pieces)
+    out.extend([] for _ in range(cols - len(out)))
+    return out
+
+
+def balanced_budget_bound(total: int, n_reqs: int, cols: int, item_cost: int) -> int:
+    """A per-column cost budget that always fits (see the bounds above)."""
+    k = item_cost
+    if k == 0:
+        return max(1, -(-total // cols))
+    return (total + k * (n_reqs + cols - 1)) // cols + k + 1
+
+
+def plan_balanced(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int = 1,
+                  item_cost: int = BALANCED_ITEM_COST):
+    """Pure host logic of the balanced schedule: (items, split, cta_ranges, stats).
+
+    items: (b, kv_start, kv_end, slot) column by column; split: (first_slot, count) per request;
+    cta_ranges: num_cols + 1 item offsets (column c runs items[cta_ranges[c]:cta_ranges[c+1]]);
+    stats: dict(num_cols, m_blocks, budget, max_blocks, max_items).
+    """
+    k = int(item_cost)
+    if k < 0:
+        raise ValueError("item_cost must be >= 0")
+    rows = s_q * num_heads
+    m_blocks = -(-rows // block_m_for(rows))
+    cols = balanced_cols(rows, num_sms, ctas_per_sm)
+    lens = [int(n) for n in kv_lens]
+    nblocks = [(-(-n // BLOCK_N)) if n > 0 else 0 for n in lens]
+    total = sum(nblocks)
+    n_reqs = sum(1 for nb in nblocks if nb)
+    stats = dict(num_cols=cols, m_blocks=m_blocks, budget=0, max_blocks=0, max_items=0)
+    if total == 0:
+        return [], [(0, 0) for _ in lens], [0] * (cols + 1), stats
+    # least budget for which the greedy walk fits (binary search; hi always fits)
+    lo = max(k + 1, -(-(total + k * n_reqs) // cols))
+    hi = max(lo, balanced_budget_bound(total, n_reqs, cols, k))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _walk(nblocks, cols, k, lambda c, rb, rr: mid) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    L = lo
+
+    def spread(c, rest_blocks, rest_reqs):
+        left = cols - c
+        return min(L, max(k + 1, -(-(rest_blocks + k * rest_reqs) // left) + k))
+
+    plan = _walk(nblocks, cols, k, spread)
+    if plan is None:
+        plan = _walk(nblocks, cols, k, lambda c, rb, rr: L)
+    # items, slots (consecutive per request: its pieces are adjacent in column order)
+    pieces_of = [0] * len(lens)
+    for col in plan:
+        for b, _, _ in col:
+            pieces_of[b] += 1
+    split = []
+    first_slot = {}
+    next_slot = 0
+    for b, cnt in enumerate(pieces_of):
+        if cnt > 1:
+            first_slot[b] = next_slot
+            split.append((next_slot, cnt))
+            next_slot += cnt
+        else:
+            split.append((0, cnt))
+    seen = [0] * len(lens)
+    items = []
+    ranges = [0]
+    for col in plan:
+        for b, pos, t in col:
+            end = min((pos + t) * BLOCK_N, lens[b])
+            slot = first_slot[b] + seen[b] if pieces_of[b] > 1 else -1
+            seen[b] += 1
+            items.append((b, pos * BLOCK_N, end, slot))
+        ranges.append(len(items))
+    stats.update(budget=L,
+                 max_blocks=max(sum(t for _, _, t in col) for col in plan),
+                 max_items=max(len(col) for col in plan))
+    return items, split, ranges, stats
+
+
 def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
                   max_batch: int | None = None, ctas_per_sm: int = 1,
-                  device="cuda", out: Schedule | None = None) -> Schedule:
+                  device="cuda", out: Schedule | None = None, balanced: bool = False,
+                  item_cost: int = BALANCED_ITEM_COST) -> Schedule:
     """Compute the split-KV schedule for one decode step.
 
     kv_lens_cpu: host sequence/tensor of per-request kv lengths (incl. new tokens).
     With ``out`` (a Schedule made earlier for the same s_q, num_heads and
     buffers), the device buffers are overwritten in place (graph replay keeps
     pointing at them).
+    ``balanced=True``: the plan_balanced schedule (work items column by column plus the per-column
+    item ranges ``cta_ranges``, int32 [num_cols + 1]) for MLADecodePartial(balanced=True), i.e.
+    ``mla_decode_sm90(..., balanced=True)``; ``item_cost`` is its per-item cost in blocks.
     """
     lens = [int(x) for x in (kv_lens_cpu.tolist() if hasattr(kv_lens_cpu, "tolist") else kv_lens_cpu)]
     if any(n < 0 for n in lens):
@@ -170,7 +346,18 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
         cap, slots = out.capacity, out.num_slots
         if batch > max_batch:
             raise ValueError(f"batch {batch} exceeds the schedule's max_batch {max_batch}")
-    items, split, bps = plan_items(lens, s_q, num_heads, num_sms, ctas_per_sm)
+        if out.balanced != balanced:
+            raise ValueError("out schedule was made with another balanced setting")
+        if balanced and out.num_cols != balanced_cols(rows, num_sms, ctas_per_sm):
+            raise ValueError("out schedule was made for another GPU size (balanced grid)")
+    ranges = None
+    max_cta_blocks = 0
+    if balanced:
+        items, split, ranges, st = plan_balanced(lens, s_q, num_heads, num_sms, ctas_per_sm, item_cost)
+        bps = st["max_blocks"]
+        max_cta_blocks = st["max_blocks"]
+    else:
+        items, split, bps = plan_items(lens, s_q, num_heads, num_sms, ctas_per_sm)
     n_slots_used = sum(c for _, c in split if c > 1)
     if len(items) > cap or n_slots_used > slots:
         raise AssertionError(f"schedule overflow: {len(items)}>{cap} or {n_slots_used}>{slots}")
@@ -180,12 +367,17 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     spl = torch.zeros((max_batch, 2), dtype=torch.int32)
     if split:
         spl[:batch] = torch.tensor(split, dtype=torch.int32)
+    rng = torch.tensor(ranges, dtype=torch.int32) if balanced else None
     if out is None:
         out = Schedule(work.to(device), spl.to(device), s_q, num_heads, block_m_for(rows),
-                       cap, slots)
+                       cap, slots, cta_ranges=None if rng is None else rng.to(device))
     else:
         out.work_info.copy_(work, non_blocking=False)
         out.split_info.copy_(spl, non_blocking=False)
+        if rng is not None:
+            out.cta_ranges.copy_(rng, non_blocking=False)
+    out.item_cost = int(item_cost) if balanced else 0
+    out.max_cta_blocks = max_cta_blocks
     out.num_items = len(items)
     out.blocks_per_split = bps
     out.wide_combine = wide_combine_for(batch, rows, num_sms)
