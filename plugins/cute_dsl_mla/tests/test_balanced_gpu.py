@@ -46,7 +46,10 @@ def _balanced_schedule(case, max_batch=None):
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
 
     B, s_q, H, _ = case["q"].shape
-    sched = make_schedule(case["lens_cpu"], s_q, H, _num_sms(), balanced=True, max_batch=max_batch)
+    # form="balanced": these tests are about the balanced plan; the hybrid (form="auto") would run the even
+    # plan at uniform lengths (test_split_kv_gpu.py tests the hybrid through the backend)
+    sched = make_schedule(case["lens_cpu"], s_q, H, _num_sms(), balanced=True, max_batch=max_batch,
+                          form="balanced")
     ws = alloc_workspace(sched)
     for part in ws:  # partial slots the kernel fails to write must not pass as old memory
         part.fill_(float("nan"))
@@ -143,7 +146,7 @@ def test_balanced_graph_replay_with_new_lengths_equals_eager(B, s_q, H, S, kv):
     case["lens_cpu"] = torch.tensor(new, dtype=torch.int32)
     case["lens"].copy_(case["lens_cpu"])
     items_before = sched.num_items
-    make_schedule(case["lens_cpu"], s_q, H, _num_sms(), out=sched, balanced=True)
+    make_schedule(case["lens_cpu"], s_q, H, _num_sms(), out=sched, balanced=True, form="balanced")
     assert sched.num_items != items_before or new != old
     case["q"].copy_(torch.randn_like(case["q"], dtype=torch.float32).to(case["q"].dtype))
     for part in ws:

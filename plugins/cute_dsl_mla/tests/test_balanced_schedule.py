@@ -170,7 +170,8 @@ def test_make_schedule_balanced_buffers_and_in_place_update():
     assert sched.max_cta_blocks == 1 and sched.item_cost == S.BALANCED_ITEM_COST
     ptrs = (sched.work_info.data_ptr(), sched.split_info.data_ptr(), sched.cta_ranges.data_ptr())
     S.make_schedule(torch.tensor([8192] * 8, dtype=torch.int32), 2, 16, 132, device="cpu", out=sched,
-                    balanced=True)
+                    balanced=True, form="balanced")  # forced: the hybrid keeps these uniform lengths even
+    assert sched.form == "balanced"
     assert (sched.work_info.data_ptr(), sched.split_info.data_ptr(), sched.cta_ranges.data_ptr()) == ptrs
     items, split, ranges, _ = S.plan_balanced([8192] * 8, 2, 16, 132)
     assert sched.cta_ranges.tolist() == ranges
