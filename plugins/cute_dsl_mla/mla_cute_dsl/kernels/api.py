@@ -263,7 +263,7 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     out [B, s_q, H, 512] q dtype; lse [B, s_q, H] fp32 (natural log).
     schedule from make_schedule(kv_lens_cpu, s_q, H, num_sms) for this step;
     workspace = alloc_workspace(schedule).
-    balanced=True (opt-in, not used by the backend): the balanced split-KV kernel, a fixed grid of CTA
+    balanced=True (the backend's split_kv="balanced"): the balanced split-KV kernel, a fixed grid of CTA
     columns each walking its range of the schedule's items; needs a schedule from
     make_schedule(..., balanced=True) and a bf16/fp16 cache (ValueError otherwise, also with check=False).
     The default kernel accepts a balanced schedule too (one CTA per work row, the same items).
@@ -283,3 +283,13 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
         check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m, layout)
     return launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule, workspace)
+
+
+def mla_decode_sm90_balanced(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
+                             out, lse, schedule: Schedule, workspace, *, check: bool = True, layout=None):
+    """mla_decode_sm90(..., balanced=True) under its own name: the host entry the backend runs for
+    split_kv="balanced" (the balanced kernel over a make_schedule(..., balanced=True) schedule, whichever
+    form its plan chose this step). A named function, not a partial, so that the backend's Planned and its
+    tests can say which entry runs."""
+    return mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule, workspace,
+                           check=check, layout=layout, balanced=True)
