@@ -7,7 +7,7 @@ replay time / sets. Bytes = B*S*576*kv_bytes + q + out; FLOPs =
 Also cross-checks our output against fa3's on the first set.
 
 Usage: python bench_kernel.py [--json out.json] [--shapes issue|all] [--no-fa3]
-       python bench_kernel.py --balanced [--json out.json]   # default vs balanced split-KV, side by side
+       python bench_kernel.py --balanced [--json out.json]   # default vs balanced vs hybrid split-KV
 """
 
 from __future__ import annotations
@@ -128,29 +128,36 @@ def fa3_runner(sets, B, H, s_q, S, kv):
     return run, outs
 
 
-# --balanced: B, H, s_q, S, kv, varlen (lengths uniform in 1..S, fixed seed)
+# --balanced: B, H, s_q, S, kv, lo (None: every length S; else lengths uniform in lo..S, random.Random(1234))
 BALANCED_SHAPES = [
-    (64, 16, 1, 8192, "bf16", False),
-    (128, 16, 2, 4096, "bf16", False),
-    (1, 16, 1, 4096, "bf16", False),
-    (32, 16, 1, 4096, "bf16", False),
-    (100, 16, 1, 8192, "bf16", True),
+    (64, 16, 1, 8192, "bf16", None),
+    (128, 16, 2, 4096, "bf16", None),
+    (1, 16, 1, 4096, "bf16", None),
+    (32, 16, 1, 4096, "bf16", None),
+    (100, 16, 1, 8192, "bf16", 1),
+    (64, 16, 2, 8192, "bf16", 64),
+    (128, 16, 1, 4096, "bf16", 1),
 ]
+# --balanced ways: (name, balanced kernel, make_schedule form)
+BALANCED_WAYS = [("default", False, "auto"), ("balanced", True, "balanced"), ("hybrid", True, "auto")]
 
 
 def balanced_main(args):
-    """The default mma.sync split-KV kernel vs the balanced one (mla_decode_sm90(..., balanced=True)) at
-    plan_balanced item costs 1 (default) and 0, same process, same inputs, CUDA-graph replay."""
+    """The default mma.sync split-KV kernel vs the balanced one (mla_decode_sm90(..., balanced=True)) with the
+    balanced plan forced and with the hybrid plan (make_schedule(balanced=True), what the backend's
+    split_kv=balanced runs; the row says which form it picked), same process, same inputs, CUDA-graph
+    replay."""
     import random
 
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     ceil = copy_ceiling_gbps()
     print(f"copy ceiling {ceil:.0f} GB/s (read+write), {n_sm} SMs", flush=True)
     rows = []
-    for B, H, s_q, S, kv, varlen in BALANCED_SHAPES:
+    for B, H, s_q, S, kv, lo in BALANCED_SHAPES:
+        varlen = lo is not None
         if varlen:
             rng = random.Random(1234)
-            lens_l = [rng.randint(1, S) for _ in range(B)]
+            lens_l = [rng.randint(lo, S) for _ in range(B)]
         else:
             lens_l = [S] * B
         kvb = 1 if kv == "fp8" else 2
@@ -160,12 +167,12 @@ def balanced_main(args):
         lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
         outs = [torch.empty(B, s_q, H, 512, dtype=torch.bfloat16, device="cuda") for _ in sets]
         lses = [torch.empty(B, s_q, H, dtype=torch.float32, device="cuda") for _ in sets]
-        name = f"B{B} H{H} sq{s_q} S{S}{' varlen' if varlen else ''} {kv}"
-        res = {"shape": name, "B": B, "H": H, "s_q": s_q, "S": S, "kv": kv, "varlen": varlen, "bytes": nbytes,
-               "sets": n_sets}
+        name = f"B{B} H{H} sq{s_q} S{S}{f' varlen {lo}..' if varlen else ''} {kv}"
+        res = {"shape": name, "B": B, "H": H, "s_q": s_q, "S": S, "kv": kv, "varlen": varlen, "lo": lo,
+               "bytes": nbytes, "sets": n_sets}
         ref = None
-        for way, bal, cost in (("default", False, 0), ("balanced", True, 1), ("balanced_k0", True, 0)):
-            sched = make_schedule(lens_l, s_q, H, n_sm, balanced=bal, item_cost=cost)
+        for way, bal, form in BALANCED_WAYS:
+            sched = make_schedule(lens_l, s_q, H, n_sm, balanced=bal, form=form)
             wsp = alloc_workspace(sched)
 
             def run(i, sched=sched, wsp=wsp, bal=bal):
@@ -183,6 +190,9 @@ def balanced_main(args):
             res[f"{way}_pct_copy"] = 100 * nbytes / t[0] / 1e3 / ceil
             res[f"{way}_items"] = sched.num_items
             res[f"{way}_max_blocks"] = sched.max_cta_blocks if bal else sched.blocks_per_split
+            res[f"{way}_form"] = sched.form
+            if bal:
+                res[f"{way}_cost_even"], res[f"{way}_cost_balanced"] = sched.cost_even, sched.cost_balanced
             o = outs[0].float()
             if ref is None:
                 ref = o.clone()
@@ -191,18 +201,21 @@ def balanced_main(args):
             del wsp
         rows.append(res)
         print(json.dumps(res), flush=True)
-        del sets, outs, lses
+        sets = outs = lses = None  # free the inputs (not del: the timed closures name them)
         torch.cuda.empty_cache()
-    print(f"\n{'shape':<32} {'default us':>10} {'balanced':>9} {'bal k=0':>9} {'gain':>6} | max blocks/CTA d/b "
-          f"| items d/b | diff")
+    print(f"\n{'shape':<36} {'default us':>10} {'balanced':>9} {'hybrid':>9} {'form':>8} {'hyb gain':>8} | "
+          f"max blocks/CTA d/b/h | items d/b/h | predicted b/e | diff b, h")
     for r in rows:
         f = lambda k: f"{r.get(k, float('nan')):>9.1f}"
-        gain = 100 * (1 - r.get("balanced_us", float("nan")) / r.get("default_us", float("nan")))
-        print(f"{r['shape']:<32} {f('default_us'):>10} {f('balanced_us')} {f('balanced_k0_us')} {gain:>5.1f}% | "
-              f"{r.get('default_max_blocks')}/{r.get('balanced_max_blocks')} | "
-              f"{r.get('default_items')}/{r.get('balanced_items')} | "
+        gain = 100 * (1 - r.get("hybrid_us", float("nan")) / r.get("default_us", float("nan")))
+        ratio = r.get("hybrid_cost_balanced", float("nan")) / (r.get("hybrid_cost_even") or float("nan"))
+        err = r.get("hybrid_error") or r.get("balanced_error") or r.get("default_error") or ""
+        print(f"{r['shape']:<36} {f('default_us'):>10} {f('balanced_us')} {f('hybrid_us')} "
+              f"{r.get('hybrid_form', '?'):>8} {gain:>7.1f}% | "
+              f"{r.get('default_max_blocks')}/{r.get('balanced_max_blocks')}/{r.get('hybrid_max_blocks')} | "
+              f"{r.get('default_items')}/{r.get('balanced_items')}/{r.get('hybrid_items')} | {ratio:.3f} | "
               f"{r.get('balanced_rel_diff_vs_default', float('nan')):.1e} "
-              f"{(r.get('balanced_error') or r.get('default_error') or '')[:60]}")
+              f"{r.get('hybrid_rel_diff_vs_default', float('nan')):.1e} {err[:60]}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"copy_gbps": ceil, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M")}, fh, indent=1)
@@ -215,7 +228,8 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--variants", action="store_true", help="also time alternative warp layouts")
     ap.add_argument("--balanced", action="store_true",
-                    help="time the default split-KV kernel vs the balanced one (BALANCED_SHAPES) instead")
+                    help="time the default split-KV kernel vs the balanced one, forced and hybrid (BALANCED_SHAPES) "
+                         "instead")
     args = ap.parse_args()
     if args.balanced:
         return balanced_main(args)
