@@ -7,6 +7,7 @@ replay time / sets. Bytes = B*S*576*kv_bytes + q + out; FLOPs =
 Also cross-checks our output against fa3's on the first set.
 
 Usage: python bench_kernel.py [--json out.json] [--shapes issue|all] [--no-fa3]
+       python bench_kernel.py --balanced [--json out.json]   # default vs balanced vs hybrid split-KV
 """
 
 from __future__ import annotations
@@ -127,13 +128,111 @@ def fa3_runner(sets, B, H, s_q, S, kv):
     return run, outs
 
 
+# --balanced: B, H, s_q, S, kv, lo (None: every length S; else lengths uniform in lo..S, random.Random(1234))
+BALANCED_SHAPES = [
+    (64, 16, 1, 8192, "bf16", None),
+    (128, 16, 2, 4096, "bf16", None),
+    (1, 16, 1, 4096, "bf16", None),
+    (32, 16, 1, 4096, "bf16", None),
+    (100, 16, 1, 8192, "bf16", 1),
+    (64, 16, 2, 8192, "bf16", 64),
+    (128, 16, 1, 4096, "bf16", 1),
+]
+# --balanced ways: (name, balanced kernel, make_schedule form)
+BALANCED_WAYS = [("default", False, "auto"), ("balanced", True, "balanced"), ("hybrid", True, "auto")]
+
+
+def balanced_main(args):
+    """The default mma.sync split-KV kernel vs the balanced one (mla_decode_sm90(..., balanced=True)) with the
+    balanced plan forced and with the hybrid plan (make_schedule(balanced=True), what the backend's
+    split_kv=balanced runs; the row says which form it picked), same process, same inputs, CUDA-graph
+    replay."""
+    import random
+
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    ceil = copy_ceiling_gbps()
+    print(f"copy ceiling {ceil:.0f} GB/s (read+write), {n_sm} SMs", flush=True)
+    rows = []
+    for B, H, s_q, S, kv, lo in BALANCED_SHAPES:
+        varlen = lo is not None
+        if varlen:
+            rng = random.Random(1234)
+            lens_l = [rng.randint(lo, S) for _ in range(B)]
+        else:
+            lens_l = [S] * B
+        kvb = 1 if kv == "fp8" else 2
+        nbytes = sum(lens_l) * 576 * kvb + B * s_q * H * (576 + 512) * 2
+        n_sets = max(1, min(16, math.ceil(2 * L2_BYTES / nbytes)))
+        sets = [make_set(B, H, s_q, S, kv, 100 + i) for i in range(n_sets)]
+        lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
+        outs = [torch.empty(B, s_q, H, 512, dtype=torch.bfloat16, device="cuda") for _ in sets]
+        lses = [torch.empty(B, s_q, H, dtype=torch.float32, device="cuda") for _ in sets]
+        name = f"B{B} H{H} sq{s_q} S{S}{f' varlen {lo}..' if varlen else ''} {kv}"
+        res = {"shape": name, "B": B, "H": H, "s_q": s_q, "S": S, "kv": kv, "varlen": varlen, "lo": lo,
+               "bytes": nbytes, "sets": n_sets}
+        ref = None
+        for way, bal, form in BALANCED_WAYS:
+            sched = make_schedule(lens_l, s_q, H, n_sm, balanced=bal, form=form)
+            wsp = alloc_workspace(sched)
+
+            def run(i, sched=sched, wsp=wsp, bal=bal):
+                st = sets[i]
+                mla_decode_sm90(st["q"], st["kv"], st["pt"], lens, 1.0 / math.sqrt(192), st["scale"],
+                                outs[i], lses[i], sched, wsp, check=False, balanced=bal)
+
+            try:
+                t = time_graph(run, n_sets, args.reps)
+            except Exception as e:  # report, keep going
+                res[f"{way}_error"] = repr(e)[:300]
+                continue
+            res[f"{way}_us"], res[f"{way}_min_us"], res[f"{way}_max_us"] = t
+            res[f"{way}_gbps"] = nbytes / t[0] / 1e3
+            res[f"{way}_pct_copy"] = 100 * nbytes / t[0] / 1e3 / ceil
+            res[f"{way}_items"] = sched.num_items
+            res[f"{way}_max_blocks"] = sched.max_cta_blocks if bal else sched.blocks_per_split
+            res[f"{way}_form"] = sched.form
+            if bal:
+                res[f"{way}_cost_even"], res[f"{way}_cost_balanced"] = sched.cost_even, sched.cost_balanced
+            o = outs[0].float()
+            if ref is None:
+                ref = o.clone()
+            else:
+                res[f"{way}_rel_diff_vs_default"] = float((o - ref).norm() / ref.norm())
+            del wsp
+        rows.append(res)
+        print(json.dumps(res), flush=True)
+        sets = outs = lses = None  # free the inputs (not del: the timed closures name them)
+        torch.cuda.empty_cache()
+    print(f"\n{'shape':<36} {'default us':>10} {'balanced':>9} {'hybrid':>9} {'form':>8} {'hyb gain':>8} | "
+          f"max blocks/CTA d/b/h | items d/b/h | predicted b/e | diff b, h")
+    for r in rows:
+        f = lambda k: f"{r.get(k, float('nan')):>9.1f}"
+        gain = 100 * (1 - r.get("hybrid_us", float("nan")) / r.get("default_us", float("nan")))
+        ratio = r.get("hybrid_cost_balanced", float("nan")) / (r.get("hybrid_cost_even") or float("nan"))
+        err = r.get("hybrid_error") or r.get("balanced_error") or r.get("default_error") or ""
+        print(f"{r['shape']:<36} {f('default_us'):>10} {f('balanced_us')} {f('hybrid_us')} "
+              f"{r.get('hybrid_form', '?'):>8} {gain:>7.1f}% | "
+              f"{r.get('default_max_blocks')}/{r.get('balanced_max_blocks')}/{r.get('hybrid_max_blocks')} | "
+              f"{r.get('default_items')}/{r.get('balanced_items')}/{r.get('hybrid_items')} | {ratio:.3f} | "
+              f"{r.get('balanced_rel_diff_vs_default', float('nan')):.1e} "
+              f"{r.get('hybrid_rel_diff_vs_default', float('nan')):.1e} {err[:60]}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"copy_gbps": ceil, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M")}, fh, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--no-fa3", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--variants", action="store_true", help="also time alternative warp layouts")
+    ap.add_argument("--balanced", action="store_true",
+                    help="time the default split-KV kernel vs the balanced one, forced and hybrid (BALANCED_SHAPES) "
+                         "instead")
     args = ap.parse_args()
+    if args.balanced:
+        return balanced_main(args)
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     ceil = copy_ceiling_gbps()
     print(f"copy ceiling {ceil:.0f} GB/s (read+write), {n_sm} SMs", flush=True)

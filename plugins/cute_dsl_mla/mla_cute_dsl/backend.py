@@ -13,10 +13,16 @@ length and page-table buffers the captured kernels read.
 plan (once per step, host): the split-KV schedule over all SMs, written into
 the session's fixed device buffers. run (per layer): the partial kernel and
 the combine kernel; no host work.
+
+Option split_kv="balanced" (mma.sync kernel, bf16/fp16 cache only; see
+balanced_split): the balanced split-KV kernel, whose schedule plan picks per
+step (the hybrid, kernels/schedule.py choose_form) into the same buffers, so
+graphs captured at one step replay at any later one.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Tuple
 
 from pydantic import Field
@@ -41,6 +47,8 @@ from mlacore.problem import DecodeProblem, DecodeShape, DeviceSpec
 
 from . import sm100
 
+log = logging.getLogger(__name__)
+
 CUTLASS_DIST = "nvidia-cutlass-dsl"
 FLASHINFER_DIST = "flashinfer-python"
 # the FlashInfer releases the SM100 path's arguments and checks were read from
@@ -62,6 +70,7 @@ FP8REG_MAX_ROWS = 32
 SEESAW_MIN_ROWS = 128
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg"]
+SplitKV = Literal["even", "balanced"]
 
 
 class CuteDslOptions(BackendOptions):
@@ -76,6 +85,14 @@ class CuteDslOptions(BackendOptions):
                     "registers), mma_sync (every shape). auto: fp8reg for fp8 KV up to "
                     f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows, wgmma from "
                     f"s_q*num_heads >= {WGMMA_MIN_ROWS}, else mma_sync")
+    split_kv: SplitKV = Field(
+        default="even",
+        description="how the mma.sync kernel with a bf16/fp16 cache splits the KV work (sm_90). even: the "
+                    "default kernel, each request cut into equal items, one CTA per item. balanced: the balanced "
+                    "kernel (a fixed grid of CTA columns) with a per-step hybrid plan, the balanced split (each "
+                    "column an equal share of all requests' blocks) when predicted >= 10% faster, else the even "
+                    "one; on an H200 31% faster at B100 H16 with lengths 1..8192, 1-2% slower at uniform lengths "
+                    "(NOTES.md). Ignored where another kernel runs (WGMMA, seesaw, fp8reg, an fp8 cache)")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
@@ -145,6 +162,30 @@ def partial_kernel(shape: DecodeShape, options: CuteDslOptions) -> PartialKernel
     return "wgmma" if rows >= WGMMA_MIN_ROWS else "mma_sync"
 
 
+def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether this shape runs the balanced split-KV kernel: split_kv=balanced and the mma.sync kernel with a
+    16-bit cache (the balanced kernel is that kernel's item body in a column loop; fp8 and the WGMMA kernels
+    have none). Shape class and options only, so the session's buffers and its CUDA graphs never change kind
+    between steps."""
+    return (options.split_kv == "balanced" and partial_kernel(shape, options) == "mma_sync"
+            and shape.kv_dtype != "fp8_e4m3")
+
+
+def kernel_summary(shape: DecodeShape, options: CuteDslOptions) -> str:
+    """Which sm_90 kernel runs a shape and how its KV is split, and why a split_kv the kernel cannot take
+    is ignored (logged at plan; the answer to "which kernel runs" for a given option set)."""
+    kernel = partial_kernel(shape, options)
+    if balanced_split(shape, options):
+        return ("mma_sync kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
+                "whichever is predicted >= 10% faster)")
+    text = f"{kernel} kernel, even split-KV"
+    if options.split_kv == "balanced":
+        why = ("an fp8 cache" if kernel == "mma_sync" else f"the {kernel} kernel")
+        text += (f" (split_kv=balanced ignored: it applies to the mma.sync kernel with a bf16/fp16 cache, "
+                 f"this shape runs {why})")
+    return text
+
+
 def ctas_per_sm(kernel: PartialKernel, options: CuteDslOptions) -> int:
     """Split-KV work items per SM for the schedule: the option, or auto's choice for the kernel."""
     if options.ctas_per_sm != "auto":
@@ -166,7 +207,10 @@ class CuteDslBackend(Backend):
                    "bf16, fp16 or fp8 KV), fp8reg for an fp8 cache up to s_q*H = 32, mma.sync otherwise",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
-                   "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504"),
+                   "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504",
+                   "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel with "
+                   "a bf16/fp16 cache (mma=auto: s_q*H < 64); shapes that run the WGMMA, seesaw or fp8reg kernel, "
+                   "or an fp8 cache, ignore it and split evenly"),
             q_layouts=("packed",), kv_layouts=("packed",), strided_q=False,
         )
 
@@ -228,9 +272,14 @@ class CuteDslBackend(Backend):
         return CuteDslSession(config, options)
 
 
-def run_function(kernel: PartialKernel) -> Callable[..., Any]:
-    """The host entry (partial kernel + combine, same arguments for all) that runs `kernel`."""
-    if kernel == "wgmma":
+def run_function(kernel: PartialKernel, balanced: bool = False) -> Callable[..., Any]:
+    """The host entry (partial kernel + combine, same arguments for all) that runs `kernel`; `balanced`: the
+    balanced split-KV entry (mma_sync only; balanced_split says when)."""
+    if balanced:
+        if kernel != "mma_sync":
+            raise ValueError(f"balanced split-KV is built for the mma_sync kernel only, not {kernel}")
+        from .kernels.api import mla_decode_sm90_balanced as run_fn
+    elif kernel == "wgmma":
         from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as run_fn
     elif kernel == "seesaw":
         from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw as run_fn
@@ -246,8 +295,8 @@ class CuteDslPlanned(Planned):
 
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
-                 kernel: PartialKernel = "mma_sync") -> None:
-        run_fn = run_function(kernel)
+                 kernel: PartialKernel = "mma_sync", balanced: bool = False) -> None:
+        run_fn = run_function(kernel, balanced)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
         self.lse_scratch, self.sm_scale, self.kv_scale = lse_scratch, sm_scale, kv_scale
         self.run_fn = run_fn
@@ -271,6 +320,7 @@ class CuteDslSession(Session):
         self._schedules: Dict[int, Tuple[Any, Any]] = {}  # s_q -> (schedule, workspace)
         self._lse: Dict[Tuple[int, int], torch.Tensor] = {}
         self._combines: set = set()  # q dtypes whose two combine kernels are built
+        self._described: set = set()  # shape classes whose kernel was logged
         env = config.envelope
         self._lens_buf = self._table_buf = None
         if env is not None:
@@ -283,15 +333,17 @@ class CuteDslSession(Session):
 
         s_q, B = problem.seq_len_q, problem.batch_size
         ctas = ctas_per_sm(partial_kernel(problem, self.options), self.options)
+        # split_kv=balanced: the hybrid plan (make_schedule picks the form per step into the same buffers)
+        balanced = balanced_split(problem, self.options)
         found = self._schedules.get(s_q)
         env = self.config.envelope
         if found is not None and found[0].split_info.shape[0] >= B:
             make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, ctas_per_sm=ctas,
-                          device=self.device, out=found[0])
+                          device=self.device, out=found[0], balanced=balanced)
             return found
         max_batch = env.max_batch if env is not None else B
         schedule = make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, max_batch=max_batch,
-                                 ctas_per_sm=ctas, device=self.device)
+                                 ctas_per_sm=ctas, device=self.device, balanced=balanced)
         found = (schedule, alloc_workspace(schedule, device=self.device))
         self._schedules[s_q] = found
         return found
@@ -320,8 +372,12 @@ class CuteDslSession(Session):
             if scratch is None:
                 scratch = self._lse[key] = torch.empty(B, problem.seq_len_q, problem.num_heads,
                                                        dtype=torch.float32, device=self.device)
+        if problem.shape not in self._described:  # once per shape class: which kernel runs, how it splits
+            self._described.add(problem.shape)
+            log.debug("cute_dsl_mla: %s runs the %s", problem.describe(), kernel_summary(problem, self.options))
         return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
-                              self.config.kv_scale, kernel=partial_kernel(problem, self.options))
+                              self.config.kv_scale, kernel=partial_kernel(problem, self.options),
+                              balanced=balanced_split(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()

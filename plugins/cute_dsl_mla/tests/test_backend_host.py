@@ -252,3 +252,128 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     session.plan(problem, StepInputs(lens, table, lens, table))
     assert built == [("bf16", False), ("bf16", True)] and made == [ctas, ctas]  # once per session
     assert be.partial_kernel(problem, CuteDslOptions()) == kernel
+
+
+# -- option split_kv: the balanced split-KV kernel with the hybrid plan --------------------------------------
+
+
+def test_split_kv_is_validated_and_names_its_values():
+    from mlacore.errors import PolicyError
+    from mlacore.tools.bench import BackendSpec
+    from mlacore.testing.compare import only_backend_dispatcher
+
+    assert CuteDslOptions().split_kv == "even"
+    with pytest.raises(Exception, match=r"split_kv\s+Input should be 'even' or 'balanced'"):
+        CuteDslOptions(split_kv="greedy")
+    reg = BackendRegistry(env={}).load()
+    bad = {"mla": {"order": ["cute_dsl_mla"]}, "backend": {"cute_dsl_mla": {"options": {"split_kv": "fair"}}}}
+    with pytest.raises(PolicyError, match=r"backend.cute_dsl_mla.options.split_kv: Input should be 'even' or "
+                                          r"'balanced'"):
+        Dispatcher(policy=parse_policy(bad), registry=reg, env={})
+    # `mla bench --backend cute_dsl_mla:split_kv=balanced` builds its dispatcher this way
+    spec = BackendSpec.parse("cute_dsl_mla:split_kv=balanced")
+    d = only_backend_dispatcher(spec.name, reg, dict(spec.options))
+    assert d.options["cute_dsl_mla"].base.split_kv == "balanced"
+
+
+def test_split_kv_applies_only_to_the_mma_sync_kernel_with_a_16_bit_cache():
+    from mla_cute_dsl.backend import balanced_split, kernel_summary
+
+    bal = CuteDslOptions(split_kv="balanced")
+    assert balanced_split(prob(num_heads=16), bal) and balanced_split(prob(num_heads=16, seq_len_q=2), bal)
+    assert balanced_split(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=5, seq_len_q=4), bal)
+    assert not balanced_split(prob(num_heads=16), CuteDslOptions())  # the default: even
+    assert not balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), bal)  # fp8reg
+    assert not balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
+                                                                                       mma="mma_sync"))
+    assert not balanced_split(prob(num_heads=64), bal)  # wgmma
+    assert not balanced_split(prob(num_heads=128), bal)  # seesaw
+    assert balanced_split(prob(num_heads=128), CuteDslOptions(split_kv="balanced", mma="mma_sync"))
+    # which kernel runs, and why the option is ignored where it is
+    assert kernel_summary(prob(num_heads=16), bal).startswith("mma_sync kernel, balanced split-KV")
+    assert kernel_summary(prob(num_heads=16), CuteDslOptions()) == "mma_sync kernel, even split-KV"
+    assert kernel_summary(prob(num_heads=128), bal) == (
+        "seesaw kernel, even split-KV (split_kv=balanced ignored: it applies to the mma.sync kernel with a "
+        "bf16/fp16 cache, this shape runs the seesaw kernel)")
+    assert kernel_summary(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
+                                                                                   mma="mma_sync")).endswith(
+        "this shape runs an fp8 cache)")
+    # the option never refuses a shape: ignored, not a reason
+    backend = CuteDslBackend()
+    for h, kv in ((16, "bf16"), (16, "fp8_e4m3"), (128, "bf16")):
+        assert backend.can_implement(prob(num_heads=h, kv_dtype=kv).shape, bal) == []
+    assert any("split_kv=balanced" in n and "mma.sync" in n for n in backend.info().notes)
+
+
+def _cpu_session(monkeypatch, options, heads=16, kv_dtype="bf16", envelope=None):
+    """A CuteDslSession on the CPU: 132 SMs, schedules and workspaces on the CPU, combine builds recorded."""
+    import types
+
+    from mla_cute_dsl.kernels import api, schedule
+    from mlacore import SessionConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(
+        multi_processor_count=132))
+    real_make, real_alloc = schedule.make_schedule, schedule.alloc_workspace
+    monkeypatch.setattr(schedule, "make_schedule", lambda *a, **k: real_make(*a, **{**k, "device": "cpu"}))
+    monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None: real_alloc(sched, device="cpu"))
+    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False: None)
+    config = SessionConfig(num_heads=heads, page_size=64, q_dtype="bf16", kv_dtype=kv_dtype, out_dtype="bf16",
+                           kv_lora_rank=512, qk_rope_head_dim=64, causal=True, return_lse=True, sm_scale=0.1,
+                           kv_scale=1.0, q_scale=1.0, device=H200)
+    return CuteDslBackend().open(config, options)
+
+
+def test_the_session_plans_the_hybrid_schedule_into_fixed_buffers_for_split_kv_balanced(monkeypatch):
+    """split_kv=balanced through CuteDslSession.plan: the balanced entry runs, the schedule is a balanced one
+    whose form follows the lengths (uniform: even, skewed: balanced), re-planned in place (the buffers a
+    captured graph reads stay), and equal to make_schedule's own answer for those lengths."""
+    import random
+
+    from mla_cute_dsl.kernels import schedule as S
+    from mlacore import StepInputs
+
+    session = _cpu_session(monkeypatch, CuteDslOptions(split_kv="balanced"))
+    B = 64
+    rng = random.Random(1234)
+    steps = [[8192] * B, [rng.randint(1, 8192) for _ in range(B)], [8192] * B]
+    table = torch.zeros(B, 128, dtype=torch.int32)
+    problem = prob(batch_size=B, max_kv_len=8192)
+    forms, ptrs = [], set()
+    for lens_l in steps:
+        lens = torch.tensor(lens_l, dtype=torch.int32)
+        planned = session.plan(problem, StepInputs(lens, table, lens, table))
+        sched = planned.schedule
+        assert planned.run_fn.__name__ == "mla_decode_sm90_balanced" and sched.balanced
+        ptrs.add((sched.work_info.data_ptr(), sched.split_info.data_ptr(), sched.cta_ranges.data_ptr(),
+                  planned.workspace[0].data_ptr()))
+        fresh = S.make_schedule(lens_l, 1, 16, 132, device="cpu", balanced=True)
+        assert torch.equal(sched.work_info, fresh.work_info) and torch.equal(sched.cta_ranges, fresh.cta_ranges)
+        forms.append(sched.form)
+    assert forms == ["even", "balanced", "even"] and len(ptrs) == 1
+    # the default, and shapes the option does not apply to: the even entries, no ranges
+    even = _cpu_session(monkeypatch, CuteDslOptions()).plan(problem, StepInputs(lens, table, lens, table))
+    assert even.run_fn.__name__ == "mla_decode_sm90" and not even.schedule.balanced
+    fp8 = _cpu_session(monkeypatch, CuteDslOptions(split_kv="balanced"), kv_dtype="fp8_e4m3").plan(
+        prob(batch_size=B, kv_dtype="fp8_e4m3"), StepInputs(lens, table, lens, table))
+    assert fp8.run_fn.__name__ == "mla_decode_sm90_fp8" and not fp8.schedule.balanced
+
+
+def test_split_kv_balanced_run_does_no_host_work_beyond_the_launch(monkeypatch):
+    """Planned.run for split_kv=balanced calls the balanced entry with the plan's own buffers and check=False
+    (run stays free of host work: no schedule, no checks)."""
+    from mla_cute_dsl import backend as be
+    from mlacore import StepInputs
+
+    session = _cpu_session(monkeypatch, CuteDslOptions(split_kv="balanced"))
+    lens = torch.tensor([100, 4000], dtype=torch.int32)
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    planned = session.plan(prob(batch_size=2), StepInputs(lens, table, lens, table))
+    calls = []
+    planned.run_fn = lambda *a, **k: calls.append((a, k))
+    q, kv, out = object(), object(), object()
+    planned.run(q, kv, out, None)
+    (args, kw), = calls
+    assert kw == {"check": False} and args[0] is q and args[8] is planned.schedule and args[9] is planned.workspace
+    with pytest.raises(ValueError, match="mma_sync kernel only"):
+        be.run_function("wgmma", balanced=True)

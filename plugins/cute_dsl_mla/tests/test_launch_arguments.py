@@ -121,3 +121,31 @@ def test_a_wrong_argument_count_is_what_this_catches(cpu_stream, cache_dir):
     for wrong in (args + (None,), args[:-1]):
         with pytest.raises(TypeError, match=r"Expects 15 parameters"):
             loaded(*wrong)
+
+
+def _hybrid_schedule(lens, form):
+    from mla_cute_dsl.kernels import alloc_workspace, make_schedule
+
+    sched = make_schedule(lens, 1, 16, 132, device="cpu", balanced=True, form=form)
+    return sched, alloc_workspace(sched, device="cpu")
+
+
+def test_split_kv_balanced_entry_passes_the_compiled_argument_count(cpu_stream, cache_dir):
+    """The backend's split_kv=balanced path (the entry balanced_split picks for bf16 H16 s_q1), with the hybrid
+    schedule in its balanced form, compiled then from disk; then the same kernel with the even form's schedule
+    (the same arguments: the form changes the buffers' contents only)."""
+    from mla_cute_dsl.backend import CuteDslOptions, balanced_split, partial_kernel, run_function
+    from mlacore.problem import DecodeProblem, DeviceSpec
+
+    problem = DecodeProblem(num_heads=16, seq_len_q=1, batch_size=2, max_kv_len=200, min_kv_len=0, page_size=64,
+                            q_dtype="bf16", kv_dtype="bf16", device=DeviceSpec(type="cuda", capability=(9, 0)))
+    options = CuteDslOptions(split_kv="balanced")
+    run_fn = run_function(partial_kernel(problem, options), balanced_split(problem, options))
+    assert run_fn.__name__ == "mla_decode_sm90_balanced"
+    q, kv, table, lens, out, lse, _, _ = _case(16, 1, torch.bfloat16)
+    sched, ws = _hybrid_schedule([200, 7], "balanced")
+    _compiled_then_from_disk(lambda: run_fn(q, kv, table, lens, 0.1, 1.0, out, lse, sched, ws, check=False))
+    sched, ws = _hybrid_schedule([200, 200], "auto")
+    assert sched.form == "even"
+    with pytest.raises(ValueError, match=r"Mismatched Tensor on argument #0"):
+        run_fn(q, kv, table, lens, 0.1, 1.0, out, lse, sched, ws, check=False)

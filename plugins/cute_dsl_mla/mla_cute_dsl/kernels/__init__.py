@@ -13,6 +13,7 @@ from .api import (  # noqa: F401
     get_partial_kernel,
     make_schedule,
     mla_decode_sm90,
+    mla_decode_sm90_balanced,
     specializations,
     workspace_bytes,
 )

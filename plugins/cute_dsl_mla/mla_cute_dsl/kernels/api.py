@@ -82,6 +82,18 @@ def _fake_args_partial(q_name, kv_name):
     )
 
 
+def _fake_args_partial_balanced(q_name, kv_name):
+    """MLADecodePartial.call_balanced's arguments: the partial kernel's plus the per-column item ranges
+    (int32 [num_cols + 1]) after the work rows."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    args = _fake_args_partial(q_name, kv_name)
+    ranges = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+    return args[:7] + (ranges,) + args[7:]
+
+
 def _fake_args_combine(q_name):
     import cutlass
     import cutlass.cute as cute
@@ -108,6 +120,15 @@ def _build_partial(q_name: str, kv_name: str, block_m: int, layout):
     return cute.compile(k, *_fake_args_partial(q_name, kv_name), options=COMPILE_OPTIONS)
 
 
+def _build_partial_balanced(q_name: str, kv_name: str, block_m: int, layout):
+    import cutlass.cute as cute
+
+    from .sm90_decode import MLADecodePartial
+
+    k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True)
+    return cute.compile(k.call_balanced, *_fake_args_partial_balanced(q_name, kv_name), options=COMPILE_OPTIONS)
+
+
 def _build_combine(q_name: str):
     import cutlass.cute as cute
 
@@ -126,13 +147,20 @@ def _build_combine_wide(q_name: str):
                         options=COMPILE_OPTIONS)
 
 
-def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None):
+def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, balanced: bool = False):
     """Compiled partial kernel for one specialization (memory, disk, else compile).
 
     layout: optional (m_warps, m_atoms_per_warp, n_acc) override, for tuning.
+    balanced: MLADecodePartial(balanced=True).call_balanced (16-bit KV only; its own cache kind, so the
+    default kernels' cache keys and symbols are unchanged).
     """
     if layout is not None:
         layout = tuple(layout)
+    if balanced:
+        if kv_name == "fp8_e4m3":
+            raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only")
+        return kernel_cache.get_or_build("partial_balanced", (q_name, kv_name, block_m, layout),
+                                         _build_partial_balanced)
     return kernel_cache.get_or_build("partial", (q_name, kv_name, block_m, layout), _build_partial)
 
 
@@ -206,9 +234,28 @@ def launch(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     return out, lse
 
 
+def launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float, out, lse,
+                    schedule: Schedule, workspace):
+    """launch() for a balanced partial kernel (get_partial_kernel(..., balanced=True)) and a schedule made
+    with make_schedule(..., balanced=True): the same arguments plus the schedule's per-column item ranges;
+    grid (m-blocks, num_cols), fixed per decoder. No checks."""
+    B, s_q, H, _ = q.shape
+    R = s_q * H
+    combine = combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule)
+    o_part, lse_part = workspace
+    o3 = out.view(B, R, D_V)
+    l2 = lse.view(B, R)
+    s = float(sm_scale) * float(kv_scale)
+    stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
+    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, o3, l2, schedule.work_info, schedule.cta_ranges,
+            o_part, lse_part, s * LOG2_E, s, float(kv_scale), s_q, H, stream)
+    combine(o3, l2, schedule.split_info, o_part, lse_part, stream)
+    return out, lse
+
+
 def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                     out, lse, schedule: Schedule, workspace, *, check: bool = True,
-                    layout=None):
+                    layout=None, balanced: bool = False):
     """Run the split-KV partial kernel and the combine kernel on the current stream.
 
     q [B, s_q, H, 576] bf16/fp16; kv_cache [P, page, 576] q dtype or float8_e4m3fn
@@ -216,8 +263,33 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     out [B, s_q, H, 512] q dtype; lse [B, s_q, H] fp32 (natural log).
     schedule from make_schedule(kv_lens_cpu, s_q, H, num_sms) for this step;
     workspace = alloc_workspace(schedule).
+    balanced=True (the backend's split_kv="balanced"): the balanced split-KV kernel, a fixed grid of CTA
+    columns each walking its range of the schedule's items; needs a schedule from
+    make_schedule(..., balanced=True) and a bf16/fp16 cache (ValueError otherwise, also with check=False).
+    The default kernel accepts a balanced schedule too (one CTA per work row, the same items).
     """
+    if balanced:
+        if not schedule.balanced:
+            raise ValueError("balanced=True needs a schedule made with make_schedule(..., balanced=True)")
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only")
+        if check:
+            check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
+        partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m,
+                                     layout, balanced=True)
+        return launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse,
+                               schedule, workspace)
     if check:
         check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m, layout)
     return launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule, workspace)
+
+
+def mla_decode_sm90_balanced(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
+                             out, lse, schedule: Schedule, workspace, *, check: bool = True, layout=None):
+    """mla_decode_sm90(..., balanced=True) under its own name: the host entry the backend runs for
+    split_kv="balanced" (the balanced kernel over a make_schedule(..., balanced=True) schedule, whichever
+    form its plan chose this step). A named function, not a partial, so that the backend's Planned and its
+    tests can say which entry runs."""
+    return mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule, workspace,
+                           check=check, layout=layout, balanced=True)

@@ -69,12 +69,17 @@ class MLADecodePartial:
     # bf16 B128 H16 s_q2 on an H200 (NOTES.md, v4)
     DEFAULT_LAYOUT = {16: (1, 1, 1), 32: (1, 2, 1), 64: (2, 2, 2)}
 
-    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None):
+    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, balanced: bool = False):
         self.q_dtype = q_dtype
         self.kv_dtype = kv_dtype
         self.is_fp8 = kv_dtype is not q_dtype
         if self.is_fp8:
             assert kv_dtype is cutlass.Float8E4M3FN
+        # balanced split-KV (schedule.plan_balanced): launched through call_balanced, a fixed grid
+        # of (m-blocks, CTA columns), each CTA looping over its column's work items. 16-bit KV only.
+        self.balanced = bool(balanced)
+        if self.balanced and self.is_fp8:
+            raise ValueError("balanced split-KV is built for bf16/fp16 KV only")
         # MMA operand type: q dtype, or fp16 for fp8 KV (exact e4m3 -> f16 cvt)
         self.mma_dtype = cutlass.Float16 if self.is_fp8 else q_dtype
         self.block_m = block_m
@@ -123,6 +128,35 @@ class MLADecodePartial:
         num_heads: cutlass.Int32,
         stream,
     ):
+        assert not self.balanced, "MLADecodePartial(balanced=True) is launched with call_balanced"
+        mt = self.mma_dtype
+        (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
+         r2s, mma_s, mma_o) = self._setup()
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+            sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
+
+        nt = self.num_threads
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[1]), self.block_m),
+            cute.size(mWork.shape[0]),
+            1,
+        )
+        self.kernel(
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+            scale_log2, scale_ln, v_scale, s_q, num_heads,
+            sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+            g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+        ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
+
+    def _setup(self):
+        """Shared-memory layouts, copy atoms and tiled MMAs (traced inside __call__ / call_balanced; the
+        SharedStorage struct is declared in each of those, where the DSL resolves its annotations)."""
         mt = self.mma_dtype
         atom = cute.make_composed_layout(
             cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
@@ -136,14 +170,6 @@ class MLADecodePartial:
         )
         raw_elems = cute.cosize(sKraw_layout) if self.is_fp8 else 16
         sRed_layout = cute.make_layout((self.block_m, NW_N), stride=(NW_N, 1))
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
-            sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
 
         nt = self.num_threads
         g2s = cute.make_tiled_copy_tv(
@@ -188,13 +214,52 @@ class MLADecodePartial:
             mma_atom, (self.m_warps, NW_N, 1), permutation_mnk=(self.block_m, 16 * NW_N, 16)
         )
 
+        return (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q,
+                s2r_raw, r2s, mma_s, mma_o)
+
+    @cute.jit
+    def call_balanced(
+        self,
+        mQ: cute.Tensor,  # (B, R, 576) q dtype, R = s_q * H
+        mKV: cute.Tensor,  # (P, page, 576) kv dtype
+        mPT: cute.Tensor,  # (B, max_pages) int32
+        mLens: cute.Tensor,  # (B,) int32
+        mO: cute.Tensor,  # (B, R, 512) q dtype
+        mLSE: cute.Tensor,  # (B, R) fp32
+        mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot (column by column)
+        mRanges: cute.Tensor,  # (num_cols + 1,) int32: column c runs work rows [mRanges[c], mRanges[c+1])
+        mOp: cute.Tensor,  # (slots, R, 512) fp32
+        mLSEp: cute.Tensor,  # (slots, R) fp32
+        scale_log2: cutlass.Float32,
+        scale_ln: cutlass.Float32,
+        v_scale: cutlass.Float32,
+        s_q: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        stream,
+    ):
+        """Balanced launch: grid (m-blocks, num_cols) -- fixed for a decoder (the ranges' length), so
+        CUDA graphs replay it with any later schedule of the same buffers."""
+        assert self.balanced, "call_balanced needs MLADecodePartial(balanced=True)"
+        mt = self.mma_dtype
+        (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
+         r2s, mma_s, mma_o) = self._setup()
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+            sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
+
+        nt = self.num_threads
         grid = (
             cute.ceil_div(cute.size(mQ.shape[1]), self.block_m),
-            cute.size(mWork.shape[0]),
+            cute.size(mRanges.shape[0]) - 1,
             1,
         )
-        self.kernel(
-            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+        self.kernel_balanced(
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mRanges, mOp, mLSEp,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
             sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
             g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
@@ -237,7 +302,6 @@ class MLADecodePartial:
         mma_s: cute.TiledMma, mma_o: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        mt = self.mma_dtype
         tidx, _, _ = cute.arch.thread_idx()
         m_block, wi, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -245,261 +309,328 @@ class MLADecodePartial:
 
         b = mWork[wi, 0]
         if b >= 0:
-            kv_start = mWork[wi, 1]
-            kv_end = mWork[wi, 2]
-            slot = mWork[wi, 3]
-            kv_len = mLens[b]
-            R = mQ.shape[1]
-            blocks_per_page = mKV.shape[1] // BLOCK_N
-            n_start = kv_start // BLOCK_N
-            n_end = (kv_end + BLOCK_N - 1) // BLOCK_N
-
-            smem = cutlass.utils.SmemAllocator()
-            storage = smem.allocate(SharedStorage)
-            sQ = storage.sQ.get_tensor(sQ_layout)
-            sK = storage.sK.get_tensor(sK_layout)
-            sKraw = storage.sKraw.get_tensor(sKraw_layout)
-            sP = storage.sP.get_tensor(sP_layout)
-            sRed = storage.sRed.get_tensor(sRed_layout)
-            # V^T view: (512, 64, bufs) -> element (n, d, s) of sK
-            sVt = cute.composition(
-                sK,
-                cute.make_layout((D_V, BLOCK_N, self.k_bufs), stride=(BLOCK_N, 1, BLOCK_N * D_QK)),
+            self.run_item(
+                mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+                scale_log2, scale_ln, v_scale, s_q, num_heads,
+                sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+                g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+                m_block, wi, b, tidx, lane, warp_n,
             )
 
-            # ---------------- Q: gmem -> smem (rows >= R zero) ----------------
-            thr_g2s = g2s.get_slice(tidx)
-            gQ = cute.local_tile(mQ[b, None, None], (self.block_m, D_QK), (m_block, 0))
-            cQ = cute.local_tile(
-                cute.make_identity_tensor((mQ.shape[1], D_QK)), (self.block_m, D_QK), (m_block, 0)
-            )
-            if cutlass.const_expr(self.is_fp8):
-                thr_q = g2r_q.get_slice(tidx)
-                tQgQ = thr_q.partition_S(gQ)
-                tQcQ = thr_q.partition_S(cQ)
-                thr_r2s = r2s.get_slice(tidx)
-                tQsQ = thr_r2s.partition_D(sQ)
-                rQ = cute.make_rmem_tensor_like(tQgQ)
-                rQ.fill(0)
-                for m in cutlass.range_constexpr(cute.size(tQgQ.shape[1])):
-                    if tQcQ[0, m, 0][0] < R:
-                        cute.copy(g2r_q, tQgQ[None, m, None], rQ[None, m, None])
-                rQm = cute.make_rmem_tensor_like(tQsQ, mt)
-                rQm.store(rQ.load().to(mt))
-                cute.copy(r2s, rQm, tQsQ)
-            else:
-                tQgQ = thr_g2s.partition_S(gQ)
-                tQsQ = thr_g2s.partition_D(sQ)
-                tQcQ = thr_g2s.partition_S(cQ)
-                for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-                    if tQcQ[0, m, 0][0] < R:
-                        cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
-                    else:
-                        tQsQ[None, m, None].fill(0)
+    @cute.kernel
+    def kernel_balanced(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mRanges: cute.Tensor,
+        mOp: cute.Tensor, mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sKraw_layout: cute.Layout, sRed_layout: cute.Layout,
+        g2s: cute.TiledCopy, g2s_raw: cute.TiledCopy, g2r_q: cute.TiledCopy,
+        s2r_raw: cute.TiledCopy, r2s: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_o: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """Balanced split-KV: CTA (m_block, column) runs the work rows mRanges[column] ..
+        mRanges[column + 1] - 1 one after the other (each: today's per-item body, Q load to
+        epilogue). Consecutive items reuse sQ/sK/sP/sRed: every item ends with all its cp.async
+        groups drained (wait_group 0) and its last shared-memory reads behind the epilogue's
+        barriers; the barrier at each item start orders them once more before the next item's
+        Q/K cp.asyncs are issued."""
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, col, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp_n = (tidx // 32) // self.m_warps  # atom layout (m_warps, NW_N, 1), column-major
 
-            cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
-            tKcK = thr_g2s.partition_S(cKV)
-            tKsK = thr_g2s.partition_D(sK)  # (CPY, N, K, bufs)
-            thr_g2s_raw = g2s_raw.get_slice(tidx)
-            tRsR = thr_g2s_raw.partition_D(sKraw)  # (CPY, N, K, raw stages)
+        i_end = mRanges[col + 1]
+        for wi in cutlass.range(mRanges[col], i_end, 1):
+            b = mWork[wi, 0]
+            if b >= 0:
+                cute.arch.barrier()
+                self.run_item(
+                    mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+                scale_log2, scale_ln, v_scale, s_q, num_heads,
+                sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+                g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+                    m_block, wi, b, tidx, lane, warp_n,
+                )
 
-            # prologue: tiles n_start .. n_start + ring - 2, one commit group each
-            for p in cutlass.range_constexpr(self.ring - 1):
-                if n_start + p < n_end:
-                    self.load_tile(g2s, g2s_raw, thr_g2s, thr_g2s_raw, mKV, mPT, b, n_start + p, p,
-                                   blocks_per_page, kv_len, tKcK, tKsK, tRsR)
-                cute.arch.cp_async_commit_group()
+    @cute.jit
+    def run_item(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor,
+        mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sKraw_layout: cute.Layout, sRed_layout: cute.Layout,
+        g2s: cute.TiledCopy, g2s_raw: cute.TiledCopy, g2r_q: cute.TiledCopy,
+        s2r_raw: cute.TiledCopy, r2s: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_o: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+        m_block: cutlass.Int32, wi: cutlass.Int32, b: cutlass.Int32,
+        tidx: cutlass.Int32, lane: cutlass.Int32, warp_n: cutlass.Int32,
+    ):
+        """One work item (row wi of mWork, request b >= 0) for one m-block: Q load, the KV
+        tiles' online softmax, epilogue to out/lse (slot -1) or to the partial slot."""
+        mt = self.mma_dtype
+        kv_start = mWork[wi, 1]
+        kv_end = mWork[wi, 2]
+        slot = mWork[wi, 3]
+        kv_len = mLens[b]
+        R = mQ.shape[1]
+        blocks_per_page = mKV.shape[1] // BLOCK_N
+        n_start = kv_start // BLOCK_N
+        n_end = (kv_end + BLOCK_N - 1) // BLOCK_N
 
-            # ---------------- MMA partitions ----------------
-            thr_s = mma_s.get_slice(tidx)
-            thr_o = mma_o.get_slice(tidx)
-            tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
-            tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK[None, None, 0]))
-            tOrP = thr_o.make_fragment_A(thr_o.partition_A(sP))
-            tOrV = thr_o.make_fragment_B(thr_o.partition_B(sVt[None, None, 0]))
-            acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((self.block_m, D_V)), cutlass.Float32)
-            acc_O.fill(0.0)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sK_layout)
+        sKraw = storage.sKraw.get_tensor(sKraw_layout)
+        sP = storage.sP.get_tensor(sP_layout)
+        sRed = storage.sRed.get_tensor(sRed_layout)
+        # V^T view: (512, 64, bufs) -> element (n, d, s) of sK
+        sVt = cute.composition(
+            sK,
+            cute.make_layout((D_V, BLOCK_N, self.k_bufs), stride=(BLOCK_N, 1, BLOCK_N * D_QK)),
+        )
 
-            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), mt)
-            ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), mt)
-            s2r_Q = cute.make_tiled_copy_A(ldsm, mma_s).get_slice(tidx)
-            s2r_K = cute.make_tiled_copy_B(ldsm, mma_s).get_slice(tidx)
-            s2r_P = cute.make_tiled_copy_A(ldsm, mma_o).get_slice(tidx)
-            s2r_V = cute.make_tiled_copy_B(ldsm_t, mma_o).get_slice(tidx)
-            tSsQ = s2r_Q.partition_S(sQ)
-            tSrQ_v = s2r_Q.retile(tSrQ)
-            tSsK = s2r_K.partition_S(sK)  # (CPY, N, K, bufs)
-            tSrK_v = s2r_K.retile(tSrK)
-            tOsP = s2r_P.partition_S(sP)
-            tOrP_v = s2r_P.retile(tOrP)
-            tOsV = s2r_V.partition_S(sVt)  # (CPY, N, K, bufs)
-            tOrV_v = s2r_V.retile(tOrV)
-            # P registers -> sP
-            r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
-            thr_r2s_P = r2s_P.get_slice(tidx)
-            tPsP = thr_r2s_P.partition_D(sP)
-
-            # rows of this thread (same rows in the S and O partitions)
-            cS = cute.make_identity_tensor((self.block_m, BLOCK_N))
-            tScS = _acc_mn_view(thr_s.partition_C(cS))
-            n_rows = cute.size(tScS.shape[0])
-            row_lim = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
-            for r in cutlass.range_constexpr(n_rows):
-                grow = m_block * self.block_m + tScS[r, 0][0]
-                row_lim[r] = kv_len - s_q + grow // num_heads + 1
-            row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            row_max.fill(-cutlass.Float32.inf)
-            row_sum.fill(0.0)
-
-            # fp8 conversion partitions
-            thr_s2r_raw = s2r_raw.get_slice(tidx)
+        # ---------------- Q: gmem -> smem (rows >= R zero) ----------------
+        thr_g2s = g2s.get_slice(tidx)
+        gQ = cute.local_tile(mQ[b, None, None], (self.block_m, D_QK), (m_block, 0))
+        cQ = cute.local_tile(
+            cute.make_identity_tensor((mQ.shape[1], D_QK)), (self.block_m, D_QK), (m_block, 0)
+        )
+        if cutlass.const_expr(self.is_fp8):
+            thr_q = g2r_q.get_slice(tidx)
+            tQgQ = thr_q.partition_S(gQ)
+            tQcQ = thr_q.partition_S(cQ)
             thr_r2s = r2s.get_slice(tidx)
-            tCsR = thr_s2r_raw.partition_S(sKraw)
-            tCsK = thr_r2s.partition_D(sK)
-            tCcK = thr_r2s.partition_D(cKV)
+            tQsQ = thr_r2s.partition_D(sQ)
+            rQ = cute.make_rmem_tensor_like(tQgQ)
+            rQ.fill(0)
+            for m in cutlass.range_constexpr(cute.size(tQgQ.shape[1])):
+                if tQcQ[0, m, 0][0] < R:
+                    cute.copy(g2r_q, tQgQ[None, m, None], rQ[None, m, None])
+            rQm = cute.make_rmem_tensor_like(tQsQ, mt)
+            rQm.store(rQ.load().to(mt))
+            cute.copy(r2s, rQm, tQsQ)
+        else:
+            tQgQ = thr_g2s.partition_S(gQ)
+            tQsQ = thr_g2s.partition_D(sQ)
+            tQcQ = thr_g2s.partition_S(cQ)
+            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+                if tQcQ[0, m, 0][0] < R:
+                    cute.copy(g2s, tQgQ[None, m, None], tQsQ[None, m, None])
+                else:
+                    tQsQ[None, m, None].fill(0)
 
-            acc_O_mn = _acc_mn_view(acc_O)
-            is_quad_leader = lane % 4 == 0
+        cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
+        tKcK = thr_g2s.partition_S(cKV)
+        tKsK = thr_g2s.partition_D(sK)  # (CPY, N, K, bufs)
+        thr_g2s_raw = g2s_raw.get_slice(tidx)
+        tRsR = thr_g2s_raw.partition_D(sKraw)  # (CPY, N, K, raw stages)
 
-            for n in cutlass.range(n_start, n_end, 1):
-                it = n - n_start
-                slot_r = it % self.ring
-                kst = 0 if cutlass.const_expr(self.is_fp8) else slot_r
-                cute.arch.cp_async_wait_group(self.ring - 2)
-                cute.arch.barrier()
-                if n + self.ring - 1 < n_end:
-                    self.load_tile(g2s, g2s_raw, thr_g2s, thr_g2s_raw, mKV, mPT, b,
-                                   n + self.ring - 1, (it + self.ring - 1) % self.ring,
-                                   blocks_per_page, kv_len, tKcK, tKsK, tRsR)
-                cute.arch.cp_async_commit_group()
+        # prologue: tiles n_start .. n_start + ring - 2, one commit group each
+        for p in cutlass.range_constexpr(self.ring - 1):
+            if n_start + p < n_end:
+                self.load_tile(g2s, g2s_raw, thr_g2s, thr_g2s_raw, mKV, mPT, b, n_start + p, p,
+                               blocks_per_page, kv_len, tKcK, tKsK, tRsR)
+            cute.arch.cp_async_commit_group()
 
-                if cutlass.const_expr(self.is_fp8):
-                    # raw[slot] (fp8) -> sK (fp16), rows past kv_len zeroed
-                    valid = kv_len - n * BLOCK_N
-                    rF8 = cute.make_rmem_tensor_like(tCsR[None, None, None, 0])
-                    cute.copy(s2r_raw, tCsR[None, None, None, slot_r], rF8)
-                    rH = cute.make_rmem_tensor_like(tCsK[None, None, None, 0], mt)
-                    rH.store(rF8.load().to(mt))
-                    for m in cutlass.range_constexpr(cute.size(rH.shape[1])):
-                        if tCcK[0, m, 0][0] >= valid:
-                            rH[None, m, None].fill(0)
-                    cute.copy(r2s, rH, tCsK[None, None, None, 0])
-                    cute.arch.barrier()
+        # ---------------- MMA partitions ----------------
+        thr_s = mma_s.get_slice(tidx)
+        thr_o = mma_o.get_slice(tidx)
+        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK[None, None, 0]))
+        tOrP = thr_o.make_fragment_A(thr_o.partition_A(sP))
+        tOrV = thr_o.make_fragment_B(thr_o.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((self.block_m, D_V)), cutlass.Float32)
+        acc_O.fill(0.0)
 
-                # ---------------- S = Q K^T (this warp's 16 kv columns) ----------------
-                # N_ACC independent accumulators break the 36-long MMA dependency chain
-                s_shape = thr_s.partition_shape_C((self.block_m, BLOCK_N))
-                accs = []
-                for a in cutlass.range_constexpr(self.n_acc):
-                    acc_a = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                    acc_a.fill(0.0)
-                    accs.append(acc_a)
-                nk = cute.size(tSsQ.shape[2])
-                cute.copy(s2r_Q, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
-                cute.copy(s2r_K, tSsK[None, None, 0, kst], tSrK_v[None, None, 0])
-                for k in cutlass.range_constexpr(nk):
-                    if cutlass.const_expr(k + 1 < nk):
-                        cute.copy(s2r_Q, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
-                        cute.copy(s2r_K, tSsK[None, None, k + 1, kst], tSrK_v[None, None, k + 1])
-                    acc_k = accs[k % self.n_acc]
-                    cute.gemm(mma_s, acc_k, tSrQ[None, None, k], tSrK[None, None, k], acc_k)
-                acc_S = accs[0]
-                if cutlass.const_expr(self.n_acc == 4):
-                    acc_S.store((accs[0].load() + accs[1].load()) + (accs[2].load() + accs[3].load()))
-                if cutlass.const_expr(self.n_acc == 2):
-                    acc_S.store(accs[0].load() + accs[1].load())
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), mt)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), mt)
+        s2r_Q = cute.make_tiled_copy_A(ldsm, mma_s).get_slice(tidx)
+        s2r_K = cute.make_tiled_copy_B(ldsm, mma_s).get_slice(tidx)
+        s2r_P = cute.make_tiled_copy_A(ldsm, mma_o).get_slice(tidx)
+        s2r_V = cute.make_tiled_copy_B(ldsm_t, mma_o).get_slice(tidx)
+        tSsQ = s2r_Q.partition_S(sQ)
+        tSrQ_v = s2r_Q.retile(tSrQ)
+        tSsK = s2r_K.partition_S(sK)  # (CPY, N, K, bufs)
+        tSrK_v = s2r_K.retile(tSrK)
+        tOsP = s2r_P.partition_S(sP)
+        tOrP_v = s2r_P.retile(tOrP)
+        tOsV = s2r_V.partition_S(sVt)  # (CPY, N, K, bufs)
+        tOrV_v = s2r_V.retile(tOrV)
+        # P registers -> sP
+        r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
+        thr_r2s_P = r2s_P.get_slice(tidx)
+        tPsP = thr_r2s_P.partition_D(sP)
 
-                # ---------------- mask, local row max -> sRed ----------------
-                acc_S_mn = _acc_mn_view(acc_S)
-                for r in cutlass.range_constexpr(n_rows):
-                    lim = row_lim[r] - n * BLOCK_N
-                    for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
-                        if tScS[0, c][1] >= lim:
-                            acc_S_mn[r, c] = -cutlass.Float32.inf
-                    m_loc = _quad_max(
-                        acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
-                    )
-                    if is_quad_leader:
-                        sRed[tScS[r, 0][0], warp_n] = m_loc
-                cute.arch.barrier()
+        # rows of this thread (same rows in the S and O partitions)
+        cS = cute.make_identity_tensor((self.block_m, BLOCK_N))
+        tScS = _acc_mn_view(thr_s.partition_C(cS))
+        n_rows = cute.size(tScS.shape[0])
+        row_lim = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
+        for r in cutlass.range_constexpr(n_rows):
+            grow = m_block * self.block_m + tScS[r, 0][0]
+            row_lim[r] = kv_len - s_q + grow // num_heads + 1
+        row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
 
-                # ---------------- online softmax, P -> sP ----------------
-                for r in cutlass.range_constexpr(n_rows):
-                    row = tScS[r, 0][0]
-                    m_cur = cute.arch.fmax(
-                        cute.arch.fmax(sRed[row, 0], sRed[row, 1]),
-                        cute.arch.fmax(sRed[row, 2], sRed[row, 3]),
-                    )
-                    m_prev = row_max[r]
-                    m_new = cute.arch.fmax(m_prev, m_cur)
-                    m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
-                    p_row = cute.math.exp2(
-                        acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
-                    )
-                    corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
-                    row_sum[r] = row_sum[r] * corr + p_row.reduce(
-                        cute.ReductionOp.ADD, cutlass.Float32.zero, 0
-                    )
-                    row_max[r] = m_new
-                    acc_S_mn[r, None] = p_row
-                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
-                rP = cute.make_fragment_like(acc_S, mt)
-                rP.store(acc_S.load().to(mt))
-                cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
-                cute.arch.barrier()
+        # fp8 conversion partitions
+        thr_s2r_raw = s2r_raw.get_slice(tidx)
+        thr_r2s = r2s.get_slice(tidx)
+        tCsR = thr_s2r_raw.partition_S(sKraw)
+        tCsK = thr_r2s.partition_D(sK)
+        tCcK = thr_r2s.partition_D(cKV)
 
-                # ---------------- O += P V (this warp's quarter of the 512 columns) --------
-                nkv = cute.size(tOsP.shape[2])
-                cute.copy(s2r_P, tOsP[None, None, 0], tOrP_v[None, None, 0])
-                cute.copy(s2r_V, tOsV[None, None, 0, kst], tOrV_v[None, None, 0])
-                for k in cutlass.range_constexpr(nkv):
-                    if cutlass.const_expr(k + 1 < nkv):
-                        cute.copy(s2r_P, tOsP[None, None, k + 1], tOrP_v[None, None, k + 1])
-                        cute.copy(s2r_V, tOsV[None, None, k + 1, kst], tOrV_v[None, None, k + 1])
-                    cute.gemm(mma_o, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
+        acc_O_mn = _acc_mn_view(acc_O)
+        is_quad_leader = lane % 4 == 0
 
-            cute.arch.cp_async_wait_group(0)
-
-            # ---------------- epilogue: row sums across the NW_N warps ----------------
+        for n in cutlass.range(n_start, n_end, 1):
+            it = n - n_start
+            slot_r = it % self.ring
+            kst = 0 if cutlass.const_expr(self.is_fp8) else slot_r
+            cute.arch.cp_async_wait_group(self.ring - 2)
             cute.arch.barrier()
+            if n + self.ring - 1 < n_end:
+                self.load_tile(g2s, g2s_raw, thr_g2s, thr_g2s_raw, mKV, mPT, b,
+                               n + self.ring - 1, (it + self.ring - 1) % self.ring,
+                               blocks_per_page, kv_len, tKcK, tKsK, tRsR)
+            cute.arch.cp_async_commit_group()
+
+            if cutlass.const_expr(self.is_fp8):
+                # raw[slot] (fp8) -> sK (fp16), rows past kv_len zeroed
+                valid = kv_len - n * BLOCK_N
+                rF8 = cute.make_rmem_tensor_like(tCsR[None, None, None, 0])
+                cute.copy(s2r_raw, tCsR[None, None, None, slot_r], rF8)
+                rH = cute.make_rmem_tensor_like(tCsK[None, None, None, 0], mt)
+                rH.store(rF8.load().to(mt))
+                for m in cutlass.range_constexpr(cute.size(rH.shape[1])):
+                    if tCcK[0, m, 0][0] >= valid:
+                        rH[None, m, None].fill(0)
+                cute.copy(r2s, rH, tCsK[None, None, None, 0])
+                cute.arch.barrier()
+
+            # ---------------- S = Q K^T (this warp's 16 kv columns) ----------------
+            # N_ACC independent accumulators break the 36-long MMA dependency chain
+            s_shape = thr_s.partition_shape_C((self.block_m, BLOCK_N))
+            accs = []
+            for a in cutlass.range_constexpr(self.n_acc):
+                acc_a = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                acc_a.fill(0.0)
+                accs.append(acc_a)
+            nk = cute.size(tSsQ.shape[2])
+            cute.copy(s2r_Q, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
+            cute.copy(s2r_K, tSsK[None, None, 0, kst], tSrK_v[None, None, 0])
+            for k in cutlass.range_constexpr(nk):
+                if cutlass.const_expr(k + 1 < nk):
+                    cute.copy(s2r_Q, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
+                    cute.copy(s2r_K, tSsK[None, None, k + 1, kst], tSrK_v[None, None, k + 1])
+                acc_k = accs[k % self.n_acc]
+                cute.gemm(mma_s, acc_k, tSrQ[None, None, k], tSrK[None, None, k], acc_k)
+            acc_S = accs[0]
+            if cutlass.const_expr(self.n_acc == 4):
+                acc_S.store((accs[0].load() + accs[1].load()) + (accs[2].load() + accs[3].load()))
+            if cutlass.const_expr(self.n_acc == 2):
+                acc_S.store(accs[0].load() + accs[1].load())
+
+            # ---------------- mask, local row max -> sRed ----------------
+            acc_S_mn = _acc_mn_view(acc_S)
             for r in cutlass.range_constexpr(n_rows):
-                s_loc = _quad_sum(row_sum[r])
+                lim = row_lim[r] - n * BLOCK_N
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+                    if tScS[0, c][1] >= lim:
+                        acc_S_mn[r, c] = -cutlass.Float32.inf
+                m_loc = _quad_max(
+                    acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+                )
                 if is_quad_leader:
-                    sRed[tScS[r, 0][0], warp_n] = s_loc
+                    sRed[tScS[r, 0][0], warp_n] = m_loc
             cute.arch.barrier()
-            row_scale = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            row_lse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+
+            # ---------------- online softmax, P -> sP ----------------
             for r in cutlass.range_constexpr(n_rows):
                 row = tScS[r, 0][0]
-                s = (sRed[row, 0] + sRed[row, 1]) + (sRed[row, 2] + sRed[row, 3])
-                ok = s > 0.0
-                row_scale[r] = v_scale / s if ok else 0.0
-                row_lse[r] = (
-                    row_max[r] * scale_ln + cute.math.log(s, fastmath=False)
-                    if ok
-                    else -cutlass.Float32.inf
+                m_cur = cute.arch.fmax(
+                    cute.arch.fmax(sRed[row, 0], sRed[row, 1]),
+                    cute.arch.fmax(sRed[row, 2], sRed[row, 3]),
                 )
-            lse_writer = warp_n == 0
-            if lane % 4 != 0:
-                lse_writer = False
-            cO = cute.make_identity_tensor((self.block_m, D_V))
-            tOcO = _acc_mn_view(thr_o.partition_C(cO))
-            if slot < 0:
-                gO = cute.local_tile(mO[b, None, None], (self.block_m, D_V), (m_block, 0))
-                tOgO = _acc_mn_view(thr_o.partition_C(gO))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * self.block_m + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
-                        if lse_writer:
-                            mLSE[b, grow] = row_lse[r]
-            else:
-                gO = cute.local_tile(mOp[slot, None, None], (self.block_m, D_V), (m_block, 0))
-                tOgO = _acc_mn_view(thr_o.partition_C(gO))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * self.block_m + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
-                        if lse_writer:
-                            mLSEp[slot, grow] = row_lse[r]
+                m_prev = row_max[r]
+                m_new = cute.arch.fmax(m_prev, m_cur)
+                m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
+                p_row = cute.math.exp2(
+                    acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
+                )
+                corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
+                row_sum[r] = row_sum[r] * corr + p_row.reduce(
+                    cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+                )
+                row_max[r] = m_new
+                acc_S_mn[r, None] = p_row
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+            rP = cute.make_fragment_like(acc_S, mt)
+            rP.store(acc_S.load().to(mt))
+            cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
+            cute.arch.barrier()
+
+            # ---------------- O += P V (this warp's quarter of the 512 columns) --------
+            nkv = cute.size(tOsP.shape[2])
+            cute.copy(s2r_P, tOsP[None, None, 0], tOrP_v[None, None, 0])
+            cute.copy(s2r_V, tOsV[None, None, 0, kst], tOrV_v[None, None, 0])
+            for k in cutlass.range_constexpr(nkv):
+                if cutlass.const_expr(k + 1 < nkv):
+                    cute.copy(s2r_P, tOsP[None, None, k + 1], tOrP_v[None, None, k + 1])
+                    cute.copy(s2r_V, tOsV[None, None, k + 1, kst], tOrV_v[None, None, k + 1])
+                cute.gemm(mma_o, acc_O, tOrP[None, None, k], tOrV[None, None, k], acc_O)
+
+        cute.arch.cp_async_wait_group(0)
+
+        # ---------------- epilogue: row sums across the NW_N warps ----------------
+        cute.arch.barrier()
+        for r in cutlass.range_constexpr(n_rows):
+            s_loc = _quad_sum(row_sum[r])
+            if is_quad_leader:
+                sRed[tScS[r, 0][0], warp_n] = s_loc
+        cute.arch.barrier()
+        row_scale = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_lse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            row = tScS[r, 0][0]
+            s = (sRed[row, 0] + sRed[row, 1]) + (sRed[row, 2] + sRed[row, 3])
+            ok = s > 0.0
+            row_scale[r] = v_scale / s if ok else 0.0
+            row_lse[r] = (
+                row_max[r] * scale_ln + cute.math.log(s, fastmath=False)
+                if ok
+                else -cutlass.Float32.inf
+            )
+        lse_writer = warp_n == 0
+        if lane % 4 != 0:
+            lse_writer = False
+        cO = cute.make_identity_tensor((self.block_m, D_V))
+        tOcO = _acc_mn_view(thr_o.partition_C(cO))
+        if slot < 0:
+            gO = cute.local_tile(mO[b, None, None], (self.block_m, D_V), (m_block, 0))
+            tOgO = _acc_mn_view(thr_o.partition_C(gO))
+            for r in cutlass.range_constexpr(n_rows):
+                grow = m_block * self.block_m + tOcO[r, 0][0]
+                if grow < R:
+                    tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
+                    if lse_writer:
+                        mLSE[b, grow] = row_lse[r]
+        else:
+            gO = cute.local_tile(mOp[slot, None, None], (self.block_m, D_V), (m_block, 0))
+            tOgO = _acc_mn_view(thr_o.partition_C(gO))
+            for r in cutlass.range_constexpr(n_rows):
+                grow = m_block * self.block_m + tOcO[r, 0][0]
+                if grow < R:
+                    tOgO[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+                    if lse_writer:
+                        mLSEp[slot, grow] = row_lse[r]
