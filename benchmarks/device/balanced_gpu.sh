@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the H200 (devpack set up, env.sh sourced): the balanced split-KV mma.sync kernel (branch balanced-split,
-# opt-in, not used by the backend) -- its GPU tests (fp64 reference, vs the default kernel, graph replay with new
+# On the H200 (devpack set up, env.sh sourced): the balanced split-KV mma.sync kernel (the backend's
+# split_kv=balanced runs it) -- its GPU tests (fp64 reference, vs the default kernel, graph replay with new
 # lengths), then the default vs balanced speed at B64 H16 S8192, B128 H16 s_q2 S4096, B1/B32 H16 S4096 and B100
 # H16 varlen (bf16, same process, graph replay).
 source "$(dirname "$0")/project_env.sh"

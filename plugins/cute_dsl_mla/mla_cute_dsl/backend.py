@@ -180,9 +180,9 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions) -> str:
                 "whichever is predicted >= 10% faster)")
     text = f"{kernel} kernel, even split-KV"
     if options.split_kv == "balanced":
-        why = ("an fp8 cache" if kernel == "mma_sync" else f"the {kernel} kernel")
+        why = ("has an fp8 cache" if kernel == "mma_sync" else f"runs the {kernel} kernel")
         text += (f" (split_kv=balanced ignored: it applies to the mma.sync kernel with a bf16/fp16 cache, "
-                 f"this shape runs {why})")
+                 f"this shape {why})")
     return text
 
 

@@ -297,7 +297,7 @@ def test_split_kv_applies_only_to_the_mma_sync_kernel_with_a_16_bit_cache():
         "bf16/fp16 cache, this shape runs the seesaw kernel)")
     assert kernel_summary(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
                                                                                    mma="mma_sync")).endswith(
-        "this shape runs an fp8 cache)")
+        "this shape has an fp8 cache)")
     # the option never refuses a shape: ignored, not a reason
     backend = CuteDslBackend()
     for h, kv in ((16, "bf16"), (16, "fp8_e4m3"), (128, "bf16")):
