@@ -26,12 +26,22 @@ same work_info/split_info rows are produced column by column, plus ``cta_ranges`
 ``MLADecodePartial(balanced=True)`` reads it (see the section above ``plan_balanced``). Such a schedule
 is a hybrid (``plan_hybrid``): per step it holds either the balanced plan or the even plan_items plan in
 the same format (``Schedule.form``), whichever ``choose_form`` predicts faster by a margin.
+
+Host cost. The planner runs on the engine's critical path once per step, so its loops are vectorized
+with torch CPU ops (candidates x requests matrices, ``repeat_interleave``/``cumsum`` item construction,
+``searchsorted`` for the balanced pieces); the only Python loops left are inherently sequential and run
+over columns, not requests (the balanced walk, one ``bisect`` per column) or over the items beyond the
+first wave (the even form's LPT heap). Results go into CPU staging tensors kept on the Schedule, then one
+copy per device buffer. The outputs are exactly those of the earlier pure-Python planner (kept verbatim in
+tests/schedule_oracle.py; tests/test_schedule_equality.py compares the two on random inputs, and
+benchmarks/plan_time.py times them).
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from bisect import bisect_right
+from dataclasses import dataclass, field
 
 import torch
 
@@ -97,6 +107,8 @@ class Schedule:
     # predicted_cost of each form this step (balanced schedules; nan for a form not planned)
     cost_even: float = float("nan")
     cost_balanced: float = float("nan")
+    # host staging tensors that make_schedule fills before copying into the device buffers (private)
+    _staging: "_Staging | None" = field(default=None, repr=False, compare=False)
 
     @property
     def balanced(self) -> bool:
@@ -112,61 +124,105 @@ class Schedule:
         return self.s_q * self.num_heads
 
 
+_I64 = torch.int64
+
+
+def _lens_tensor(kv_lens) -> torch.Tensor:
+    """Per-request kv lengths as a 1-D int64 CPU tensor (values as int() of each element)."""
+    if isinstance(kv_lens, torch.Tensor):
+        return kv_lens.detach().to(device="cpu", dtype=_I64).reshape(-1)
+    seq = kv_lens.tolist() if hasattr(kv_lens, "tolist") else kv_lens
+    try:
+        return torch.tensor(seq, dtype=_I64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return torch.tensor([int(n) for n in seq], dtype=_I64).reshape(-1)
+
+
+def _nblocks(lens: torch.Tensor) -> torch.Tensor:
+    """64-token blocks per request (0 for kv_len <= 0)."""
+    return ((lens + (BLOCK_N - 1)) // BLOCK_N).clamp_(min=0)
+
+
+def _tuples(t: torch.Tensor) -> list:
+    return [tuple(r) for r in t.tolist()]
+
+
+def _even_bps(nb: torch.Tensor, m_blocks: int, target: int, min_blocks_per_split: int = 1) -> int:
+    """plan_items' blocks per split (0 when there is no kv block at all).
+
+    Wave-aware choice among the candidates base, base + step, ..., 2 base (base = the least blocks per
+    split that keeps the items within one wave's worth, which bounds the buffer sizes capacity_for /
+    slots_for): estimated makespan = waves * largest item + a small cost per split item for the combine.
+    The candidates x requests matrix of items per request gives every candidate's item count and largest
+    item at once; the first candidate whose cost is lower by more than 1e-9 than the best so far wins."""
+    total = int(nb.sum())
+    if total == 0:
+        return 0
+    base = max(min_blocks_per_split, -(-(total * m_blocks) // target))
+    step = max(1, base // 32)
+    nz = nb[nb > 0]
+    cand = torch.arange(base, 2 * base + 1, step, dtype=_I64).unsqueeze(1)
+    k = (nz + (cand - 1)) // cand  # [candidates, requests]: items per request
+    n_items = k.sum(1).tolist()
+    largest = ((nz + k - 1) // k).amax(1).tolist()
+    best_cost, best = None, 0
+    for i, (n, big) in enumerate(zip(n_items, largest)):
+        waves = -(-(n * m_blocks) // target)
+        cost = waves * big + 0.05 * n * m_blocks / target
+        if best_cost is None or cost < best_cost - 1e-9:
+            best_cost, best = cost, i
+    return base + best * step
+
+
+def _even_items(lens: torch.Tensor, nb: torch.Tensor, bps: int):
+    """plan_items' items for a blocks per split: (rows int64 [n, 4], blocks int64 [n], split int64 [B, 2],
+    slots used). Request b gets k = ceil(nb / bps) items, the first nb % k of them one block longer; a
+    whole request (k = 1) writes out directly (slot -1), a split one takes k consecutive slots."""
+    B = nb.shape[0]
+    if bps == 0:
+        z = torch.zeros(0, dtype=_I64)
+        return z.reshape(0, 4), z, torch.zeros((B, 2), dtype=_I64), 0
+    k = (nb + (bps - 1)) // bps
+    multi = k > 1
+    kslot = k * multi
+    cum = torch.cumsum(kslot, 0)
+    first = cum - kslot  # first slot of a split request
+    n_slots = int(cum[-1])
+    split = torch.stack((first * multi, k), 1)
+    kc = k.clamp(min=1)
+    q = nb // kc
+    # per-request values gathered once per item: blocks per item, longer items, length, first slot or -1
+    # (+ the item's index minus its position in the request, so that position = arange - that)
+    item_end = torch.cumsum(k, 0)
+    per_req = torch.stack((q, nb - q * kc, lens, torch.where(multi, first, -1), item_end - k, multi), 1)
+    n = int(item_end[-1])
+    g = per_req[torch.repeat_interleave(k, output_size=n)]
+    b = torch.repeat_interleave(torch.arange(B, dtype=_I64), k, output_size=n)
+    j = torch.arange(n, dtype=_I64) - g[:, 4]
+    qb, eb = g[:, 0], g[:, 1]
+    sblk = j * qb + torch.minimum(j, eb)
+    size = qb + (j < eb)
+    start = sblk * BLOCK_N
+    end = torch.minimum((sblk + size) * BLOCK_N, g[:, 2])
+    slot = torch.where(g[:, 5] > 0, g[:, 3] + j, -1)
+    return torch.stack((b, start, end, slot), 1), size, split, n_slots
+
+
 def plan_items(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int = 1,
                min_blocks_per_split: int = 1):
     """Pure host logic: returns (items, split, blocks_per_split).
 
     items: list of (b, kv_start, kv_end, slot); split: list of (first_slot, count).
+    Every item of request b holds at most blocks_per_split blocks and its items differ by at most one
+    block (see _even_bps for the choice of blocks_per_split; make_schedule uses the same tensor code).
     """
     rows = s_q * num_heads
     m_blocks = -(-rows // block_m_for(rows))
-    target = num_sms * ctas_per_sm
-    nblocks = [(-(-int(n) // BLOCK_N)) if int(n) > 0 else 0 for n in kv_lens]
-    total = sum(nblocks)
-    if total == 0:
-        return [], [(0, 0) for _ in nblocks], 0
-    base = max(min_blocks_per_split, -(-(total * m_blocks) // target))
-    # wave-aware choice: estimated makespan = waves * largest item (+ a small
-    # cost per split item for the combine); never below `base`, which bounds
-    # the buffer sizes (capacity_for / slots_for).
-    best = None
-    step = max(1, base // 32)
-    for bps_c in range(base, 2 * base + 1, step):
-        n_items = 0
-        largest = 0
-        for nb in nblocks:
-            if nb:
-                k = -(-nb // bps_c)
-                n_items += k
-                largest = max(largest, -(-nb // k))
-        waves = -(-(n_items * m_blocks) // target)
-        cost = waves * largest + 0.05 * n_items * m_blocks / target
-        if best is None or cost < best[0] - 1e-9:
-            best = (cost, bps_c)
-    bps = best[1]
-    items = []
-    split = []
-    next_slot = 0
-    for b, (n, nb) in enumerate(zip(kv_lens, nblocks)):
-        n = int(n)
-        if nb == 0:
-            split.append((0, 0))
-            continue
-        k = -(-nb // bps)
-        base, extra = divmod(nb, k)
-        if k == 1:
-            items.append((b, 0, n, -1))
-            split.append((0, 1))
-            continue
-        split.append((next_slot, k))
-        start = 0
-        for j in range(k):
-            size = base + (1 if j < extra else 0)
-            end = start + size
-            items.append((b, start * BLOCK_N, min(end * BLOCK_N, n), next_slot + j))
-            start = end
-        next_slot += k
-    return items, split, bps
+    lens = _lens_tensor(kv_lens)
+    nb = _nblocks(lens)
+    bps = _even_bps(nb, m_blocks, num_sms * ctas_per_sm, min_blocks_per_split)
+    items, _, split, _ = _even_items(lens, nb, bps)
+    return _tuples(items), _tuples(split), bps
 
 
 # ---------------------------------------------------------------------------
@@ -200,6 +256,19 @@ def plan_items(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int
 #     closes only once it has spent more than L - k - 1, so if C columns did not suffice,
 #     C (L - k) <= T + k (items) <= T + k (N + C - 1); hence L = floor((T + k (N + C - 1)) / C)
 #     + k + 1 always fits, and a column's blocks are <= L - k.
+#
+# The walk in cost coordinates (how _walk runs it: one bisect per column, not a loop over requests).
+# Lay the nonzero requests out as a cost stream, request i taking [P[i], P[i + 1]) with P[i + 1] - P[i]
+# = k + nb_i (its item cost, then its blocks). Let e be the stream point a column starts from, counting
+# the extra item cost k of a column that starts inside a request as if it were that request's own: e =
+# P[i] for a column starting at request i's first block, e = P[i] + pos for one starting at block pos > 0
+# of request i. A column with budget L then covers [e, y = e + L]: every request ending by y whole; if y
+# is past the end, the walk is done; else y falls in request j (P[j] <= y < P[j + 1]) and the column
+# either takes y - P[j] - k >= 1 blocks of j (next e = y - k) or, when y - P[j] <= k (no block fits
+# after the item cost), closes there (next e = P[j]). The spread budget of a column only needs the rest
+# of the stream: rest_blocks + k * rest_reqs = P[N] - e. A column starting at e begins at block
+# e - k * i of the block stream (i: the request holding e), and the items are the non-empty
+# intersections of the column ranges and the request ranges of the block stream.
 
 #: default per-item cost in 64-token-block equivalents (see plan_balanced)
 BALANCED_ITEM_COST = 1
@@ -211,36 +280,49 @@ def balanced_cols(rows: int, num_sms: int, ctas_per_sm: int = 1) -> int:
     return max(1, (num_sms * ctas_per_sm) // m_blocks)
 
 
-def _walk(nblocks, cols: int, k: int, budget):
-    """Greedy walk of the block stream. budget(c, rest_blocks, rest_reqs) -> cost cap of column c.
-    Returns the per-column list of pieces [(b, first_block, n_blocks)], or None if > cols columns."""
-    out = []
-    pieces = []
+def _walk(P: list, cols: int, k: int, L: int, spread: bool):
+    """Greedy walk of the cost stream P (see the section comment): the start point e of each column
+    used, or None if it needs more than cols columns. Budget L per column, or (spread) per column
+    min(L, max(k + 1, ceil(rest / columns left) + k)), rest = P[-1] - e."""
+    end = P[-1]
+    starts = [0]
+    e = 0
     c = 0
-    rest = sum(nblocks)
-    rest_reqs = sum(1 for nb in nblocks if nb)
-    rem = budget(0, rest, rest_reqs)
-    for b, nb in enumerate(nblocks):
-        pos = 0
-        while pos < nb:
-            if rem < k + 1:
-                out.append(pieces)
-                pieces = []
-                c += 1
-                if c >= cols:
-                    return None
-                rem = budget(c, rest, rest_reqs)
-                continue
-            t = min(nb - pos, rem - k)
-            pieces.append((b, pos, t))
-            rem -= k + t
-            pos += t
-            rest -= t
-        if nb:
-            rest_reqs -= 1
-    out.append(pieces)
-    out.extend([] for _ in range(cols - len(out)))
-    return out
+    if spread:
+        while True:
+            b = -(-(end - e) // (cols - c)) + k
+            y = e + (L if b > L else (k + 1 if b < k + 1 else b))
+            if y >= end:
+                return starts
+            j = bisect_right(P, y) - 1
+            p = P[j]
+            e = p if y - p <= k else y - k
+            c += 1
+            if c >= cols:
+                return None
+            starts.append(e)
+    d = L - k  # >= 1: a column inside one request moves on by L - k
+    while True:
+        y = e + L
+        if y >= end:
+            return starts
+        j = bisect_right(P, y) - 1
+        p = P[j]
+        if y - p <= k:
+            e = p
+            c += 1
+            if c >= cols:
+                return None
+            starts.append(e)
+            continue
+        # the next m columns start inside request j as well (y + i d < P[j + 1], i = 1..m)
+        m = (P[j + 1] - y - 1) // d
+        if c + 1 + m >= cols:
+            return None
+        e = y - k
+        starts.extend(range(e, e + (m + 1) * d, d))
+        e += m * d
+        c += m + 1
 
 
 def balanced_budget_bound(total: int, n_reqs: int, cols: int, item_cost: int) -> int:
@@ -249,6 +331,62 @@ def balanced_budget_bound(total: int, n_reqs: int, cols: int, item_cost: int) ->
     if k == 0:
         return max(1, -(-total // cols))
     return (total + k * (n_reqs + cols - 1)) // cols + k + 1
+
+
+def _balanced_plan(lens: torch.Tensor, nb: torch.Tensor, cols: int, k: int):
+    """plan_balanced on tensors: (rows int64 [n, 4], split int64 [B, 2], ranges int64 [cols + 1],
+    blocks per column int64 [cols], slots used, budget L)."""
+    B = nb.shape[0]
+    nzi = torch.nonzero(nb).reshape(-1)
+    nzn = nb[nzi]
+    N = nzn.shape[0]
+    Pt = torch.zeros(N + 1, dtype=_I64)
+    torch.cumsum(nzn + k, 0, out=Pt[1:])
+    P = Pt.tolist()
+    total = P[-1] - k * N
+    if total == 0:
+        z = torch.zeros(0, dtype=_I64)
+        return (z.reshape(0, 4), torch.zeros((B, 2), dtype=_I64), torch.zeros(cols + 1, dtype=_I64),
+                torch.zeros(cols, dtype=_I64), 0, 0)
+    # least budget for which the greedy walk fits (binary search; hi always fits)
+    lo = max(k + 1, -(-(total + k * N) // cols))
+    hi = max(lo, balanced_budget_bound(total, N, cols, k))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _walk(P, cols, k, mid, False) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    L = lo
+    starts = _walk(P, cols, k, L, True)
+    if starts is None:
+        starts = _walk(P, cols, k, L, False)
+    # column c covers blocks [S[c], S[c + 1]) of the block stream; request i covers [Q[i], Q[i + 1])
+    E = torch.tensor(starts, dtype=_I64)
+    Q = Pt - k * torch.arange(N + 1, dtype=_I64)
+    S = torch.full((cols + 1,), total, dtype=_I64)
+    S[: len(starts)] = E - k * (torch.searchsorted(Pt, E, right=True) - 1)
+    # pieces: the non-empty (column, request) intersections, in stream order (= column by column)
+    ps = torch.unique(torch.cat((S[:-1], Q[:-1])))
+    ps = ps[ps < total]
+    n = ps.shape[0]
+    pe = torch.cat((ps[1:], Q[-1:]))
+    ri = torch.searchsorted(Q, ps, right=True) - 1  # nonzero request of each piece
+    q0 = Q[ri]
+    cnt = torch.bincount(ri, minlength=N)
+    multi = cnt > 1
+    cslot = cnt * multi
+    cum = torch.cumsum(cslot, 0)
+    first_slot = cum - cslot
+    first_piece = torch.cumsum(cnt, 0) - cnt
+    n_slots = int(cum[-1])
+    slot = torch.where(multi[ri], (first_slot - first_piece)[ri] + torch.arange(n, dtype=_I64), -1)
+    lb = lens[nzi]
+    rows = torch.stack((nzi[ri], (ps - q0) * BLOCK_N, torch.minimum((pe - q0) * BLOCK_N, lb[ri]), slot), 1)
+    split = torch.zeros((B, 2), dtype=_I64)
+    split[nzi] = torch.stack((first_slot * multi, cnt), 1)
+    ranges = torch.searchsorted(ps, S)
+    return rows, split, ranges, S[1:] - S[:-1], n_slots, L
 
 
 def plan_balanced(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int = 1,
@@ -265,60 +403,12 @@ def plan_balanced(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: 
     rows = s_q * num_heads
     m_blocks = -(-rows // block_m_for(rows))
     cols = balanced_cols(rows, num_sms, ctas_per_sm)
-    lens = [int(n) for n in kv_lens]
-    nblocks = [(-(-n // BLOCK_N)) if n > 0 else 0 for n in lens]
-    total = sum(nblocks)
-    n_reqs = sum(1 for nb in nblocks if nb)
-    stats = dict(num_cols=cols, m_blocks=m_blocks, budget=0, max_blocks=0, max_items=0)
-    if total == 0:
-        return [], [(0, 0) for _ in lens], [0] * (cols + 1), stats
-    # least budget for which the greedy walk fits (binary search; hi always fits)
-    lo = max(k + 1, -(-(total + k * n_reqs) // cols))
-    hi = max(lo, balanced_budget_bound(total, n_reqs, cols, k))
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _walk(nblocks, cols, k, lambda c, rb, rr: mid) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    L = lo
-
-    def spread(c, rest_blocks, rest_reqs):
-        left = cols - c
-        return min(L, max(k + 1, -(-(rest_blocks + k * rest_reqs) // left) + k))
-
-    plan = _walk(nblocks, cols, k, spread)
-    if plan is None:
-        plan = _walk(nblocks, cols, k, lambda c, rb, rr: L)
-    # items, slots (consecutive per request: its pieces are adjacent in column order)
-    pieces_of = [0] * len(lens)
-    for col in plan:
-        for b, _, _ in col:
-            pieces_of[b] += 1
-    split = []
-    first_slot = {}
-    next_slot = 0
-    for b, cnt in enumerate(pieces_of):
-        if cnt > 1:
-            first_slot[b] = next_slot
-            split.append((next_slot, cnt))
-            next_slot += cnt
-        else:
-            split.append((0, cnt))
-    seen = [0] * len(lens)
-    items = []
-    ranges = [0]
-    for col in plan:
-        for b, pos, t in col:
-            end = min((pos + t) * BLOCK_N, lens[b])
-            slot = first_slot[b] + seen[b] if pieces_of[b] > 1 else -1
-            seen[b] += 1
-            items.append((b, pos * BLOCK_N, end, slot))
-        ranges.append(len(items))
-    stats.update(budget=L,
-                 max_blocks=max(sum(t for _, _, t in col) for col in plan),
-                 max_items=max(len(col) for col in plan))
-    return items, split, ranges, stats
+    lens = _lens_tensor(kv_lens)
+    items, split, ranges, col_blocks, _, L = _balanced_plan(lens, _nblocks(lens), cols, k)
+    stats = dict(num_cols=cols, m_blocks=m_blocks, budget=L, max_blocks=0, max_items=0)
+    if items.shape[0]:
+        stats.update(max_blocks=int(col_blocks.max()), max_items=int((ranges[1:] - ranges[:-1]).max()))
+    return _tuples(items), _tuples(split), ranges.tolist(), stats
 
 
 # ---------------------------------------------------------------------------
@@ -349,9 +439,59 @@ def slot_cost(rows: int, m_blocks: int, cols: int) -> float:
     return 2.0 * rows * (D_V + 1) * 4 / (_BLOCK_BYTES * max(1, cols * m_blocks))
 
 
-def _item_blocks(item) -> int:
-    _, s, e, _ = item
-    return -(-(e - s) // BLOCK_N)
+def _lpt(costs: list, cols: int):
+    """Longest-first to the least-loaded column (costs in that order): (column of each, max column load).
+    A heap of (load, column): ties go to the lower column. With every cost > 0 the first cols items
+    take columns 0 .. cols - 1 in order (each empty column is popped before any loaded one), so only
+    the items after the first wave go through the heap."""
+    n = len(costs)
+    if n >= cols and costs[-1] > 0:  # costs are sorted descending: all > 0
+        assign = list(range(cols))
+        load = list(zip(costs[:cols], assign))
+        heapq.heapify(load)
+        push = heapq.heapreplace
+        put = assign.append
+        for x in costs[cols:]:
+            top = load[0]
+            push(load, (top[0] + x, top[1]))
+            put(top[1])
+    else:
+        assign = []
+        load = [(0, c) for c in range(cols)]
+        for x in costs:
+            cost_c, c = heapq.heappop(load)
+            assign.append(c)
+            heapq.heappush(load, (cost_c + x, c))
+    return assign, max(load)[0]
+
+
+def _even_columns(blocks: torch.Tensor, cols: int, k: int):
+    """even_columns on tensors, from each item's blocks: (row order column by column, ranges int64
+    [cols + 1], blocks per column int64 [cols], items per column int64 [cols])."""
+    n = blocks.shape[0]
+    ranges = torch.zeros(cols + 1, dtype=_I64)
+    if n == 0:
+        z = torch.zeros(cols, dtype=_I64)
+        return torch.zeros(0, dtype=_I64), ranges, z, z
+    order = torch.argsort(blocks, descending=True, stable=True)  # longest first, ties by index
+    costs = blocks[order] + k
+    rr = torch.arange(n, dtype=_I64)
+    if n > cols:
+        rr %= cols
+    rr_cost = int(torch.zeros(cols, dtype=_I64).index_add_(0, rr, costs).max())
+    cl = costs.tolist()
+    if n <= cols and cl[-1] > 0:
+        col_sorted = rr  # LPT deals the items to columns 0 .. n - 1 as well
+    else:
+        lpt, lpt_cost = _lpt(cl, cols)
+        col_sorted = torch.tensor(lpt, dtype=_I64) if lpt_cost <= rr_cost else rr
+    col = torch.empty(n, dtype=_I64)
+    col[order] = col_sorted
+    perm = torch.argsort(col, stable=True)  # plan_items order inside a column
+    counts = torch.bincount(col, minlength=cols)
+    torch.cumsum(counts, 0, out=ranges[1:])
+    col_blocks = torch.zeros(cols, dtype=_I64).index_add_(0, col, blocks)
+    return perm, ranges, col_blocks, counts
 
 
 def even_columns(items, cols: int, item_cost: int = BALANCED_ITEM_COST):
@@ -366,33 +506,10 @@ def even_columns(items, cols: int, item_cost: int = BALANCED_ITEM_COST):
     position), so only the order of work rows changes."""
     k = int(item_cost)
     cols = max(1, int(cols))
-    order = sorted(range(len(items)), key=lambda i: (-_item_blocks(items[i]), i))
-
-    def cost(assign):
-        load = [0] * cols
-        for i, c in zip(order, assign):
-            load[c] += _item_blocks(items[i]) + k
-        return max(load) if items else 0
-
-    lpt = []
-    load = [(0, c) for c in range(cols)]  # (cost, column): a heap
-    for i in order:
-        cost_c, c = heapq.heappop(load)
-        lpt.append(c)
-        heapq.heappush(load, (cost_c + _item_blocks(items[i]) + k, c))
-    rr = [j % cols for j in range(len(order))]
-    assign = lpt if cost(lpt) <= cost(rr) else rr
-    per_col = [[] for _ in range(cols)]
-    for i, c in zip(order, assign):
-        per_col[c].append(i)
-    out, ranges, col_blocks, col_items = [], [0], [], []
-    for col in per_col:
-        col.sort()  # plan_items order inside a column (request, kv order)
-        out.extend(items[i] for i in col)
-        ranges.append(len(out))
-        col_blocks.append(sum(_item_blocks(items[i]) for i in col))
-        col_items.append(len(col))
-    return out, ranges, col_blocks, col_items
+    items = list(items)
+    blocks = torch.tensor([-(-(e - s) // BLOCK_N) for _, s, e, _ in items], dtype=_I64)
+    perm, ranges, col_blocks, col_items = _even_columns(blocks, cols, k)
+    return [items[i] for i in perm.tolist()], ranges.tolist(), col_blocks.tolist(), col_items.tolist()
 
 
 def predicted_cost(col_blocks, col_items, n_slots: int, item_cost: int, rows: int, m_blocks: int) -> float:
@@ -433,6 +550,47 @@ def choose_form(cost_even: float, cost_balanced: float, margin: float = HYBRID_M
     return "balanced" if cost_balanced < (1.0 - margin) * cost_even else "even"
 
 
+def _predicted_cost(col_blocks: torch.Tensor, col_items: torch.Tensor, n_slots: int, item_cost: int,
+                    rows: int, m_blocks: int) -> float:
+    """predicted_cost on per-column tensors (the same float arithmetic)."""
+    worst = int((col_blocks + item_cost * col_items).max()) if col_blocks.shape[0] else 0
+    return worst + n_slots * slot_cost(rows, m_blocks, col_blocks.shape[0])
+
+
+def _plan_hybrid(lens: torch.Tensor, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int, k: int,
+                 form: str):
+    """plan_hybrid on tensors: (form, rows int64 [n, 4], split int64 [B, 2], ranges int64 [cols + 1],
+    slots used, stats)."""
+    if form not in ("auto",) + FORMS:
+        raise ValueError(f"form must be one of auto, even, balanced; got {form!r}")
+    rows = s_q * num_heads
+    m_blocks = -(-rows // block_m_for(rows))
+    cols = balanced_cols(rows, num_sms, ctas_per_sm)
+    stats = dict(num_cols=cols, m_blocks=m_blocks, cost_even=float("nan"), cost_balanced=float("nan"))
+    nb = _nblocks(lens)
+    plans = {}
+    if form in ("auto", "even"):
+        bps = _even_bps(nb, m_blocks, num_sms * ctas_per_sm)
+        e_items, e_blocks, e_split, e_slots = _even_items(lens, nb, bps)
+        perm, e_ranges, col_blocks, col_items = _even_columns(e_blocks, cols, k)
+        stats["cost_even"] = _predicted_cost(col_blocks, col_items, e_slots, k, rows, m_blocks)
+        plans["even"] = (e_items[perm], e_split, e_ranges, e_slots, int(col_blocks.max()),
+                         int(col_items.max()), bps)
+    if form in ("auto", "balanced"):
+        if k < 0:
+            raise ValueError("item_cost must be >= 0")
+        b_items, b_split, b_ranges, col_blocks, b_slots, _ = _balanced_plan(lens, nb, cols, k)
+        col_items = b_ranges[1:] - b_ranges[:-1]
+        stats["cost_balanced"] = _predicted_cost(col_blocks, col_items, b_slots, k, rows, m_blocks)
+        mb = int(col_blocks.max()) if b_items.shape[0] else 0
+        mi = int(col_items.max()) if b_items.shape[0] else 0
+        plans["balanced"] = (b_items, b_split, b_ranges, b_slots, mb, mi, mb)
+    chosen = form if form != "auto" else choose_form(stats["cost_even"], stats["cost_balanced"])
+    items, split, ranges, n_slots, max_blocks, max_items, bps = plans[chosen]
+    stats.update(max_blocks=max_blocks, max_items=max_items, blocks_per_split=bps)
+    return chosen, items, split, ranges, n_slots, stats
+
+
 def plan_hybrid(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int = 1,
                 item_cost: int = BALANCED_ITEM_COST, form: str = "auto"):
     """Pure host logic of make_schedule(balanced=True): (form, items, split, cta_ranges, stats).
@@ -443,29 +601,22 @@ def plan_hybrid(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: in
     otherwise), and the chosen form's items are what the kernel runs."""
     if form not in ("auto",) + FORMS:
         raise ValueError(f"form must be one of auto, even, balanced; got {form!r}")
-    k = int(item_cost)
-    rows = s_q * num_heads
-    m_blocks = -(-rows // block_m_for(rows))
-    cols = balanced_cols(rows, num_sms, ctas_per_sm)
-    stats = dict(num_cols=cols, m_blocks=m_blocks, cost_even=float("nan"), cost_balanced=float("nan"))
-    plans = {}
-    if form in ("auto", "even"):
-        e_items, e_split, bps = plan_items(kv_lens, s_q, num_heads, num_sms, ctas_per_sm)
-        e_rows, e_ranges, e_blocks, e_counts = even_columns(e_items, cols, k)
-        e_slots = sum(c for _, c in e_split if c > 1)
-        stats["cost_even"] = predicted_cost(e_blocks, e_counts, e_slots, k, rows, m_blocks)
-        plans["even"] = (e_rows, e_split, e_ranges, max(e_blocks), max(e_counts), bps)
-    if form in ("auto", "balanced"):
-        b_items, b_split, b_ranges, st = plan_balanced(kv_lens, s_q, num_heads, num_sms, ctas_per_sm, k)
-        b_blocks = [sum(_item_blocks(it) for it in b_items[b_ranges[c]:b_ranges[c + 1]]) for c in range(cols)]
-        b_counts = [b_ranges[c + 1] - b_ranges[c] for c in range(cols)]
-        b_slots = sum(c for _, c in b_split if c > 1)
-        stats["cost_balanced"] = predicted_cost(b_blocks, b_counts, b_slots, k, rows, m_blocks)
-        plans["balanced"] = (b_items, b_split, b_ranges, st["max_blocks"], st["max_items"], st["max_blocks"])
-    chosen = form if form != "auto" else choose_form(stats["cost_even"], stats["cost_balanced"])
-    items, split, ranges, max_blocks, max_items, bps = plans[chosen]
-    stats.update(max_blocks=max_blocks, max_items=max_items, blocks_per_split=bps)
-    return chosen, items, split, ranges, stats
+    chosen, items, split, ranges, _, stats = _plan_hybrid(_lens_tensor(kv_lens), s_q, num_heads, num_sms,
+                                                          ctas_per_sm, int(item_cost), form)
+    return chosen, _tuples(items), _tuples(split), ranges.tolist(), stats
+
+
+class _Staging:
+    """Host tensors a schedule's buffers are filled from (one copy each into the device buffers)."""
+
+    def __init__(self, cap: int, max_batch: int, n_ranges: int):
+        self.work = torch.empty((cap, 4), dtype=torch.int32)
+        self.split = torch.empty((max_batch, 2), dtype=torch.int32)
+        self.ranges = torch.empty(n_ranges, dtype=torch.int32) if n_ranges else None
+
+    def fits(self, cap: int, max_batch: int, n_ranges: int) -> bool:
+        return (self.work.shape[0] == cap and self.split.shape[0] == max_batch
+                and (self.ranges.shape[0] if self.ranges is not None else 0) == n_ranges)
 
 
 def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
@@ -486,15 +637,15 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     replays at the next whatever each chose. ``item_cost`` is the per-item cost in blocks (plan_balanced
     and the prediction).
     """
-    lens = [int(x) for x in (kv_lens_cpu.tolist() if hasattr(kv_lens_cpu, "tolist") else kv_lens_cpu)]
-    if any(n < 0 for n in lens):
+    lens = _lens_tensor(kv_lens_cpu)
+    if lens.shape[0] and int(lens.min()) < 0:
         raise ValueError("kv_lens must be >= 0")
     if not 1 <= s_q <= 8:
         raise ValueError(f"s_q must be in 1..8, got {s_q}")
     if not 1 <= num_heads <= 128:
         raise ValueError(f"num_heads must be in 1..128, got {num_heads}")
     rows = s_q * num_heads
-    batch = len(lens)
+    batch = lens.shape[0]
     if out is None:
         max_batch = max(batch, max_batch or 0)
         cap = capacity_for(max_batch, num_sms, ctas_per_sm)
@@ -514,38 +665,48 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     max_cta_blocks = 0
     chosen, costs = "even", (float("nan"), float("nan"))
     if balanced:
-        chosen, items, split, ranges, st = plan_hybrid(lens, s_q, num_heads, num_sms, ctas_per_sm, item_cost,
-                                                       form)
+        chosen, items, split, ranges, n_slots_used, st = _plan_hybrid(lens, s_q, num_heads, num_sms,
+                                                                      ctas_per_sm, int(item_cost), form)
         bps = st["blocks_per_split"]
         max_cta_blocks = st["max_blocks"]
         costs = (st["cost_even"], st["cost_balanced"])
     else:
         if form not in ("auto", "even"):
             raise ValueError(f"form={form!r} needs balanced=True (the default kernel runs the even plan)")
-        items, split, bps = plan_items(lens, s_q, num_heads, num_sms, ctas_per_sm)
-    n_slots_used = sum(c for _, c in split if c > 1)
-    if len(items) > cap or n_slots_used > slots:
-        raise AssertionError(f"schedule overflow: {len(items)}>{cap} or {n_slots_used}>{slots}")
-    work = torch.full((cap, 4), -1, dtype=torch.int32)
-    if items:
-        work[: len(items)] = torch.tensor(items, dtype=torch.int32)
-    spl = torch.zeros((max_batch, 2), dtype=torch.int32)
-    if split:
-        spl[:batch] = torch.tensor(split, dtype=torch.int32)
-    rng = torch.tensor(ranges, dtype=torch.int32) if balanced else None
+        m_blocks = -(-rows // block_m_for(rows))
+        nb = _nblocks(lens)
+        bps = _even_bps(nb, m_blocks, num_sms * ctas_per_sm)
+        items, _, split, n_slots_used = _even_items(lens, nb, bps)
+    n_items = items.shape[0]
+    if n_items > cap or n_slots_used > slots:
+        raise AssertionError(f"schedule overflow: {n_items}>{cap} or {n_slots_used}>{slots}")
+    # fill the host staging tensors (kept on the Schedule between steps), then one copy per device buffer
+    n_ranges = 0 if ranges is None else ranges.shape[0]
+    stage = None if out is None else out._staging
+    if stage is None or not stage.fits(cap, max_batch, n_ranges):
+        stage = _Staging(cap, max_batch, n_ranges)
+    stage.work[:n_items] = items
+    stage.work[n_items:] = -1
+    stage.split[:batch] = split
+    stage.split[batch:] = 0
+    if ranges is not None:
+        stage.ranges.copy_(ranges)
     if out is None:
-        out = Schedule(work.to(device), spl.to(device), s_q, num_heads, block_m_for(rows),
-                       cap, slots, cta_ranges=None if rng is None else rng.to(device))
+        dev = torch.device(device)
+        out = Schedule(stage.work.to(dev, copy=True), stage.split.to(dev, copy=True), s_q, num_heads,
+                       block_m_for(rows), cap, slots,
+                       cta_ranges=None if ranges is None else stage.ranges.to(dev, copy=True))
     else:
-        out.work_info.copy_(work, non_blocking=False)
-        out.split_info.copy_(spl, non_blocking=False)
-        if rng is not None:
-            out.cta_ranges.copy_(rng, non_blocking=False)
+        out.work_info.copy_(stage.work, non_blocking=False)
+        out.split_info.copy_(stage.split, non_blocking=False)
+        if ranges is not None:
+            out.cta_ranges.copy_(stage.ranges, non_blocking=False)
+    out._staging = stage
     out.item_cost = int(item_cost) if balanced else 0
     out.max_cta_blocks = max_cta_blocks
     out.form = chosen
     out.cost_even, out.cost_balanced = costs
-    out.num_items = len(items)
+    out.num_items = n_items
     out.blocks_per_split = bps
     out.wide_combine = wide_combine_for(batch, rows, num_sms)
     return out
