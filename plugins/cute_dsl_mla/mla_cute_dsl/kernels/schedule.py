@@ -40,6 +40,7 @@ benchmarks/plan_time.py times them).
 from __future__ import annotations
 
 import heapq
+from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
@@ -125,6 +126,13 @@ class Schedule:
 
 
 _I64 = torch.int64
+_F64 = torch.float64
+
+
+def _int_tensor(values: list) -> torch.Tensor:
+    """A 1-D int64 tensor from a list of Python ints (through array: torch.tensor(list) is several times
+    slower per element)."""
+    return torch.frombuffer(array("q", values), dtype=_I64) if values else torch.zeros(0, dtype=_I64)
 
 
 def _lens_tensor(kv_lens) -> torch.Tensor:
@@ -133,9 +141,9 @@ def _lens_tensor(kv_lens) -> torch.Tensor:
         return kv_lens.detach().to(device="cpu", dtype=_I64).reshape(-1)
     seq = kv_lens.tolist() if hasattr(kv_lens, "tolist") else kv_lens
     try:
-        return torch.tensor(seq, dtype=_I64).reshape(-1)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
-        return torch.tensor([int(n) for n in seq], dtype=_I64).reshape(-1)
+        return _int_tensor(seq if isinstance(seq, list) else list(seq))
+    except (TypeError, ValueError, OverflowError):
+        return _int_tensor([int(n) for n in seq])
 
 
 def _nblocks(lens: torch.Tensor) -> torch.Tensor:
@@ -152,24 +160,29 @@ def _even_bps(nb: torch.Tensor, m_blocks: int, target: int, min_blocks_per_split
 
     Wave-aware choice among the candidates base, base + step, ..., 2 base (base = the least blocks per
     split that keeps the items within one wave's worth, which bounds the buffer sizes capacity_for /
-    slots_for): estimated makespan = waves * largest item + a small cost per split item for the combine.
-    The candidates x requests matrix of items per request gives every candidate's item count and largest
-    item at once; the first candidate whose cost is lower by more than 1e-9 than the best so far wins."""
+    slots_for): estimated makespan = waves * largest item + a small cost per split item for the combine,
+    cost = waves * largest + 0.05 * items * m_blocks / target; the first candidate whose cost is lower by
+    more than 1e-9 than the best so far wins.
+
+    A candidates x requests float64 matrix gives every candidate's item count and largest item at once.
+    float64 is exact here: for integers a, b with a + b < 2**53 the rounded quotient lies strictly
+    between the same two integers as a / b (or is a / b), so ceil(a / b) is exact; the cost is the same
+    sequence of IEEE double operations as Python's evaluation of the formula."""
     total = int(nb.sum())
     if total == 0:
         return 0
     base = max(min_blocks_per_split, -(-(total * m_blocks) // target))
     step = max(1, base // 32)
-    nz = nb[nb > 0]
-    cand = torch.arange(base, 2 * base + 1, step, dtype=_I64).unsqueeze(1)
-    k = (nz + (cand - 1)) // cand  # [candidates, requests]: items per request
-    n_items = k.sum(1).tolist()
-    largest = ((nz + k - 1) // k).amax(1).tolist()
-    best_cost, best = None, 0
-    for i, (n, big) in enumerate(zip(n_items, largest)):
-        waves = -(-(n * m_blocks) // target)
-        cost = waves * big + 0.05 * n * m_blocks / target
-        if best_cost is None or cost < best_cost - 1e-9:
+    nbf = nb.to(_F64)
+    cand = torch.arange(base, 2 * base + 1, step, dtype=_F64).unsqueeze(1)
+    k = torch.ceil(nbf / cand)  # [candidates, requests]: items per request (0 for kv_len 0)
+    n_items = k.sum(1)
+    largest = torch.ceil(nbf / k.clamp_(min=1)).amax(1)
+    waves = torch.ceil(n_items * m_blocks / target)
+    costs = (waves * largest + 0.05 * n_items * m_blocks / target).tolist()
+    best_cost, best = costs[0], 0
+    for i, cost in enumerate(costs):
+        if cost < best_cost - 1e-9:
             best_cost, best = cost, i
     return base + best * step
 
@@ -182,6 +195,16 @@ def _even_items(lens: torch.Tensor, nb: torch.Tensor, bps: int):
     if bps == 0:
         z = torch.zeros(0, dtype=_I64)
         return z.reshape(0, 4), z, torch.zeros((B, 2), dtype=_I64), 0
+    if int(nb.max()) <= bps:  # no request is split: one item per nonzero request
+        nz = nb > 0
+        b = torch.nonzero(nz).reshape(-1)
+        rows = torch.zeros((b.shape[0], 4), dtype=_I64)
+        rows[:, 0] = b
+        rows[:, 2] = lens[b]
+        rows[:, 3] = -1
+        split = torch.zeros((B, 2), dtype=_I64)
+        split[:, 1] = nz
+        return rows, nb[b], split, 0
     k = (nb + (bps - 1)) // bps
     multi = k > 1
     kslot = k * multi
@@ -194,18 +217,21 @@ def _even_items(lens: torch.Tensor, nb: torch.Tensor, bps: int):
     # per-request values gathered once per item: blocks per item, longer items, length, first slot or -1
     # (+ the item's index minus its position in the request, so that position = arange - that)
     item_end = torch.cumsum(k, 0)
-    per_req = torch.stack((q, nb - q * kc, lens, torch.where(multi, first, -1), item_end - k, multi), 1)
     n = int(item_end[-1])
+    per_req = torch.stack((q, nb - q * kc, lens, torch.where(multi, first, -1), item_end - k,
+                           torch.arange(B, dtype=_I64)), 1)
     g = per_req[torch.repeat_interleave(k, output_size=n)]
-    b = torch.repeat_interleave(torch.arange(B, dtype=_I64), k, output_size=n)
     j = torch.arange(n, dtype=_I64) - g[:, 4]
     qb, eb = g[:, 0], g[:, 1]
     sblk = j * qb + torch.minimum(j, eb)
     size = qb + (j < eb)
-    start = sblk * BLOCK_N
-    end = torch.minimum((sblk + size) * BLOCK_N, g[:, 2])
-    slot = torch.where(g[:, 5] > 0, g[:, 3] + j, -1)
-    return torch.stack((b, start, end, slot), 1), size, split, n_slots
+    rows = torch.empty((n, 4), dtype=_I64)
+    rows[:, 0] = g[:, 5]
+    torch.mul(sblk, BLOCK_N, out=rows[:, 1])
+    torch.minimum((sblk + size) * BLOCK_N, g[:, 2], out=rows[:, 2])
+    slot = g[:, 3]
+    torch.where(slot >= 0, slot + j, slot, out=rows[:, 3])
+    return rows, size, split, n_slots
 
 
 def plan_items(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int = 1,
@@ -280,49 +306,67 @@ def balanced_cols(rows: int, num_sms: int, ctas_per_sm: int = 1) -> int:
     return max(1, (num_sms * ctas_per_sm) // m_blocks)
 
 
-def _walk(P: list, cols: int, k: int, L: int, spread: bool):
-    """Greedy walk of the cost stream P (see the section comment): the start point e of each column
-    used, or None if it needs more than cols columns. Budget L per column, or (spread) per column
-    min(L, max(k + 1, ceil(rest / columns left) + k)), rest = P[-1] - e."""
+def _fits(P: list, cols: int, k: int, L: int) -> bool:
+    """Whether the greedy walk of the cost stream P (see the section comment) with budget L per column
+    fits in cols columns. A run of columns inside one request moves on by L - k each, counted at once."""
     end = P[-1]
-    starts = [0]
-    e = 0
-    c = 0
-    if spread:
-        while True:
-            b = -(-(end - e) // (cols - c)) + k
-            y = e + (L if b > L else (k + 1 if b < k + 1 else b))
-            if y >= end:
-                return starts
-            j = bisect_right(P, y) - 1
-            p = P[j]
-            e = p if y - p <= k else y - k
-            c += 1
-            if c >= cols:
-                return None
-            starts.append(e)
-    d = L - k  # >= 1: a column inside one request moves on by L - k
+    d = L - k  # >= 1 (L >= k + 1)
+    e = c = 0
     while True:
         y = e + L
         if y >= end:
-            return starts
+            return True
+        j = bisect_right(P, y) - 1
+        p = P[j]
+        if y - p <= k:  # no block of request j fits after its item cost: the next column starts at j
+            e = p
+            c += 1
+        else:  # y - p - k blocks of j; the next m columns start inside j as well (y + i d < P[j + 1])
+            m = (P[j + 1] - y - 1) // d
+            e = y - k + m * d
+            c += m + 1
+        if c >= cols:
+            return False
+
+
+def _walk(P: list, cols: int, k: int, L: int, spread: bool):
+    """The greedy walk of the cost stream P (see the section comment), column by column, with budget L
+    per column or (spread) min(L, max(k + 1, ceil(rest / columns left) + k)), rest = P[-1] - e.
+    Returns None if it needs more than cols columns, else (starts, firsts, counts, slots) for the
+    columns used: start point e, first (nonzero) request, items, and the slots of the whole plan (each
+    start inside a request adds a piece to it: slots = such starts + the requests that hold one)."""
+    end = P[-1]
+    n_req = len(P) - 1
+    starts, firsts, counts = [0], [0], []
+    e = c = first = inner = split_reqs = 0
+    prev = -1
+    while True:
+        if spread:
+            b = -(-(end - e) // (cols - c)) + k
+            y = e + (L if b > L else (k + 1 if b < k + 1 else b))
+        else:
+            y = e + L
+        if y >= end:
+            counts.append(n_req - first)
+            return starts, firsts, counts, inner + split_reqs
         j = bisect_right(P, y) - 1
         p = P[j]
         if y - p <= k:
             e = p
-            c += 1
-            if c >= cols:
-                return None
-            starts.append(e)
-            continue
-        # the next m columns start inside request j as well (y + i d < P[j + 1], i = 1..m)
-        m = (P[j + 1] - y - 1) // d
-        if c + 1 + m >= cols:
+            counts.append(j - first)
+        else:
+            e = y - k
+            counts.append(j - first + 1)
+            inner += 1
+            if j != prev:
+                split_reqs += 1
+                prev = j
+        first = j
+        c += 1
+        if c >= cols:
             return None
-        e = y - k
-        starts.extend(range(e, e + (m + 1) * d, d))
-        e += m * d
-        c += m + 1
+        starts.append(e)
+        firsts.append(j)
 
 
 def balanced_budget_bound(total: int, n_reqs: int, cols: int, item_cost: int) -> int:
@@ -333,60 +377,77 @@ def balanced_budget_bound(total: int, n_reqs: int, cols: int, item_cost: int) ->
     return (total + k * (n_reqs + cols - 1)) // cols + k + 1
 
 
-def _balanced_plan(lens: torch.Tensor, nb: torch.Tensor, cols: int, k: int):
-    """plan_balanced on tensors: (rows int64 [n, 4], split int64 [B, 2], ranges int64 [cols + 1],
-    blocks per column int64 [cols], slots used, budget L)."""
-    B = nb.shape[0]
-    nzi = torch.nonzero(nb).reshape(-1)
-    nzn = nb[nzi]
-    N = nzn.shape[0]
-    Pt = torch.zeros(N + 1, dtype=_I64)
-    torch.cumsum(nzn + k, 0, out=Pt[1:])
-    P = Pt.tolist()
-    total = P[-1] - k * N
-    if total == 0:
-        z = torch.zeros(0, dtype=_I64)
-        return (z.reshape(0, 4), torch.zeros((B, 2), dtype=_I64), torch.zeros(cols + 1, dtype=_I64),
-                torch.zeros(cols, dtype=_I64), 0, 0)
-    # least budget for which the greedy walk fits (binary search; hi always fits)
-    lo = max(k + 1, -(-(total + k * N) // cols))
-    hi = max(lo, balanced_budget_bound(total, N, cols, k))
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _walk(P, cols, k, mid, False) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    L = lo
-    starts = _walk(P, cols, k, L, True)
-    if starts is None:
-        starts = _walk(P, cols, k, L, False)
-    # column c covers blocks [S[c], S[c + 1]) of the block stream; request i covers [Q[i], Q[i + 1])
-    E = torch.tensor(starts, dtype=_I64)
-    Q = Pt - k * torch.arange(N + 1, dtype=_I64)
-    S = torch.full((cols + 1,), total, dtype=_I64)
-    S[: len(starts)] = E - k * (torch.searchsorted(Pt, E, right=True) - 1)
-    # pieces: the non-empty (column, request) intersections, in stream order (= column by column)
-    ps = torch.unique(torch.cat((S[:-1], Q[:-1])))
-    ps = ps[ps < total]
-    n = ps.shape[0]
-    pe = torch.cat((ps[1:], Q[-1:]))
-    ri = torch.searchsorted(Q, ps, right=True) - 1  # nonzero request of each piece
-    q0 = Q[ri]
-    cnt = torch.bincount(ri, minlength=N)
-    multi = cnt > 1
-    cslot = cnt * multi
-    cum = torch.cumsum(cslot, 0)
-    first_slot = cum - cslot
-    first_piece = torch.cumsum(cnt, 0) - cnt
-    n_slots = int(cum[-1])
-    slot = torch.where(multi[ri], (first_slot - first_piece)[ri] + torch.arange(n, dtype=_I64), -1)
-    lb = lens[nzi]
-    rows = torch.stack((nzi[ri], (ps - q0) * BLOCK_N, torch.minimum((pe - q0) * BLOCK_N, lb[ri]), slot), 1)
-    split = torch.zeros((B, 2), dtype=_I64)
-    split[nzi] = torch.stack((first_slot * multi, cnt), 1)
-    ranges = torch.searchsorted(ps, S)
-    return rows, split, ranges, S[1:] - S[:-1], n_slots, L
+class _BalancedWalk:
+    """plan_balanced's walk: per column (block start, first nonzero request, items), the budget, the slots
+    and the numbers predicted_cost and the stats need (computed without building the items)."""
+
+    def __init__(self, nb: torch.Tensor, cols: int, k: int):
+        self.cols, self.k = cols, k
+        nzn = nb[nb > 0]
+        self.n_req = N = nzn.shape[0]
+        P = [0]
+        P += torch.cumsum(nzn + k, 0).tolist()
+        self.total = total = P[-1] - k * N
+        self.budget = 0
+        self.worst = self.max_blocks = self.max_items = self.slots = 0
+        if total == 0:
+            self.starts = [total] * (cols + 1)
+            self.firsts, self.counts = [0] * cols, [0] * cols
+            return
+        # least budget for which the greedy walk fits (binary search; hi always fits)
+        lo = max(k + 1, -(-(total + k * N) // cols))
+        hi = max(lo, balanced_budget_bound(total, N, cols, k))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _fits(P, cols, k, mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        self.budget = L = lo
+        walk = _walk(P, cols, k, L, True)
+        if walk is None:
+            walk = _walk(P, cols, k, L, False)
+        starts, firsts, counts, self.slots = walk
+        pad = cols - len(counts)
+        # block stream start of each column (a start point e inside request i is block e - k * i)
+        S = [e - k * f for e, f in zip(starts, firsts)]
+        S += [total] * (pad + 1)
+        blocks = [b - a for a, b in zip(S, S[1:])]
+        self.starts, self.firsts, self.counts = S, firsts + [N] * pad, counts + [0] * pad
+        self.worst = max(b + k * n for b, n in zip(blocks, self.counts))
+        self.max_blocks, self.max_items = max(blocks), max(counts)
+
+    def rows(self, lens: torch.Tensor, nb: torch.Tensor):
+        """(rows int64 [n, 4] column by column, split int64 [B, 2], ranges int64 [cols + 1])."""
+        B, cols = nb.shape[0], self.cols
+        counts = _int_tensor(self.counts)
+        ranges = torch.zeros(cols + 1, dtype=_I64)
+        torch.cumsum(counts, 0, out=ranges[1:])
+        n = int(ranges[-1])
+        split = torch.zeros((B, 2), dtype=_I64)
+        if n == 0:
+            return torch.zeros((0, 4), dtype=_I64), split, ranges
+        nzi = torch.nonzero(nb).reshape(-1)
+        Q = torch.zeros(self.n_req + 1, dtype=_I64)  # block stream start of each nonzero request
+        torch.cumsum(nb[nzi], 0, out=Q[1:])
+        S = _int_tensor(self.starts)
+        col = torch.repeat_interleave(counts, output_size=n)
+        idx = torch.arange(n, dtype=_I64)
+        req = _int_tensor(self.firsts)[col] + idx - ranges[col]  # nonzero request of each item
+        q0 = Q[req]
+        rows = torch.empty((n, 4), dtype=_I64)
+        rows[:, 0] = nzi[req]
+        torch.mul(torch.maximum(S[col], q0) - q0, BLOCK_N, out=rows[:, 1])
+        torch.minimum((torch.minimum(S[col + 1], Q[req + 1]) - q0) * BLOCK_N, lens[nzi][req], out=rows[:, 2])
+        # slots: consecutive per request (its items are adjacent), in request order
+        pieces = torch.bincount(req, minlength=self.n_req)
+        multi = pieces > 1
+        pslot = pieces * multi
+        first_slot = torch.cumsum(pslot, 0) - pslot
+        first_piece = torch.cumsum(pieces, 0) - pieces
+        rows[:, 3] = torch.where(multi[req], (first_slot - first_piece)[req] + idx, -1)
+        split[nzi] = torch.stack((first_slot * multi, pieces), 1)
+        return rows, split, ranges
 
 
 def plan_balanced(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int = 1,
@@ -404,10 +465,11 @@ def plan_balanced(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: 
     m_blocks = -(-rows // block_m_for(rows))
     cols = balanced_cols(rows, num_sms, ctas_per_sm)
     lens = _lens_tensor(kv_lens)
-    items, split, ranges, col_blocks, _, L = _balanced_plan(lens, _nblocks(lens), cols, k)
-    stats = dict(num_cols=cols, m_blocks=m_blocks, budget=L, max_blocks=0, max_items=0)
-    if items.shape[0]:
-        stats.update(max_blocks=int(col_blocks.max()), max_items=int((ranges[1:] - ranges[:-1]).max()))
+    nb = _nblocks(lens)
+    walk = _BalancedWalk(nb, cols, k)
+    items, split, ranges = walk.rows(lens, nb)
+    stats = dict(num_cols=cols, m_blocks=m_blocks, budget=walk.budget, max_blocks=walk.max_blocks,
+                 max_items=walk.max_items)
     return _tuples(items), _tuples(split), ranges.tolist(), stats
 
 
@@ -440,58 +502,81 @@ def slot_cost(rows: int, m_blocks: int, cols: int) -> float:
 
 
 def _lpt(costs: list, cols: int):
-    """Longest-first to the least-loaded column (costs in that order): (column of each, max column load).
-    A heap of (load, column): ties go to the lower column. With every cost > 0 the first cols items
-    take columns 0 .. cols - 1 in order (each empty column is popped before any loaded one), so only
-    the items after the first wave go through the heap."""
+    """Longest-first to the least-loaded column, costs in that order: (column of each item as a tensor,
+    the largest column load). Ties go to the lower column (a heap of (load, column)).
+
+    With every cost > 0 the first cols items take columns 0 .. cols - 1 in order (each empty column is
+    popped before any loaded one), so only the items after the first wave go through the heap, whose
+    entries are then the single integers load * cols + column (the same order as the pairs)."""
     n = len(costs)
     if n >= cols and costs[-1] > 0:  # costs are sorted descending: all > 0
-        assign = list(range(cols))
-        load = list(zip(costs[:cols], assign))
-        heapq.heapify(load)
+        heap = [x * cols + c for c, x in enumerate(costs[:cols])]
+        heapq.heapify(heap)
+        popped = []
+        put = popped.append
         push = heapq.heapreplace
-        put = assign.append
         for x in costs[cols:]:
-            top = load[0]
-            push(load, (top[0] + x, top[1]))
-            put(top[1])
-    else:
-        assign = []
-        load = [(0, c) for c in range(cols)]
-        for x in costs:
-            cost_c, c = heapq.heappop(load)
-            assign.append(c)
-            heapq.heappush(load, (cost_c + x, c))
-    return assign, max(load)[0]
+            top = heap[0]
+            push(heap, top + x * cols)
+            put(top)
+        assign = torch.cat((torch.arange(cols, dtype=_I64), _int_tensor(popped) % cols))
+        return assign, max(heap) // cols
+    assign = []
+    load = [(0, c) for c in range(cols)]
+    for x in costs:
+        cost_c, c = heapq.heappop(load)
+        assign.append(c)
+        heapq.heappush(load, (cost_c + x, c))
+    return _int_tensor(assign), max(load)[0]
 
 
-def _even_columns(blocks: torch.Tensor, cols: int, k: int):
-    """even_columns on tensors, from each item's blocks: (row order column by column, ranges int64
-    [cols + 1], blocks per column int64 [cols], items per column int64 [cols])."""
-    n = blocks.shape[0]
-    ranges = torch.zeros(cols + 1, dtype=_I64)
-    if n == 0:
-        z = torch.zeros(cols, dtype=_I64)
-        return torch.zeros(0, dtype=_I64), ranges, z, z
-    order = torch.argsort(blocks, descending=True, stable=True)  # longest first, ties by index
-    costs = blocks[order] + k
-    rr = torch.arange(n, dtype=_I64)
-    if n > cols:
-        rr %= cols
-    rr_cost = int(torch.zeros(cols, dtype=_I64).index_add_(0, rr, costs).max())
-    cl = costs.tolist()
-    if n <= cols and cl[-1] > 0:
-        col_sorted = rr  # LPT deals the items to columns 0 .. n - 1 as well
-    else:
-        lpt, lpt_cost = _lpt(cl, cols)
-        col_sorted = torch.tensor(lpt, dtype=_I64) if lpt_cost <= rr_cost else rr
-    col = torch.empty(n, dtype=_I64)
-    col[order] = col_sorted
-    perm = torch.argsort(col, stable=True)  # plan_items order inside a column
-    counts = torch.bincount(col, minlength=cols)
-    torch.cumsum(counts, 0, out=ranges[1:])
-    col_blocks = torch.zeros(cols, dtype=_I64).index_add_(0, col, blocks)
-    return perm, ranges, col_blocks, counts
+class _EvenColumns:
+    """even_columns on tensors, from each item's blocks (plan_items order): the column of each item in
+    longest-first order (None: round-robin) and the largest column cost (blocks + k per item), which is
+    all predicted_cost needs; layout() then gives the rows' order column by column and the ranges."""
+
+    def __init__(self, blocks: torch.Tensor, cols: int, k: int):
+        self.blocks, self.cols = blocks, cols
+        self.n = n = blocks.shape[0]
+        self.order = self.assign = None
+        self.worst = 0
+        if n == 0:
+            return
+        self.order = order = torch.argsort(blocks, descending=True, stable=True)  # ties by index
+        costs = blocks[order] + k
+        cl = costs.tolist()
+        if cl[-1] > 0 and (n <= cols or cl[0] == cl[-1]):
+            # LPT deals these round-robin too: one item per column, or equal costs (each round pops the
+            # columns in order, all at the same load)
+            self.worst = cl[0] * -(-n // cols)
+            return
+        rr = torch.arange(n, dtype=_I64) % cols
+        rr_worst = int(torch.zeros(cols, dtype=_I64).index_add_(0, rr, costs).max())
+        lpt, lpt_worst = _lpt(cl, cols)
+        if lpt_worst <= rr_worst:
+            self.assign, self.worst = lpt, lpt_worst
+        else:
+            self.worst = rr_worst
+
+    def layout(self):
+        """(row order column by column, ranges int64 [cols + 1], blocks per column, items per column)."""
+        n, cols = self.n, self.cols
+        ranges = torch.zeros(cols + 1, dtype=_I64)
+        if n == 0:
+            z = torch.zeros(cols, dtype=_I64)
+            return torch.zeros(0, dtype=_I64), ranges, z, z
+        assign = self.assign
+        if assign is None:
+            assign = torch.arange(n, dtype=_I64)
+            if n > cols:
+                assign %= cols
+        col = torch.empty(n, dtype=_I64)
+        col[self.order] = assign
+        perm = torch.argsort(col, stable=True)  # plan_items order inside a column
+        counts = torch.bincount(col, minlength=cols)
+        torch.cumsum(counts, 0, out=ranges[1:])
+        col_blocks = torch.zeros(cols, dtype=_I64).index_add_(0, col, self.blocks)
+        return perm, ranges, col_blocks, counts
 
 
 def even_columns(items, cols: int, item_cost: int = BALANCED_ITEM_COST):
@@ -508,7 +593,7 @@ def even_columns(items, cols: int, item_cost: int = BALANCED_ITEM_COST):
     cols = max(1, int(cols))
     items = list(items)
     blocks = torch.tensor([-(-(e - s) // BLOCK_N) for _, s, e, _ in items], dtype=_I64)
-    perm, ranges, col_blocks, col_items = _even_columns(blocks, cols, k)
+    perm, ranges, col_blocks, col_items = _EvenColumns(blocks, cols, k).layout()
     return [items[i] for i in perm.tolist()], ranges.tolist(), col_blocks.tolist(), col_items.tolist()
 
 
@@ -550,17 +635,11 @@ def choose_form(cost_even: float, cost_balanced: float, margin: float = HYBRID_M
     return "balanced" if cost_balanced < (1.0 - margin) * cost_even else "even"
 
 
-def _predicted_cost(col_blocks: torch.Tensor, col_items: torch.Tensor, n_slots: int, item_cost: int,
-                    rows: int, m_blocks: int) -> float:
-    """predicted_cost on per-column tensors (the same float arithmetic)."""
-    worst = int((col_blocks + item_cost * col_items).max()) if col_blocks.shape[0] else 0
-    return worst + n_slots * slot_cost(rows, m_blocks, col_blocks.shape[0])
-
-
 def _plan_hybrid(lens: torch.Tensor, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int, k: int,
                  form: str):
     """plan_hybrid on tensors: (form, rows int64 [n, 4], split int64 [B, 2], ranges int64 [cols + 1],
-    slots used, stats)."""
+    slots used, stats). Both forms' predicted costs come from the column loads alone (_EvenColumns,
+    _BalancedWalk); only the chosen form's rows are built."""
     if form not in ("auto",) + FORMS:
         raise ValueError(f"form must be one of auto, even, balanced; got {form!r}")
     rows = s_q * num_heads
@@ -568,26 +647,26 @@ def _plan_hybrid(lens: torch.Tensor, s_q: int, num_heads: int, num_sms: int, cta
     cols = balanced_cols(rows, num_sms, ctas_per_sm)
     stats = dict(num_cols=cols, m_blocks=m_blocks, cost_even=float("nan"), cost_balanced=float("nan"))
     nb = _nblocks(lens)
-    plans = {}
+    per_slot = slot_cost(rows, m_blocks, cols)
     if form in ("auto", "even"):
         bps = _even_bps(nb, m_blocks, num_sms * ctas_per_sm)
         e_items, e_blocks, e_split, e_slots = _even_items(lens, nb, bps)
-        perm, e_ranges, col_blocks, col_items = _even_columns(e_blocks, cols, k)
-        stats["cost_even"] = _predicted_cost(col_blocks, col_items, e_slots, k, rows, m_blocks)
-        plans["even"] = (e_items[perm], e_split, e_ranges, e_slots, int(col_blocks.max()),
-                         int(col_items.max()), bps)
+        even = _EvenColumns(e_blocks, cols, k)
+        stats["cost_even"] = even.worst + e_slots * per_slot
     if form in ("auto", "balanced"):
         if k < 0:
             raise ValueError("item_cost must be >= 0")
-        b_items, b_split, b_ranges, col_blocks, b_slots, _ = _balanced_plan(lens, nb, cols, k)
-        col_items = b_ranges[1:] - b_ranges[:-1]
-        stats["cost_balanced"] = _predicted_cost(col_blocks, col_items, b_slots, k, rows, m_blocks)
-        mb = int(col_blocks.max()) if b_items.shape[0] else 0
-        mi = int(col_items.max()) if b_items.shape[0] else 0
-        plans["balanced"] = (b_items, b_split, b_ranges, b_slots, mb, mi, mb)
+        bal = _BalancedWalk(nb, cols, k)
+        stats["cost_balanced"] = bal.worst + bal.slots * per_slot
     chosen = form if form != "auto" else choose_form(stats["cost_even"], stats["cost_balanced"])
-    items, split, ranges, n_slots, max_blocks, max_items, bps = plans[chosen]
-    stats.update(max_blocks=max_blocks, max_items=max_items, blocks_per_split=bps)
+    if chosen == "even":
+        perm, ranges, col_blocks, col_items = even.layout()
+        items, split, n_slots = e_items[perm], e_split, e_slots
+        stats.update(max_blocks=int(col_blocks.max()), max_items=int(col_items.max()), blocks_per_split=bps)
+    else:
+        items, split, ranges = bal.rows(lens, nb)
+        n_slots = bal.slots
+        stats.update(max_blocks=bal.max_blocks, max_items=bal.max_items, blocks_per_split=bal.max_blocks)
     return chosen, items, split, ranges, n_slots, stats
 
 
