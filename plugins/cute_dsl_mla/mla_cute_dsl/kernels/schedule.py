@@ -42,6 +42,8 @@ from __future__ import annotations
 import heapq
 from array import array
 from bisect import bisect_right
+from itertools import accumulate, chain, repeat
+from operator import add, sub
 from dataclasses import dataclass, field
 
 import torch
@@ -187,6 +189,39 @@ def _even_bps(nb: torch.Tensor, m_blocks: int, target: int, min_blocks_per_split
     return base + best * step
 
 
+#: up to this batch, _even_items builds split requests' items in a Python loop (fewer, cheaper steps than
+#: the ~25 torch ops of the vectorized construction at these sizes); larger batches use the torch ops
+_PY_ITEMS_MAX_BATCH = 256
+
+
+def _even_items_py(lens: torch.Tensor, nb: torch.Tensor, bps: int):
+    """_even_items as a Python loop over the requests (same result)."""
+    nbl, ln = nb.tolist(), lens.tolist()
+    out, sizes = [], []
+    ext, put = out.extend, sizes.append
+    split = [0] * (2 * len(nbl))
+    slot = 0
+    for b, x in enumerate(nbl):
+        if not x:
+            continue
+        if x <= bps:
+            ext((b, 0, ln[b], -1))
+            put(x)
+            split[2 * b + 1] = 1
+            continue
+        k = -(-x // bps)
+        q, extra = divmod(x, k)
+        split[2 * b], split[2 * b + 1] = slot, k
+        a = 0
+        for t in range(k):
+            z = a + q + 1 if t < extra else a + q
+            ext((b, a * BLOCK_N, min(z * BLOCK_N, ln[b]), slot))
+            slot += 1
+            put(z - a)
+            a = z
+    return _int_tensor(out).view(-1, 4), _int_tensor(sizes), _int_tensor(split).view(-1, 2), slot
+
+
 def _even_items(lens: torch.Tensor, nb: torch.Tensor, bps: int):
     """plan_items' items for a blocks per split: (rows int64 [n, 4], blocks int64 [n], split int64 [B, 2],
     slots used). Request b gets k = ceil(nb / bps) items, the first nb % k of them one block longer; a
@@ -205,6 +240,8 @@ def _even_items(lens: torch.Tensor, nb: torch.Tensor, bps: int):
         split = torch.zeros((B, 2), dtype=_I64)
         split[:, 1] = nz
         return rows, nb[b], split, 0
+    if B <= _PY_ITEMS_MAX_BATCH:
+        return _even_items_py(lens, nb, bps)
     k = (nb + (bps - 1)) // bps
     multi = k > 1
     kslot = k * multi
@@ -332,13 +369,14 @@ def _fits(P: list, cols: int, k: int, L: int) -> bool:
 def _walk(P: list, cols: int, k: int, L: int, spread: bool):
     """The greedy walk of the cost stream P (see the section comment), column by column, with budget L
     per column or (spread) min(L, max(k + 1, ceil(rest / columns left) + k)), rest = P[-1] - e.
-    Returns None if it needs more than cols columns, else (starts, firsts, counts, slots) for the
-    columns used: start point e, first (nonzero) request, items, and the slots of the whole plan (each
-    start inside a request adds a piece to it: slots = such starts + the requests that hold one)."""
+    Returns None if it needs more than cols columns, else (starts, firsts, counts, inner, slots): for
+    the columns used, start point e, first (nonzero) request and items; the column starts inside a
+    request as (request, block offset in it), in stream order; the slots of the whole plan (each start
+    inside a request adds a piece to it: slots = such starts + the requests that hold one)."""
     end = P[-1]
     n_req = len(P) - 1
-    starts, firsts, counts = [0], [0], []
-    e = c = first = inner = split_reqs = 0
+    starts, firsts, counts, inner = [0], [0], [], []
+    e = c = first = split_reqs = 0
     prev = -1
     while True:
         if spread:
@@ -348,7 +386,7 @@ def _walk(P: list, cols: int, k: int, L: int, spread: bool):
             y = e + L
         if y >= end:
             counts.append(n_req - first)
-            return starts, firsts, counts, inner + split_reqs
+            return starts, firsts, counts, inner, len(inner) + split_reqs
         j = bisect_right(P, y) - 1
         p = P[j]
         if y - p <= k:
@@ -357,7 +395,7 @@ def _walk(P: list, cols: int, k: int, L: int, spread: bool):
         else:
             e = y - k
             counts.append(j - first + 1)
-            inner += 1
+            inner.append((j, e - p))
             if j != prev:
                 split_reqs += 1
                 prev = j
@@ -391,8 +429,7 @@ class _BalancedWalk:
         self.budget = 0
         self.worst = self.max_blocks = self.max_items = self.slots = 0
         if total == 0:
-            self.starts = [total] * (cols + 1)
-            self.firsts, self.counts = [0] * cols, [0] * cols
+            self.counts, self.inner = [0] * cols, []
             return
         # least budget for which the greedy walk fits (binary search; hi always fits)
         lo = max(k + 1, -(-(total + k * N) // cols))
@@ -407,47 +444,61 @@ class _BalancedWalk:
         walk = _walk(P, cols, k, L, True)
         if walk is None:
             walk = _walk(P, cols, k, L, False)
-        starts, firsts, counts, self.slots = walk
+        starts, firsts, counts, self.inner, self.slots = walk
         pad = cols - len(counts)
         # block stream start of each column (a start point e inside request i is block e - k * i)
-        S = [e - k * f for e, f in zip(starts, firsts)]
+        S = list(map(sub, starts, firsts if k == 1 else [k * f for f in firsts]))
         S += [total] * (pad + 1)
-        blocks = [b - a for a, b in zip(S, S[1:])]
-        self.starts, self.firsts, self.counts = S, firsts + [N] * pad, counts + [0] * pad
-        self.worst = max(b + k * n for b, n in zip(blocks, self.counts))
+        blocks = list(map(sub, S[1:], S[:-1]))
+        self.counts = counts + [0] * pad
+        self.worst = max(map(add, blocks, self.counts if k == 1 else [k * n for n in self.counts]))
         self.max_blocks, self.max_items = max(blocks), max(counts)
 
     def rows(self, lens: torch.Tensor, nb: torch.Tensor):
-        """(rows int64 [n, 4] column by column, split int64 [B, 2], ranges int64 [cols + 1])."""
-        B, cols = nb.shape[0], self.cols
-        counts = _int_tensor(self.counts)
-        ranges = torch.zeros(cols + 1, dtype=_I64)
-        torch.cumsum(counts, 0, out=ranges[1:])
-        n = int(ranges[-1])
+        """(rows int64 [n, 4] column by column, split int64 [B, 2], ranges int64 [cols + 1]).
+
+        Stream order is request order, so the rows are the nonzero requests in order, whole (slot -1)
+        except where column starts fall inside them (self.inner): those are cut there and take
+        consecutive slots. Built as one flat Python list (runs of whole requests through zip/chain)."""
+        B = nb.shape[0]
+        ranges = [0]
+        ranges += accumulate(self.counts)
         split = torch.zeros((B, 2), dtype=_I64)
-        if n == 0:
-            return torch.zeros((0, 4), dtype=_I64), split, ranges
+        if ranges[-1] == 0:
+            return torch.zeros((0, 4), dtype=_I64), split, _int_tensor(ranges)
         nzi = torch.nonzero(nb).reshape(-1)
-        Q = torch.zeros(self.n_req + 1, dtype=_I64)  # block stream start of each nonzero request
-        torch.cumsum(nb[nzi], 0, out=Q[1:])
-        S = _int_tensor(self.starts)
-        col = torch.repeat_interleave(counts, output_size=n)
-        idx = torch.arange(n, dtype=_I64)
-        req = _int_tensor(self.firsts)[col] + idx - ranges[col]  # nonzero request of each item
-        q0 = Q[req]
-        rows = torch.empty((n, 4), dtype=_I64)
-        rows[:, 0] = nzi[req]
-        torch.mul(torch.maximum(S[col], q0) - q0, BLOCK_N, out=rows[:, 1])
-        torch.minimum((torch.minimum(S[col + 1], Q[req + 1]) - q0) * BLOCK_N, lens[nzi][req], out=rows[:, 2])
-        # slots: consecutive per request (its items are adjacent), in request order
-        pieces = torch.bincount(req, minlength=self.n_req)
-        multi = pieces > 1
-        pslot = pieces * multi
-        first_slot = torch.cumsum(pslot, 0) - pslot
-        first_piece = torch.cumsum(pieces, 0) - pieces
-        rows[:, 3] = torch.where(multi[req], (first_slot - first_piece)[req] + idx, -1)
-        split[nzi] = torch.stack((first_slot * multi, pieces), 1)
-        return rows, split, ranges
+        split[nzi, 1] = 1
+        nz, ln = nzi.tolist(), lens[nzi].tolist()
+        out = []
+        ext = out.extend
+        cut_reqs, cut_split = [], []
+        r = slot = 0
+        inner = self.inner
+        n_inner = len(inner)
+        t = 0
+        while t < n_inner:
+            j = inner[t][0]
+            if j > r:  # whole requests r .. j - 1
+                ext(chain.from_iterable(zip(nz[r:j], repeat(0), ln[r:j], repeat(-1))))
+            b = nz[j]
+            first = slot
+            a = 0
+            while t < n_inner and inner[t][0] == j:
+                z = inner[t][1]
+                ext((b, a * BLOCK_N, z * BLOCK_N, slot))
+                slot += 1
+                a = z
+                t += 1
+            ext((b, a * BLOCK_N, ln[j], slot))
+            slot += 1
+            cut_reqs.append(b)
+            cut_split += (first, slot - first)
+            r = j + 1
+        if r < len(nz):
+            ext(chain.from_iterable(zip(nz[r:], repeat(0), ln[r:], repeat(-1))))
+        if cut_reqs:
+            split[_int_tensor(cut_reqs)] = _int_tensor(cut_split).view(-1, 2)
+        return _int_tensor(out).view(-1, 4), split, _int_tensor(ranges)
 
 
 def plan_balanced(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int = 1,
