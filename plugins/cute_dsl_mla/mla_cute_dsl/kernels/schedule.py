@@ -157,6 +157,10 @@ def _tuples(t: torch.Tensor) -> list:
     return [tuple(r) for r in t.tolist()]
 
 
+#: _even_bps loops in Python up to this many (candidate, request) pairs, else builds the float64 matrix
+_PY_BPS_MAX_PAIRS = 192
+
+
 def _even_bps(nb: torch.Tensor, m_blocks: int, target: int, min_blocks_per_split: int = 1) -> int:
     """plan_items' blocks per split (0 when there is no kv block at all).
 
@@ -175,6 +179,22 @@ def _even_bps(nb: torch.Tensor, m_blocks: int, target: int, min_blocks_per_split
         return 0
     base = max(min_blocks_per_split, -(-(total * m_blocks) // target))
     step = max(1, base // 32)
+    n_cand = base // step + 1
+    if n_cand * nb.shape[0] <= _PY_BPS_MAX_PAIRS:  # few requests: the plain loop is cheaper than the ops
+        nz = [x for x in nb.tolist() if x]
+        best_cost, best = None, 0
+        for i in range(n_cand):
+            c = base + i * step
+            n_items = largest = 0
+            for x in nz:
+                k = -(-x // c)
+                n_items += k
+                largest = max(largest, -(-x // k))
+            waves = -(-(n_items * m_blocks) // target)
+            cost = waves * largest + 0.05 * n_items * m_blocks / target
+            if best_cost is None or cost < best_cost - 1e-9:
+                best_cost, best = cost, i
+        return base + best * step
     nbf = nb.to(_F64)
     cand = torch.arange(base, 2 * base + 1, step, dtype=_F64).unsqueeze(1)
     k = torch.ceil(nbf / cand)  # [candidates, requests]: items per request (0 for kv_len 0)
