@@ -26,12 +26,28 @@ same work_info/split_info rows are produced column by column, plus ``cta_ranges`
 ``MLADecodePartial(balanced=True)`` reads it (see the section above ``plan_balanced``). Such a schedule
 is a hybrid (``plan_hybrid``): per step it holds either the balanced plan or the even plan_items plan in
 the same format (``Schedule.form``), whichever ``choose_form`` predicts faster by a margin.
+
+Host cost. The planner runs on the engine's critical path once per step (a torch op costs 2-5 us on
+the host, a Python step ~0.05-0.3 us), so: the blocks-per-split search is one candidates x requests
+float64 matrix (a plain loop for a handful of requests); the even items are ``repeat_interleave``/
+``cumsum`` ops (a Python loop up to batch 256, one fast path when no request is split); the balanced
+walk runs in cost coordinates with one ``bisect`` per column (not per request), its rows come from the
+column cuts as one flat list; the hybrid predicts both forms' costs from column loads alone and builds
+only the chosen form's rows; the even form's LPT heap handles only the items beyond the first wave, as
+integer keys. Lists become tensors through ``array`` (``torch.tensor(list)`` is slower per element).
+Results go into CPU staging tensors kept on the Schedule, then one copy per device buffer. The outputs
+are exactly those of the earlier pure-Python planner (kept verbatim in tests/schedule_oracle.py;
+tests/test_schedule_equality.py compares the two on random inputs, benchmarks/plan_time.py times them).
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from array import array
+from bisect import bisect_right
+from itertools import accumulate, chain, repeat
+from operator import add, sub
+from dataclasses import dataclass, field
 
 import torch
 
@@ -97,6 +113,8 @@ class Schedule:
     # predicted_cost of each form this step (balanced schedules; nan for a form not planned)
     cost_even: float = float("nan")
     cost_balanced: float = float("nan")
+    # host staging tensors that make_schedule fills before copying into the device buffers (private)
+    _staging: "_Staging | None" = field(default=None, repr=False, compare=False)
 
     @property
     def balanced(self) -> bool:
@@ -112,61 +130,185 @@ class Schedule:
         return self.s_q * self.num_heads
 
 
+_I64 = torch.int64
+_F64 = torch.float64
+
+
+def _int_tensor(values: list) -> torch.Tensor:
+    """A 1-D int64 tensor from a list of Python ints (through array: torch.tensor(list) is several times
+    slower per element)."""
+    return torch.frombuffer(array("q", values), dtype=_I64) if values else torch.zeros(0, dtype=_I64)
+
+
+def _lens_tensor(kv_lens) -> torch.Tensor:
+    """Per-request kv lengths as a 1-D int64 CPU tensor (values as int() of each element)."""
+    if isinstance(kv_lens, torch.Tensor):
+        return kv_lens.detach().to(device="cpu", dtype=_I64).reshape(-1)
+    seq = kv_lens.tolist() if hasattr(kv_lens, "tolist") else kv_lens
+    try:
+        return _int_tensor(seq if isinstance(seq, list) else list(seq))
+    except (TypeError, ValueError, OverflowError):
+        return _int_tensor([int(n) for n in seq])
+
+
+def _nblocks(lens: torch.Tensor) -> torch.Tensor:
+    """64-token blocks per request (0 for kv_len <= 0)."""
+    return ((lens + (BLOCK_N - 1)) // BLOCK_N).clamp_(min=0)
+
+
+def _tuples(t: torch.Tensor) -> list:
+    return [tuple(r) for r in t.tolist()]
+
+
+#: _even_bps loops in Python up to this many (candidate, request) pairs, else builds the float64 matrix
+_PY_BPS_MAX_PAIRS = 192
+
+
+def _even_bps(nb: torch.Tensor, m_blocks: int, target: int, min_blocks_per_split: int = 1) -> int:
+    """plan_items' blocks per split (0 when there is no kv block at all).
+
+    Wave-aware choice among the candidates base, base + step, ..., 2 base (base = the least blocks per
+    split that keeps the items within one wave's worth, which bounds the buffer sizes capacity_for /
+    slots_for): estimated makespan = waves * largest item + a small cost per split item for the combine,
+    cost = waves * largest + 0.05 * items * m_blocks / target; the first candidate whose cost is lower by
+    more than 1e-9 than the best so far wins.
+
+    A candidates x requests float64 matrix gives every candidate's item count and largest item at once.
+    float64 is exact here: for integers a, b with a + b < 2**53 the rounded quotient lies strictly
+    between the same two integers as a / b (or is a / b), so ceil(a / b) is exact; the cost is the same
+    sequence of IEEE double operations as Python's evaluation of the formula."""
+    total = int(nb.sum())
+    if total == 0:
+        return 0
+    base = max(min_blocks_per_split, -(-(total * m_blocks) // target))
+    step = max(1, base // 32)
+    n_cand = base // step + 1
+    if n_cand * nb.shape[0] <= _PY_BPS_MAX_PAIRS:  # few requests: the plain loop is cheaper than the ops
+        nz = [x for x in nb.tolist() if x]
+        best_cost, best = None, 0
+        for i in range(n_cand):
+            c = base + i * step
+            n_items = largest = 0
+            for x in nz:
+                k = -(-x // c)
+                n_items += k
+                largest = max(largest, -(-x // k))
+            waves = -(-(n_items * m_blocks) // target)
+            cost = waves * largest + 0.05 * n_items * m_blocks / target
+            if best_cost is None or cost < best_cost - 1e-9:
+                best_cost, best = cost, i
+        return base + best * step
+    nbf = nb.to(_F64)
+    cand = torch.arange(base, 2 * base + 1, step, dtype=_F64).unsqueeze(1)
+    k = torch.ceil(nbf / cand)  # [candidates, requests]: items per request (0 for kv_len 0)
+    n_items = k.sum(1)
+    largest = torch.ceil(nbf / k.clamp_(min=1)).amax(1)
+    waves = torch.ceil(n_items * m_blocks / target)
+    costs = (waves * largest + 0.05 * n_items * m_blocks / target).tolist()
+    best_cost, best = costs[0], 0
+    for i, cost in enumerate(costs):
+        if cost < best_cost - 1e-9:
+            best_cost, best = cost, i
+    return base + best * step
+
+
+#: up to this batch, _even_items builds split requests' items in a Python loop (fewer, cheaper steps than
+#: the ~25 torch ops of the vectorized construction at these sizes); larger batches use the torch ops
+_PY_ITEMS_MAX_BATCH = 256
+
+
+def _even_items_py(lens: torch.Tensor, nb: torch.Tensor, bps: int):
+    """_even_items as a Python loop over the requests (same result)."""
+    nbl, ln = nb.tolist(), lens.tolist()
+    out, sizes = [], []
+    ext, put = out.extend, sizes.append
+    split = [0] * (2 * len(nbl))
+    slot = 0
+    for b, x in enumerate(nbl):
+        if not x:
+            continue
+        if x <= bps:
+            ext((b, 0, ln[b], -1))
+            put(x)
+            split[2 * b + 1] = 1
+            continue
+        k = -(-x // bps)
+        q, extra = divmod(x, k)
+        split[2 * b], split[2 * b + 1] = slot, k
+        a = 0
+        for t in range(k):
+            z = a + q + 1 if t < extra else a + q
+            ext((b, a * BLOCK_N, min(z * BLOCK_N, ln[b]), slot))
+            slot += 1
+            put(z - a)
+            a = z
+    return _int_tensor(out).view(-1, 4), _int_tensor(sizes), _int_tensor(split).view(-1, 2), slot
+
+
+def _even_items(lens: torch.Tensor, nb: torch.Tensor, bps: int):
+    """plan_items' items for a blocks per split: (rows int64 [n, 4], blocks int64 [n], split int64 [B, 2],
+    slots used). Request b gets k = ceil(nb / bps) items, the first nb % k of them one block longer; a
+    whole request (k = 1) writes out directly (slot -1), a split one takes k consecutive slots."""
+    B = nb.shape[0]
+    if bps == 0:
+        z = torch.zeros(0, dtype=_I64)
+        return z.reshape(0, 4), z, torch.zeros((B, 2), dtype=_I64), 0
+    if int(nb.max()) <= bps:  # no request is split: one item per nonzero request
+        nz = nb > 0
+        b = torch.nonzero(nz).reshape(-1)
+        rows = torch.zeros((b.shape[0], 4), dtype=_I64)
+        rows[:, 0] = b
+        rows[:, 2] = lens[b]
+        rows[:, 3] = -1
+        split = torch.zeros((B, 2), dtype=_I64)
+        split[:, 1] = nz
+        return rows, nb[b], split, 0
+    if B <= _PY_ITEMS_MAX_BATCH:
+        return _even_items_py(lens, nb, bps)
+    k = (nb + (bps - 1)) // bps
+    multi = k > 1
+    kslot = k * multi
+    cum = torch.cumsum(kslot, 0)
+    first = cum - kslot  # first slot of a split request
+    n_slots = int(cum[-1])
+    split = torch.stack((first * multi, k), 1)
+    kc = k.clamp(min=1)
+    q = nb // kc
+    # per-request values gathered once per item: blocks per item, longer items, length, first slot or -1
+    # (+ the item's index minus its position in the request, so that position = arange - that)
+    item_end = torch.cumsum(k, 0)
+    n = int(item_end[-1])
+    per_req = torch.stack((q, nb - q * kc, lens, torch.where(multi, first, -1), item_end - k,
+                           torch.arange(B, dtype=_I64)), 1)
+    g = per_req[torch.repeat_interleave(k, output_size=n)]
+    j = torch.arange(n, dtype=_I64) - g[:, 4]
+    qb, eb = g[:, 0], g[:, 1]
+    sblk = j * qb + torch.minimum(j, eb)
+    size = qb + (j < eb)
+    rows = torch.empty((n, 4), dtype=_I64)
+    rows[:, 0] = g[:, 5]
+    torch.mul(sblk, BLOCK_N, out=rows[:, 1])
+    torch.minimum((sblk + size) * BLOCK_N, g[:, 2], out=rows[:, 2])
+    slot = g[:, 3]
+    torch.where(slot >= 0, slot + j, slot, out=rows[:, 3])
+    return rows, size, split, n_slots
+
+
 def plan_items(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int = 1,
                min_blocks_per_split: int = 1):
     """Pure host logic: returns (items, split, blocks_per_split).
 
     items: list of (b, kv_start, kv_end, slot); split: list of (first_slot, count).
+    Every item of request b holds at most blocks_per_split blocks and its items differ by at most one
+    block (see _even_bps for the choice of blocks_per_split; make_schedule uses the same tensor code).
     """
     rows = s_q * num_heads
     m_blocks = -(-rows // block_m_for(rows))
-    target = num_sms * ctas_per_sm
-    nblocks = [(-(-int(n) // BLOCK_N)) if int(n) > 0 else 0 for n in kv_lens]
-    total = sum(nblocks)
-    if total == 0:
-        return [], [(0, 0) for _ in nblocks], 0
-    base = max(min_blocks_per_split, -(-(total * m_blocks) // target))
-    # wave-aware choice: estimated makespan = waves * largest item (+ a small
-    # cost per split item for the combine); never below `base`, which bounds
-    # the buffer sizes (capacity_for / slots_for).
-    best = None
-    step = max(1, base // 32)
-    for bps_c in range(base, 2 * base + 1, step):
-        n_items = 0
-        largest = 0
-        for nb in nblocks:
-            if nb:
-                k = -(-nb // bps_c)
-                n_items += k
-                largest = max(largest, -(-nb // k))
-        waves = -(-(n_items * m_blocks) // target)
-        cost = waves * largest + 0.05 * n_items * m_blocks / target
-        if best is None or cost < best[0] - 1e-9:
-            best = (cost, bps_c)
-    bps = best[1]
-    items = []
-    split = []
-    next_slot = 0
-    for b, (n, nb) in enumerate(zip(kv_lens, nblocks)):
-        n = int(n)
-        if nb == 0:
-            split.append((0, 0))
-            continue
-        k = -(-nb // bps)
-        base, extra = divmod(nb, k)
-        if k == 1:
-            items.append((b, 0, n, -1))
-            split.append((0, 1))
-            continue
-        split.append((next_slot, k))
-        start = 0
-        for j in range(k):
-            size = base + (1 if j < extra else 0)
-            end = start + size
-            items.append((b, start * BLOCK_N, min(end * BLOCK_N, n), next_slot + j))
-            start = end
-        next_slot += k
-    return items, split, bps
+    lens = _lens_tensor(kv_lens)
+    nb = _nblocks(lens)
+    bps = _even_bps(nb, m_blocks, num_sms * ctas_per_sm, min_blocks_per_split)
+    items, _, split, _ = _even_items(lens, nb, bps)
+    return _tuples(items), _tuples(split), bps
 
 
 # ---------------------------------------------------------------------------
@@ -200,6 +342,19 @@ def plan_items(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int
 #     closes only once it has spent more than L - k - 1, so if C columns did not suffice,
 #     C (L - k) <= T + k (items) <= T + k (N + C - 1); hence L = floor((T + k (N + C - 1)) / C)
 #     + k + 1 always fits, and a column's blocks are <= L - k.
+#
+# The walk in cost coordinates (how _walk runs it: one bisect per column, not a loop over requests).
+# Lay the nonzero requests out as a cost stream, request i taking [P[i], P[i + 1]) with P[i + 1] - P[i]
+# = k + nb_i (its item cost, then its blocks). Let e be the stream point a column starts from, counting
+# the extra item cost k of a column that starts inside a request as if it were that request's own: e =
+# P[i] for a column starting at request i's first block, e = P[i] + pos for one starting at block pos > 0
+# of request i. A column with budget L then covers [e, y = e + L]: every request ending by y whole; if y
+# is past the end, the walk is done; else y falls in request j (P[j] <= y < P[j + 1]) and the column
+# either takes y - P[j] - k >= 1 blocks of j (next e = y - k) or, when y - P[j] <= k (no block fits
+# after the item cost), closes there (next e = P[j]). The spread budget of a column only needs the rest
+# of the stream: rest_blocks + k * rest_reqs = P[N] - e. A column starting at e begins at block
+# e - k * i of the block stream (i: the request holding e), and the items are the non-empty
+# intersections of the column ranges and the request ranges of the block stream.
 
 #: default per-item cost in 64-token-block equivalents (see plan_balanced)
 BALANCED_ITEM_COST = 1
@@ -211,36 +366,68 @@ def balanced_cols(rows: int, num_sms: int, ctas_per_sm: int = 1) -> int:
     return max(1, (num_sms * ctas_per_sm) // m_blocks)
 
 
-def _walk(nblocks, cols: int, k: int, budget):
-    """Greedy walk of the block stream. budget(c, rest_blocks, rest_reqs) -> cost cap of column c.
-    Returns the per-column list of pieces [(b, first_block, n_blocks)], or None if > cols columns."""
-    out = []
-    pieces = []
-    c = 0
-    rest = sum(nblocks)
-    rest_reqs = sum(1 for nb in nblocks if nb)
-    rem = budget(0, rest, rest_reqs)
-    for b, nb in enumerate(nblocks):
-        pos = 0
-        while pos < nb:
-            if rem < k + 1:
-                out.append(pieces)
-                pieces = []
-                c += 1
-                if c >= cols:
-                    return None
-                rem = budget(c, rest, rest_reqs)
-                continue
-            t = min(nb - pos, rem - k)
-            pieces.append((b, pos, t))
-            rem -= k + t
-            pos += t
-            rest -= t
-        if nb:
-            rest_reqs -= 1
-    out.append(pieces)
-    out.extend([] for _ in range(cols - len(out)))
-    return out
+def _fits(P: list, cols: int, k: int, L: int) -> bool:
+    """Whether the greedy walk of the cost stream P (see the section comment) with budget L per column
+    fits in cols columns. A run of columns inside one request moves on by L - k each, counted at once."""
+    end = P[-1]
+    d = L - k  # >= 1 (L >= k + 1)
+    e = c = 0
+    while True:
+        y = e + L
+        if y >= end:
+            return True
+        j = bisect_right(P, y) - 1
+        p = P[j]
+        if y - p <= k:  # no block of request j fits after its item cost: the next column starts at j
+            e = p
+            c += 1
+        else:  # y - p - k blocks of j; the next m columns start inside j as well (y + i d < P[j + 1])
+            m = (P[j + 1] - y - 1) // d
+            e = y - k + m * d
+            c += m + 1
+        if c >= cols:
+            return False
+
+
+def _walk(P: list, cols: int, k: int, L: int, spread: bool):
+    """The greedy walk of the cost stream P (see the section comment), column by column, with budget L
+    per column or (spread) min(L, max(k + 1, ceil(rest / columns left) + k)), rest = P[-1] - e.
+    Returns None if it needs more than cols columns, else (starts, firsts, counts, inner, slots): for
+    the columns used, start point e, first (nonzero) request and items; the column starts inside a
+    request as (request, block offset in it), in stream order; the slots of the whole plan (each start
+    inside a request adds a piece to it: slots = such starts + the requests that hold one)."""
+    end = P[-1]
+    n_req = len(P) - 1
+    starts, firsts, counts, inner = [0], [0], [], []
+    e = c = first = split_reqs = 0
+    prev = -1
+    while True:
+        if spread:
+            b = -(-(end - e) // (cols - c)) + k
+            y = e + (L if b > L else (k + 1 if b < k + 1 else b))
+        else:
+            y = e + L
+        if y >= end:
+            counts.append(n_req - first)
+            return starts, firsts, counts, inner, len(inner) + split_reqs
+        j = bisect_right(P, y) - 1
+        p = P[j]
+        if y - p <= k:
+            e = p
+            counts.append(j - first)
+        else:
+            e = y - k
+            counts.append(j - first + 1)
+            inner.append((j, e - p))
+            if j != prev:
+                split_reqs += 1
+                prev = j
+        first = j
+        c += 1
+        if c >= cols:
+            return None
+        starts.append(e)
+        firsts.append(j)
 
 
 def balanced_budget_bound(total: int, n_reqs: int, cols: int, item_cost: int) -> int:
@@ -249,6 +436,92 @@ def balanced_budget_bound(total: int, n_reqs: int, cols: int, item_cost: int) ->
     if k == 0:
         return max(1, -(-total // cols))
     return (total + k * (n_reqs + cols - 1)) // cols + k + 1
+
+
+class _BalancedWalk:
+    """plan_balanced's walk: per column (block start, first nonzero request, items), the budget, the slots
+    and the numbers predicted_cost and the stats need (computed without building the items)."""
+
+    def __init__(self, nb: torch.Tensor, cols: int, k: int):
+        self.cols, self.k = cols, k
+        nzn = nb[nb > 0]
+        self.n_req = N = nzn.shape[0]
+        P = [0]
+        P += torch.cumsum(nzn + k, 0).tolist()
+        self.total = total = P[-1] - k * N
+        self.budget = 0
+        self.worst = self.max_blocks = self.max_items = self.slots = 0
+        if total == 0:
+            self.counts, self.inner = [0] * cols, []
+            return
+        # least budget for which the greedy walk fits (binary search; hi always fits)
+        lo = max(k + 1, -(-(total + k * N) // cols))
+        hi = max(lo, balanced_budget_bound(total, N, cols, k))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _fits(P, cols, k, mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        self.budget = L = lo
+        walk = _walk(P, cols, k, L, True)
+        if walk is None:
+            walk = _walk(P, cols, k, L, False)
+        starts, firsts, counts, self.inner, self.slots = walk
+        pad = cols - len(counts)
+        # block stream start of each column (a start point e inside request i is block e - k * i)
+        S = list(map(sub, starts, firsts if k == 1 else [k * f for f in firsts]))
+        S += [total] * (pad + 1)
+        blocks = list(map(sub, S[1:], S[:-1]))
+        self.counts = counts + [0] * pad
+        self.worst = max(map(add, blocks, self.counts if k == 1 else [k * n for n in self.counts]))
+        self.max_blocks, self.max_items = max(blocks), max(counts)
+
+    def rows(self, lens: torch.Tensor, nb: torch.Tensor):
+        """(rows int64 [n, 4] column by column, split int64 [B, 2], ranges int64 [cols + 1]).
+
+        Stream order is request order, so the rows are the nonzero requests in order, whole (slot -1)
+        except where column starts fall inside them (self.inner): those are cut there and take
+        consecutive slots. Built as one flat Python list (runs of whole requests through zip/chain)."""
+        B = nb.shape[0]
+        ranges = [0]
+        ranges += accumulate(self.counts)
+        split = torch.zeros((B, 2), dtype=_I64)
+        if ranges[-1] == 0:
+            return torch.zeros((0, 4), dtype=_I64), split, _int_tensor(ranges)
+        nzi = torch.nonzero(nb).reshape(-1)
+        split[nzi, 1] = 1
+        nz, ln = nzi.tolist(), lens[nzi].tolist()
+        out = []
+        ext = out.extend
+        cut_reqs, cut_split = [], []
+        r = slot = 0
+        inner = self.inner
+        n_inner = len(inner)
+        t = 0
+        while t < n_inner:
+            j = inner[t][0]
+            if j > r:  # whole requests r .. j - 1
+                ext(chain.from_iterable(zip(nz[r:j], repeat(0), ln[r:j], repeat(-1))))
+            b = nz[j]
+            first = slot
+            a = 0
+            while t < n_inner and inner[t][0] == j:
+                z = inner[t][1]
+                ext((b, a * BLOCK_N, z * BLOCK_N, slot))
+                slot += 1
+                a = z
+                t += 1
+            ext((b, a * BLOCK_N, ln[j], slot))
+            slot += 1
+            cut_reqs.append(b)
+            cut_split += (first, slot - first)
+            r = j + 1
+        if r < len(nz):
+            ext(chain.from_iterable(zip(nz[r:], repeat(0), ln[r:], repeat(-1))))
+        if cut_reqs:
+            split[_int_tensor(cut_reqs)] = _int_tensor(cut_split).view(-1, 2)
+        return _int_tensor(out).view(-1, 4), split, _int_tensor(ranges)
 
 
 def plan_balanced(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int = 1,
@@ -265,60 +538,13 @@ def plan_balanced(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: 
     rows = s_q * num_heads
     m_blocks = -(-rows // block_m_for(rows))
     cols = balanced_cols(rows, num_sms, ctas_per_sm)
-    lens = [int(n) for n in kv_lens]
-    nblocks = [(-(-n // BLOCK_N)) if n > 0 else 0 for n in lens]
-    total = sum(nblocks)
-    n_reqs = sum(1 for nb in nblocks if nb)
-    stats = dict(num_cols=cols, m_blocks=m_blocks, budget=0, max_blocks=0, max_items=0)
-    if total == 0:
-        return [], [(0, 0) for _ in lens], [0] * (cols + 1), stats
-    # least budget for which the greedy walk fits (binary search; hi always fits)
-    lo = max(k + 1, -(-(total + k * n_reqs) // cols))
-    hi = max(lo, balanced_budget_bound(total, n_reqs, cols, k))
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _walk(nblocks, cols, k, lambda c, rb, rr: mid) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    L = lo
-
-    def spread(c, rest_blocks, rest_reqs):
-        left = cols - c
-        return min(L, max(k + 1, -(-(rest_blocks + k * rest_reqs) // left) + k))
-
-    plan = _walk(nblocks, cols, k, spread)
-    if plan is None:
-        plan = _walk(nblocks, cols, k, lambda c, rb, rr: L)
-    # items, slots (consecutive per request: its pieces are adjacent in column order)
-    pieces_of = [0] * len(lens)
-    for col in plan:
-        for b, _, _ in col:
-            pieces_of[b] += 1
-    split = []
-    first_slot = {}
-    next_slot = 0
-    for b, cnt in enumerate(pieces_of):
-        if cnt > 1:
-            first_slot[b] = next_slot
-            split.append((next_slot, cnt))
-            next_slot += cnt
-        else:
-            split.append((0, cnt))
-    seen = [0] * len(lens)
-    items = []
-    ranges = [0]
-    for col in plan:
-        for b, pos, t in col:
-            end = min((pos + t) * BLOCK_N, lens[b])
-            slot = first_slot[b] + seen[b] if pieces_of[b] > 1 else -1
-            seen[b] += 1
-            items.append((b, pos * BLOCK_N, end, slot))
-        ranges.append(len(items))
-    stats.update(budget=L,
-                 max_blocks=max(sum(t for _, _, t in col) for col in plan),
-                 max_items=max(len(col) for col in plan))
-    return items, split, ranges, stats
+    lens = _lens_tensor(kv_lens)
+    nb = _nblocks(lens)
+    walk = _BalancedWalk(nb, cols, k)
+    items, split, ranges = walk.rows(lens, nb)
+    stats = dict(num_cols=cols, m_blocks=m_blocks, budget=walk.budget, max_blocks=walk.max_blocks,
+                 max_items=walk.max_items)
+    return _tuples(items), _tuples(split), ranges.tolist(), stats
 
 
 # ---------------------------------------------------------------------------
@@ -349,9 +575,82 @@ def slot_cost(rows: int, m_blocks: int, cols: int) -> float:
     return 2.0 * rows * (D_V + 1) * 4 / (_BLOCK_BYTES * max(1, cols * m_blocks))
 
 
-def _item_blocks(item) -> int:
-    _, s, e, _ = item
-    return -(-(e - s) // BLOCK_N)
+def _lpt(costs: list, cols: int):
+    """Longest-first to the least-loaded column, costs in that order: (column of each item as a tensor,
+    the largest column load). Ties go to the lower column (a heap of (load, column)).
+
+    With every cost > 0 the first cols items take columns 0 .. cols - 1 in order (each empty column is
+    popped before any loaded one), so only the items after the first wave go through the heap, whose
+    entries are then the single integers load * cols + column (the same order as the pairs)."""
+    n = len(costs)
+    if n >= cols and costs[-1] > 0:  # costs are sorted descending: all > 0
+        heap = [x * cols + c for c, x in enumerate(costs[:cols])]
+        heapq.heapify(heap)
+        popped = []
+        put = popped.append
+        push = heapq.heapreplace
+        for x in costs[cols:]:
+            top = heap[0]
+            push(heap, top + x * cols)
+            put(top)
+        assign = torch.cat((torch.arange(cols, dtype=_I64), _int_tensor(popped) % cols))
+        return assign, max(heap) // cols
+    assign = []
+    load = [(0, c) for c in range(cols)]
+    for x in costs:
+        cost_c, c = heapq.heappop(load)
+        assign.append(c)
+        heapq.heappush(load, (cost_c + x, c))
+    return _int_tensor(assign), max(load)[0]
+
+
+class _EvenColumns:
+    """even_columns on tensors, from each item's blocks (plan_items order): the column of each item in
+    longest-first order (None: round-robin) and the largest column cost (blocks + k per item), which is
+    all predicted_cost needs; layout() then gives the rows' order column by column and the ranges."""
+
+    def __init__(self, blocks: torch.Tensor, cols: int, k: int):
+        self.blocks, self.cols = blocks, cols
+        self.n = n = blocks.shape[0]
+        self.order = self.assign = None
+        self.worst = 0
+        if n == 0:
+            return
+        self.order = order = torch.argsort(blocks, descending=True, stable=True)  # ties by index
+        costs = blocks[order] + k
+        cl = costs.tolist()
+        if cl[-1] > 0 and (n <= cols or cl[0] == cl[-1]):
+            # LPT deals these round-robin too: one item per column, or equal costs (each round pops the
+            # columns in order, all at the same load)
+            self.worst = cl[0] * -(-n // cols)
+            return
+        rr = torch.arange(n, dtype=_I64) % cols
+        rr_worst = int(torch.zeros(cols, dtype=_I64).index_add_(0, rr, costs).max())
+        lpt, lpt_worst = _lpt(cl, cols)
+        if lpt_worst <= rr_worst:
+            self.assign, self.worst = lpt, lpt_worst
+        else:
+            self.worst = rr_worst
+
+    def layout(self):
+        """(row order column by column, ranges int64 [cols + 1], blocks per column, items per column)."""
+        n, cols = self.n, self.cols
+        ranges = torch.zeros(cols + 1, dtype=_I64)
+        if n == 0:
+            z = torch.zeros(cols, dtype=_I64)
+            return torch.zeros(0, dtype=_I64), ranges, z, z
+        assign = self.assign
+        if assign is None:
+            assign = torch.arange(n, dtype=_I64)
+            if n > cols:
+                assign %= cols
+        col = torch.empty(n, dtype=_I64)
+        col[self.order] = assign
+        perm = torch.argsort(col, stable=True)  # plan_items order inside a column
+        counts = torch.bincount(col, minlength=cols)
+        torch.cumsum(counts, 0, out=ranges[1:])
+        col_blocks = torch.zeros(cols, dtype=_I64).index_add_(0, col, self.blocks)
+        return perm, ranges, col_blocks, counts
 
 
 def even_columns(items, cols: int, item_cost: int = BALANCED_ITEM_COST):
@@ -366,33 +665,10 @@ def even_columns(items, cols: int, item_cost: int = BALANCED_ITEM_COST):
     position), so only the order of work rows changes."""
     k = int(item_cost)
     cols = max(1, int(cols))
-    order = sorted(range(len(items)), key=lambda i: (-_item_blocks(items[i]), i))
-
-    def cost(assign):
-        load = [0] * cols
-        for i, c in zip(order, assign):
-            load[c] += _item_blocks(items[i]) + k
-        return max(load) if items else 0
-
-    lpt = []
-    load = [(0, c) for c in range(cols)]  # (cost, column): a heap
-    for i in order:
-        cost_c, c = heapq.heappop(load)
-        lpt.append(c)
-        heapq.heappush(load, (cost_c + _item_blocks(items[i]) + k, c))
-    rr = [j % cols for j in range(len(order))]
-    assign = lpt if cost(lpt) <= cost(rr) else rr
-    per_col = [[] for _ in range(cols)]
-    for i, c in zip(order, assign):
-        per_col[c].append(i)
-    out, ranges, col_blocks, col_items = [], [0], [], []
-    for col in per_col:
-        col.sort()  # plan_items order inside a column (request, kv order)
-        out.extend(items[i] for i in col)
-        ranges.append(len(out))
-        col_blocks.append(sum(_item_blocks(items[i]) for i in col))
-        col_items.append(len(col))
-    return out, ranges, col_blocks, col_items
+    items = list(items)
+    blocks = torch.tensor([-(-(e - s) // BLOCK_N) for _, s, e, _ in items], dtype=_I64)
+    perm, ranges, col_blocks, col_items = _EvenColumns(blocks, cols, k).layout()
+    return [items[i] for i in perm.tolist()], ranges.tolist(), col_blocks.tolist(), col_items.tolist()
 
 
 def predicted_cost(col_blocks, col_items, n_slots: int, item_cost: int, rows: int, m_blocks: int) -> float:
@@ -433,6 +709,41 @@ def choose_form(cost_even: float, cost_balanced: float, margin: float = HYBRID_M
     return "balanced" if cost_balanced < (1.0 - margin) * cost_even else "even"
 
 
+def _plan_hybrid(lens: torch.Tensor, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int, k: int,
+                 form: str):
+    """plan_hybrid on tensors: (form, rows int64 [n, 4], split int64 [B, 2], ranges int64 [cols + 1],
+    slots used, stats). Both forms' predicted costs come from the column loads alone (_EvenColumns,
+    _BalancedWalk); only the chosen form's rows are built."""
+    if form not in ("auto",) + FORMS:
+        raise ValueError(f"form must be one of auto, even, balanced; got {form!r}")
+    rows = s_q * num_heads
+    m_blocks = -(-rows // block_m_for(rows))
+    cols = balanced_cols(rows, num_sms, ctas_per_sm)
+    stats = dict(num_cols=cols, m_blocks=m_blocks, cost_even=float("nan"), cost_balanced=float("nan"))
+    nb = _nblocks(lens)
+    per_slot = slot_cost(rows, m_blocks, cols)
+    if form in ("auto", "even"):
+        bps = _even_bps(nb, m_blocks, num_sms * ctas_per_sm)
+        e_items, e_blocks, e_split, e_slots = _even_items(lens, nb, bps)
+        even = _EvenColumns(e_blocks, cols, k)
+        stats["cost_even"] = even.worst + e_slots * per_slot
+    if form in ("auto", "balanced"):
+        if k < 0:
+            raise ValueError("item_cost must be >= 0")
+        bal = _BalancedWalk(nb, cols, k)
+        stats["cost_balanced"] = bal.worst + bal.slots * per_slot
+    chosen = form if form != "auto" else choose_form(stats["cost_even"], stats["cost_balanced"])
+    if chosen == "even":
+        perm, ranges, col_blocks, col_items = even.layout()
+        items, split, n_slots = e_items[perm], e_split, e_slots
+        stats.update(max_blocks=int(col_blocks.max()), max_items=int(col_items.max()), blocks_per_split=bps)
+    else:
+        items, split, ranges = bal.rows(lens, nb)
+        n_slots = bal.slots
+        stats.update(max_blocks=bal.max_blocks, max_items=bal.max_items, blocks_per_split=bal.max_blocks)
+    return chosen, items, split, ranges, n_slots, stats
+
+
 def plan_hybrid(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int = 1,
                 item_cost: int = BALANCED_ITEM_COST, form: str = "auto"):
     """Pure host logic of make_schedule(balanced=True): (form, items, split, cta_ranges, stats).
@@ -443,29 +754,22 @@ def plan_hybrid(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: in
     otherwise), and the chosen form's items are what the kernel runs."""
     if form not in ("auto",) + FORMS:
         raise ValueError(f"form must be one of auto, even, balanced; got {form!r}")
-    k = int(item_cost)
-    rows = s_q * num_heads
-    m_blocks = -(-rows // block_m_for(rows))
-    cols = balanced_cols(rows, num_sms, ctas_per_sm)
-    stats = dict(num_cols=cols, m_blocks=m_blocks, cost_even=float("nan"), cost_balanced=float("nan"))
-    plans = {}
-    if form in ("auto", "even"):
-        e_items, e_split, bps = plan_items(kv_lens, s_q, num_heads, num_sms, ctas_per_sm)
-        e_rows, e_ranges, e_blocks, e_counts = even_columns(e_items, cols, k)
-        e_slots = sum(c for _, c in e_split if c > 1)
-        stats["cost_even"] = predicted_cost(e_blocks, e_counts, e_slots, k, rows, m_blocks)
-        plans["even"] = (e_rows, e_split, e_ranges, max(e_blocks), max(e_counts), bps)
-    if form in ("auto", "balanced"):
-        b_items, b_split, b_ranges, st = plan_balanced(kv_lens, s_q, num_heads, num_sms, ctas_per_sm, k)
-        b_blocks = [sum(_item_blocks(it) for it in b_items[b_ranges[c]:b_ranges[c + 1]]) for c in range(cols)]
-        b_counts = [b_ranges[c + 1] - b_ranges[c] for c in range(cols)]
-        b_slots = sum(c for _, c in b_split if c > 1)
-        stats["cost_balanced"] = predicted_cost(b_blocks, b_counts, b_slots, k, rows, m_blocks)
-        plans["balanced"] = (b_items, b_split, b_ranges, st["max_blocks"], st["max_items"], st["max_blocks"])
-    chosen = form if form != "auto" else choose_form(stats["cost_even"], stats["cost_balanced"])
-    items, split, ranges, max_blocks, max_items, bps = plans[chosen]
-    stats.update(max_blocks=max_blocks, max_items=max_items, blocks_per_split=bps)
-    return chosen, items, split, ranges, stats
+    chosen, items, split, ranges, _, stats = _plan_hybrid(_lens_tensor(kv_lens), s_q, num_heads, num_sms,
+                                                          ctas_per_sm, int(item_cost), form)
+    return chosen, _tuples(items), _tuples(split), ranges.tolist(), stats
+
+
+class _Staging:
+    """Host tensors a schedule's buffers are filled from (one copy each into the device buffers)."""
+
+    def __init__(self, cap: int, max_batch: int, n_ranges: int):
+        self.work = torch.empty((cap, 4), dtype=torch.int32)
+        self.split = torch.empty((max_batch, 2), dtype=torch.int32)
+        self.ranges = torch.empty(n_ranges, dtype=torch.int32) if n_ranges else None
+
+    def fits(self, cap: int, max_batch: int, n_ranges: int) -> bool:
+        return (self.work.shape[0] == cap and self.split.shape[0] == max_batch
+                and (self.ranges.shape[0] if self.ranges is not None else 0) == n_ranges)
 
 
 def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
@@ -486,15 +790,15 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     replays at the next whatever each chose. ``item_cost`` is the per-item cost in blocks (plan_balanced
     and the prediction).
     """
-    lens = [int(x) for x in (kv_lens_cpu.tolist() if hasattr(kv_lens_cpu, "tolist") else kv_lens_cpu)]
-    if any(n < 0 for n in lens):
+    lens = _lens_tensor(kv_lens_cpu)
+    if lens.shape[0] and int(lens.min()) < 0:
         raise ValueError("kv_lens must be >= 0")
     if not 1 <= s_q <= 8:
         raise ValueError(f"s_q must be in 1..8, got {s_q}")
     if not 1 <= num_heads <= 128:
         raise ValueError(f"num_heads must be in 1..128, got {num_heads}")
     rows = s_q * num_heads
-    batch = len(lens)
+    batch = lens.shape[0]
     if out is None:
         max_batch = max(batch, max_batch or 0)
         cap = capacity_for(max_batch, num_sms, ctas_per_sm)
@@ -514,38 +818,48 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     max_cta_blocks = 0
     chosen, costs = "even", (float("nan"), float("nan"))
     if balanced:
-        chosen, items, split, ranges, st = plan_hybrid(lens, s_q, num_heads, num_sms, ctas_per_sm, item_cost,
-                                                       form)
+        chosen, items, split, ranges, n_slots_used, st = _plan_hybrid(lens, s_q, num_heads, num_sms,
+                                                                      ctas_per_sm, int(item_cost), form)
         bps = st["blocks_per_split"]
         max_cta_blocks = st["max_blocks"]
         costs = (st["cost_even"], st["cost_balanced"])
     else:
         if form not in ("auto", "even"):
             raise ValueError(f"form={form!r} needs balanced=True (the default kernel runs the even plan)")
-        items, split, bps = plan_items(lens, s_q, num_heads, num_sms, ctas_per_sm)
-    n_slots_used = sum(c for _, c in split if c > 1)
-    if len(items) > cap or n_slots_used > slots:
-        raise AssertionError(f"schedule overflow: {len(items)}>{cap} or {n_slots_used}>{slots}")
-    work = torch.full((cap, 4), -1, dtype=torch.int32)
-    if items:
-        work[: len(items)] = torch.tensor(items, dtype=torch.int32)
-    spl = torch.zeros((max_batch, 2), dtype=torch.int32)
-    if split:
-        spl[:batch] = torch.tensor(split, dtype=torch.int32)
-    rng = torch.tensor(ranges, dtype=torch.int32) if balanced else None
+        m_blocks = -(-rows // block_m_for(rows))
+        nb = _nblocks(lens)
+        bps = _even_bps(nb, m_blocks, num_sms * ctas_per_sm)
+        items, _, split, n_slots_used = _even_items(lens, nb, bps)
+    n_items = items.shape[0]
+    if n_items > cap or n_slots_used > slots:
+        raise AssertionError(f"schedule overflow: {n_items}>{cap} or {n_slots_used}>{slots}")
+    # fill the host staging tensors (kept on the Schedule between steps), then one copy per device buffer
+    n_ranges = 0 if ranges is None else ranges.shape[0]
+    stage = None if out is None else out._staging
+    if stage is None or not stage.fits(cap, max_batch, n_ranges):
+        stage = _Staging(cap, max_batch, n_ranges)
+    stage.work[:n_items] = items
+    stage.work[n_items:] = -1
+    stage.split[:batch] = split
+    stage.split[batch:] = 0
+    if ranges is not None:
+        stage.ranges.copy_(ranges)
     if out is None:
-        out = Schedule(work.to(device), spl.to(device), s_q, num_heads, block_m_for(rows),
-                       cap, slots, cta_ranges=None if rng is None else rng.to(device))
+        dev = torch.device(device)
+        out = Schedule(stage.work.to(dev, copy=True), stage.split.to(dev, copy=True), s_q, num_heads,
+                       block_m_for(rows), cap, slots,
+                       cta_ranges=None if ranges is None else stage.ranges.to(dev, copy=True))
     else:
-        out.work_info.copy_(work, non_blocking=False)
-        out.split_info.copy_(spl, non_blocking=False)
-        if rng is not None:
-            out.cta_ranges.copy_(rng, non_blocking=False)
+        out.work_info.copy_(stage.work, non_blocking=False)
+        out.split_info.copy_(stage.split, non_blocking=False)
+        if ranges is not None:
+            out.cta_ranges.copy_(stage.ranges, non_blocking=False)
+    out._staging = stage
     out.item_cost = int(item_cost) if balanced else 0
     out.max_cta_blocks = max_cta_blocks
     out.form = chosen
     out.cost_even, out.cost_balanced = costs
-    out.num_items = len(items)
+    out.num_items = n_items
     out.blocks_per_split = bps
     out.wide_combine = wide_combine_for(batch, rows, num_sms)
     return out
