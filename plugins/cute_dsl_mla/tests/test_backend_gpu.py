@@ -73,6 +73,15 @@ class TestCuteDslMmaSyncConformance(TestCuteDslConformance):
     seq_lens_q = (1, 2, 8)
 
 
+class TestCuteDslEvenSplitConformance(TestCuteDslConformance):
+    """split_kv=even: the mma.sync kernel's even split (the default before 0.2.3, which made the balanced
+    kernel with the hybrid plan the default), at the head counts where auto runs the mma.sync kernel."""
+
+    options = {"split_kv": "even"}
+    num_heads = (1, 3, 8, 16, 32)
+    kv_dtypes = ("bf16",)
+
+
 def _sm100():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

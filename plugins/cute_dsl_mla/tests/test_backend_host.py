@@ -246,8 +246,9 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     planned = session.plan(problem, StepInputs(lens, table, lens, table))
     assert made == [ctas]
     assert built == [("bf16", False), ("bf16", True)]
-    runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma", "mma_sync": "mla_decode_sm90",
-            "seesaw": "mla_decode_sm90_wgmma_seesaw"}
+    runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma", "seesaw": "mla_decode_sm90_wgmma_seesaw",
+            # split_kv=balanced (the default) takes the mma.sync kernel with a 16-bit cache to its balanced entry
+            "mma_sync": "mla_decode_sm90" if kv_dtype == "fp8_e4m3" else "mla_decode_sm90_balanced"}
     assert planned.run_fn.__name__ == runs[kernel]
     session.plan(problem, StepInputs(lens, table, lens, table))
     assert built == [("bf16", False), ("bf16", True)] and made == [ctas, ctas]  # once per session
@@ -262,7 +263,8 @@ def test_split_kv_is_validated_and_names_its_values():
     from mlacore.tools.bench import BackendSpec
     from mlacore.testing.compare import only_backend_dispatcher
 
-    assert CuteDslOptions().split_kv == "even"
+    assert CuteDslOptions().split_kv == "balanced"
+    assert CuteDslOptions(split_kv="even").split_kv == "even"
     with pytest.raises(Exception, match=r"split_kv\s+Input should be 'even' or 'balanced'"):
         CuteDslOptions(split_kv="greedy")
     reg = BackendRegistry(env={}).load()
@@ -282,7 +284,8 @@ def test_split_kv_applies_only_to_the_mma_sync_kernel_with_a_16_bit_cache():
     bal = CuteDslOptions(split_kv="balanced")
     assert balanced_split(prob(num_heads=16), bal) and balanced_split(prob(num_heads=16, seq_len_q=2), bal)
     assert balanced_split(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=5, seq_len_q=4), bal)
-    assert not balanced_split(prob(num_heads=16), CuteDslOptions())  # the default: even
+    assert balanced_split(prob(num_heads=16), CuteDslOptions())  # the default since 0.2.3: balanced
+    assert not balanced_split(prob(num_heads=16), CuteDslOptions(split_kv="even"))
     assert not balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), bal)  # fp8reg
     assert not balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
                                                                                        mma="mma_sync"))
@@ -291,7 +294,7 @@ def test_split_kv_applies_only_to_the_mma_sync_kernel_with_a_16_bit_cache():
     assert balanced_split(prob(num_heads=128), CuteDslOptions(split_kv="balanced", mma="mma_sync"))
     # which kernel runs, and why the option is ignored where it is
     assert kernel_summary(prob(num_heads=16), bal).startswith("mma_sync kernel, balanced split-KV")
-    assert kernel_summary(prob(num_heads=16), CuteDslOptions()) == "mma_sync kernel, even split-KV"
+    assert kernel_summary(prob(num_heads=16), CuteDslOptions(split_kv="even")) == "mma_sync kernel, even split-KV"
     assert kernel_summary(prob(num_heads=128), bal) == (
         "seesaw kernel, even split-KV (split_kv=balanced ignored: it applies to the mma.sync kernel with a "
         "bf16/fp16 cache, this shape runs the seesaw kernel)")
@@ -351,8 +354,8 @@ def test_the_session_plans_the_hybrid_schedule_into_fixed_buffers_for_split_kv_b
         assert torch.equal(sched.work_info, fresh.work_info) and torch.equal(sched.cta_ranges, fresh.cta_ranges)
         forms.append(sched.form)
     assert forms == ["even", "balanced", "even"] and len(ptrs) == 1
-    # the default, and shapes the option does not apply to: the even entries, no ranges
-    even = _cpu_session(monkeypatch, CuteDslOptions()).plan(problem, StepInputs(lens, table, lens, table))
+    # split_kv=even, and shapes the option does not apply to: the even entries, no ranges
+    even = _cpu_session(monkeypatch, CuteDslOptions(split_kv="even")).plan(problem, StepInputs(lens, table, lens, table))
     assert even.run_fn.__name__ == "mla_decode_sm90" and not even.schedule.balanced
     fp8 = _cpu_session(monkeypatch, CuteDslOptions(split_kv="balanced"), kv_dtype="fp8_e4m3").plan(
         prob(batch_size=B, kv_dtype="fp8_e4m3"), StepInputs(lens, table, lens, table))

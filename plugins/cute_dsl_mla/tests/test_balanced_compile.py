@@ -133,12 +133,12 @@ def test_mla_decode_sm90_balanced_needs_a_balanced_schedule():
         mla_decode_sm90(q, kv.to(torch.float8_e4m3fn), pt, lens, 0.1, 1.0, out, lse, bsched, ws, balanced=True)
 
 
-def test_backend_runs_the_balanced_kernel_only_through_split_kv():
-    """The default (split_kv=even) keeps today's entry; the balanced entry is reached only through the option
+def test_backend_runs_the_balanced_kernel_through_split_kv():
+    """The default (split_kv=balanced since 0.2.3) runs the balanced entry; split_kv=even keeps 0.2.2's entry
     (the session tests in test_backend_host.py run both)."""
     from mla_cute_dsl.backend import CuteDslOptions, run_function
     from mla_cute_dsl.kernels.api import mla_decode_sm90, mla_decode_sm90_balanced
 
-    assert CuteDslOptions().split_kv == "even"
+    assert CuteDslOptions().split_kv == "balanced"
     assert run_function("mma_sync") is mla_decode_sm90
     assert run_function("mma_sync", balanced=True) is mla_decode_sm90_balanced
