@@ -18,11 +18,16 @@ SHAPES = {  # kernel: (B, s_q, H, S, kv dtype)
     "wgmma_fp8": (128, 1, 128, 4096, torch.float8_e4m3fn),
     "seesaw_fp8": (128, 1, 128, 4096, torch.float8_e4m3fn),
     "fp8reg": (64, 1, 16, 8192, torch.float8_e4m3fn),
+    "fp8reg_sq2": (128, 2, 16, 4096, torch.float8_e4m3fn),
+    # the mma.sync kernel (even split) with a bf16 cache: at fp8reg's bytes (B32 S8192) and at the s_q=2 target
+    "mma_sync": (32, 1, 16, 8192, torch.bfloat16),
+    "mma_sync_sq2": (128, 2, 16, 4096, torch.bfloat16),
 }
 
 
 def main() -> None:
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
+    from mla_cute_dsl.kernels.api import mla_decode_sm90
     from mla_cute_dsl.kernels.sm90_decode_fp8 import mla_decode_sm90_fp8
     from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma, mla_decode_sm90_wgmma_seesaw
 
@@ -32,14 +37,15 @@ def main() -> None:
     B, s_q, H, S, kv_dtype = SHAPES[a.kernel]
     fn = {"seesaw": mla_decode_sm90_wgmma_seesaw, "wgmma": mla_decode_sm90_wgmma,
           "wgmma_fp8": mla_decode_sm90_wgmma, "seesaw_fp8": mla_decode_sm90_wgmma_seesaw,
-          "fp8reg": mla_decode_sm90_fp8}[a.kernel]
+          "fp8reg": mla_decode_sm90_fp8, "fp8reg_sq2": mla_decode_sm90_fp8, "mma_sync": mla_decode_sm90,
+          "mma_sync_sq2": mla_decode_sm90}[a.kernel]
     pages = S // 64
     q = torch.randn(B, s_q, H, 576, device="cuda").to(torch.bfloat16)
     kv = torch.randn(B * pages, 64, 576, device="cuda").to(kv_dtype)
     table = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
     lens_cpu = torch.full((B,), S, dtype=torch.int32)
     sched = make_schedule(lens_cpu, s_q, H, torch.cuda.get_device_properties(0).multi_processor_count,
-                          ctas_per_sm=2 if a.kernel == "fp8reg" else 1)
+                          ctas_per_sm=2 if a.kernel.startswith("fp8reg") else 1)
     ws = alloc_workspace(sched)
     out = torch.empty(B, s_q, H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device="cuda")
