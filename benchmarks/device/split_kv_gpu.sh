@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# On the H200 (devpack set up, env.sh sourced), from a checkout of branch balanced-hybrid: cute_dsl_mla's option
+# On the H200 (devpack set up, env.sh sourced), from a checkout of main: cute_dsl_mla's option
 # split_kv=balanced (the balanced mma.sync kernel with the hybrid plan). In one device call of ~200 s at most:
 #   1. GPU tests: test_split_kv_gpu.py (through the backend: fp64 reference, graph captured at one plan form and
 #      replayed at the other), then test_balanced_gpu.py (the balanced kernel, form forced), each under timeout
 #   2. bench_kernel.py --balanced: default vs balanced (forced) vs hybrid, and the form the hybrid picked
-#   3. mla bench on benchmarks/grids/varlen_h16.toml (4 cells): cute_dsl_mla, cute_dsl_mla:split_kv=balanced, fa3
+#   3. mla bench on benchmarks/grids/varlen_h16.toml (4 cells): cute_dsl_mla split_kv=even and =balanced, fa3
 # One kernel cache for all three (the tests compile, the benchmarks load from disk). Logs and JSON under $OUT.
 source "$(dirname "$0")/project_env.sh"
 export PYTHONPATH=plugins/cute_dsl_mla:.:$PYTHONPATH
@@ -21,6 +21,6 @@ timeout ${BENCH_TIMEOUT:-45} python plugins/cute_dsl_mla/benchmarks/bench_kernel
 echo "bench_kernel rc=$? in $(( $(date +%s) - start )) s"; tail -9 "$OUT/split_kv_speed.txt"
 start=$(date +%s)
 timeout ${MLA_BENCH_TIMEOUT:-50} python -m mlacore bench --device cuda --grid benchmarks/grids/varlen_h16.toml \
-  --backend cute_dsl_mla --backend cute_dsl_mla:split_kv=balanced --backend flashinfer_mla:variant=fa3 \
+  --backend cute_dsl_mla:split_kv=even --backend cute_dsl_mla:split_kv=balanced --backend flashinfer_mla:variant=fa3 \
   --budget ${BUDGET:-0.05} --no-progress -o "$OUT/varlen_h16_bench.json" > "$OUT/varlen_h16_bench.txt" 2>&1
 echo "mla bench rc=$? in $(( $(date +%s) - start )) s"; tail -30 "$OUT/varlen_h16_bench.txt"
