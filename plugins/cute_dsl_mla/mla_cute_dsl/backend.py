@@ -23,9 +23,9 @@ graphs captured at one step replay at any later one.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 if TYPE_CHECKING:  # torch is imported where it is used: listing backends and checking a policy stay light
     import torch
@@ -94,8 +94,22 @@ class CuteDslOptions(BackendOptions):
                     "lengths (B100 H16 lengths 1..8192: 179.3 -> 123.7 us) and 0.3-1.9% slower at uniform "
                     "lengths. even: the default kernel of 0.2.2, each request cut into equal items, one CTA per "
                     "item (NOTES.md). Ignored where another kernel runs (WGMMA, seesaw, fp8reg, an fp8 cache)")
+    num_sms: Union[Literal["auto"], int] = Field(
+        default="auto",
+        description="SMs the split-KV schedule spreads one step's work over (sm_90). auto: all of the GPU's. Set "
+                    "it lower when other kernels hold SMs while attention runs (e.g. communication kernels on a "
+                    "side stream): a schedule for all SMs then needs a second wave for the columns or items that "
+                    "find no free SM. At most the GPU's SM count (an error when the decoder opens)")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
+
+    @field_validator("num_sms", mode="before")
+    @classmethod
+    def _auto_or_positive_count(cls, value: Any) -> Any:
+        """One message for both halves of the union (pydantic would print one error per member)."""
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"expected 'auto' or a positive SM count, got {value!r}")
 
 
 def shape_reasons(shape: DecodeShape) -> List[str]:
@@ -273,6 +287,16 @@ class CuteDslBackend(Backend):
         return CuteDslSession(config, options)
 
 
+def session_sms(device_sms: int, options: CuteDslOptions) -> int:
+    """The SM count a session's schedules are made for: option num_sms, or every SM of the GPU (auto)."""
+    if options.num_sms == "auto":
+        return device_sms
+    if options.num_sms > device_sms:
+        raise ValueError(f"cute_dsl_mla option num_sms={options.num_sms}: expected at most this GPU's "
+                         f"{device_sms} SMs (or 'auto')")
+    return options.num_sms
+
+
 def run_function(kernel: PartialKernel, balanced: bool = False) -> Callable[..., Any]:
     """The host entry (partial kernel + combine, same arguments for all) that runs `kernel`; `balanced`: the
     balanced split-KV entry (mma_sync only; balanced_split says when)."""
@@ -317,7 +341,7 @@ class CuteDslSession(Session):
 
         self.config, self.options = config, options
         self.device = torch.device("cuda", config.device_index)
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sms = session_sms(torch.cuda.get_device_properties(self.device).multi_processor_count, options)
         self._schedules: Dict[int, Tuple[Any, Any]] = {}  # s_q -> (schedule, workspace)
         self._lse: Dict[Tuple[int, int], torch.Tensor] = {}
         self._combines: set = set()  # q dtypes whose two combine kernels are built

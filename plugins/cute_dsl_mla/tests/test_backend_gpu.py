@@ -73,6 +73,15 @@ class TestCuteDslMmaSyncConformance(TestCuteDslConformance):
     seq_lens_q = (1, 2, 8)
 
 
+class TestCuteDslFewerSmsConformance(TestCuteDslConformance):
+    """Option num_sms below the GPU's count (schedules for 100 SMs: other kernels holding SMs), every kernel
+    auto picks (mma.sync balanced, fp8reg, WGMMA, seesaw)."""
+
+    options = {"num_sms": 100}
+    num_heads = (3, 16, 128)
+    kv_dtypes = ("bf16", "fp8_e4m3")
+
+
 class TestCuteDslEvenSplitConformance(TestCuteDslConformance):
     """split_kv=even: the mma.sync kernel's even split (the default before 0.2.3, which made the balanced
     kernel with the hybrid plan the default), at the head counts where auto runs the mma.sync kernel."""

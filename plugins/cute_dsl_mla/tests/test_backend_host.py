@@ -380,3 +380,45 @@ def test_split_kv_balanced_run_does_no_host_work_beyond_the_launch(monkeypatch):
     assert kw == {"check": False} and args[0] is q and args[8] is planned.schedule and args[9] is planned.workspace
     with pytest.raises(ValueError, match="mma_sync kernel only"):
         be.run_function("wgmma", balanced=True)
+
+
+# -- option num_sms: schedules for fewer SMs than the GPU has ------------------------------------------------
+
+
+def test_num_sms_is_validated_and_names_the_option():
+    from mlacore.errors import PolicyError
+
+    assert CuteDslOptions().num_sms == "auto" and CuteDslOptions(num_sms=100).num_sms == 100
+    for bad in (0, -4, "all", 1.5):
+        with pytest.raises(Exception, match="num_sms"):
+            CuteDslOptions(num_sms=bad)
+    reg = BackendRegistry(env={}).load()
+    bad = {"mla": {"order": ["cute_dsl_mla"]}, "backend": {"cute_dsl_mla": {"options": {"num_sms": 0}}}}
+    with pytest.raises(PolicyError, match=r"backend.cute_dsl_mla.options.num_sms"):
+        Dispatcher(policy=parse_policy(bad), registry=reg, env={})
+
+
+def test_the_session_plans_for_num_sms_and_refuses_more_than_the_gpu_has(monkeypatch):
+    """Sessions make their schedules for the option's SM count (the even and the balanced form: columns and
+    capacity follow it), and a count above the GPU's is an error naming the option and both numbers."""
+    from mla_cute_dsl.backend import session_sms
+    from mla_cute_dsl.kernels import schedule as S
+    from mlacore import StepInputs
+
+    assert session_sms(132, CuteDslOptions()) == 132 and session_sms(132, CuteDslOptions(num_sms=100)) == 100
+    with pytest.raises(ValueError, match=r"num_sms=200: expected at most this GPU's 132 SMs"):
+        session_sms(132, CuteDslOptions(num_sms=200))
+    B = 64
+    lens = torch.tensor([4096] * B, dtype=torch.int32)
+    table = torch.zeros(B, 64, dtype=torch.int32)
+    problem = prob(batch_size=B, max_kv_len=4096)
+    for split in ("even", "balanced"):
+        session = _cpu_session(monkeypatch, CuteDslOptions(num_sms=100, split_kv=split))
+        assert session.num_sms == 100
+        sched = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
+        fresh = S.make_schedule(lens.tolist(), 1, 16, 100, device="cpu", balanced=split == "balanced")
+        assert torch.equal(sched.work_info, fresh.work_info) and sched.capacity == fresh.capacity
+        assert sched.capacity != S.make_schedule(lens.tolist(), 1, 16, 132, device="cpu",
+                                                 balanced=split == "balanced").capacity
+    with pytest.raises(ValueError, match="num_sms=200"):
+        _cpu_session(monkeypatch, CuteDslOptions(num_sms=200))
