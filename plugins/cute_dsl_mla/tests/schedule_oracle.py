@@ -1,6 +1,6 @@
 # The split-KV planner as it was before the host planning was vectorized (mla_cute_dsl/kernels/schedule.py
-# at commit 7d5eabd, verbatim below this comment): the pure-Python implementation whose buffers the GPU
-# kernels were verified with on an H200. Test and benchmark use only: test_schedule_equality.py checks that
+# at commit 7d5eabd, verbatim below this comment except the unchanged bounds and helpers, now imported):
+# the pure-Python implementation whose buffers the GPU kernels were verified with on an H200. Test and benchmark use only: test_schedule_equality.py checks that
 # the vectorized planner produces exactly the same buffers, and benchmarks/plan_time.py times both.
 """Split-KV schedule for the SM90 MLA decode kernel: pure Python + torch.
 
@@ -39,41 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK_N = 64
-D_V = 512
-
-
-def block_m_for(rows: int) -> int:
-    """MMA M tile (packed query rows per CTA) for s_q * H rows."""
-    if rows <= 16:
-        return 16
-    return 32 if rows <= 32 else 64
-
-
-def capacity_for(max_batch: int, num_sms: int, ctas_per_sm: int = 1) -> int:
-    """Rows of work_info: fixed per decoder (max batch, GPU)."""
-    return max_batch + num_sms * ctas_per_sm
-
-
-def slots_for(rows: int, num_sms: int, ctas_per_sm: int = 1) -> int:
-    """Partial-buffer rows needed at most (see make_schedule's bound)."""
-    m_blocks = -(-rows // block_m_for(rows))
-    return 2 * (num_sms * ctas_per_sm) // m_blocks + 2
-
-
-# MLACombine gives a query row one warp, 4 rows per CTA, walking all of its request's splits
-COMBINE_ROWS_PER_CTA = 4
-
-
-def wide_combine_for(batch: int, rows: int, num_sms: int) -> bool:
-    """Whether MLACombineWide (one CTA per row and 128-column chunk, warps share out the splits) merges a
-    step: when MLACombine would have fewer CTAs than the GPU has SMs. Small batches are split many ways
-    (the schedule fills every SM), so each of those few warps walks a long list. On an H200 the wide kernel
-    took B=1 H=16 S=4096 from 35.5 to 11.8 us; with 256 per-row CTAs it was slower (H=128 s_q=2 B=4:
-    19.4 -> 24.4 us) and with 128 mixed (S=512: 4-6% slower, S=4096-16384: 2-4% faster). Batch and
-    rows only, never the lengths: a CUDA graph captured at one step replays the same combine at every
-    later step of its batch size."""
-    return batch * -(-rows // COMBINE_ROWS_PER_CTA) < num_sms
+# the bounds and small helpers did not change in the vectorised planner: shared, not copied
+from mla_cute_dsl.kernels.schedule import (  # noqa: E402
+    BLOCK_N, D_V, block_m_for, capacity_for, slots_for, wide_combine_for)
 
 
 @dataclass
