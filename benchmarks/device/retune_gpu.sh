@@ -7,7 +7,8 @@
 #   PART=tune:    `mla tune --from` FROM (default: the five stored runs of docs/results/, 376 cells) with
 #                 REFINE rounds of at most REFINE_CELLS midpoint cells, the rules written into a copy of the
 #                 default policy, then validated on VALIDATE (default h200_offgrid7, 96 cells none of those
-#                 runs measured) in a separate pass after the rules are written.
+#                 runs measured) in a separate pass after the rules are written; or VALIDATE_FROM=FILE
+#                 (a stored `mla bench -o` run of the same stack) instead of measuring. REFINE=0: no refine.
 source "$(dirname "$0")/project_env.sh"
 ARMS="--backend flashinfer_mla:variant=fa3 --backend flashinfer_mla:variant=fa2 --backend cute_dsl_mla"
 mkdir -p /tmp/retune
@@ -24,9 +25,11 @@ else
   cp mlacore/default_policy.toml "$OUT/h200_tuned_mla.toml"
   start=$(date +%s)
   timeout ${TUNE_TIMEOUT:-540} python -m mlacore tune --device cuda $ARMS --budget ${BUDGET:-0.08} --no-progress \
-    $(for f in $FROM; do echo --from $f; done) --refine ${REFINE:-1} --refine-cells ${REFINE_CELLS:-60} \
+    $(for f in $FROM; do echo --from $f; done) \
+    $([ "${REFINE:-1}" = 0 ] || echo --refine ${REFINE:-1} --refine-cells ${REFINE_CELLS:-60}) \
     -o "$OUT/tune_joined.json" --write "$OUT/h200_tuned_mla.toml" \
-    --validate benchmarks/grids/${VALIDATE:-h200_offgrid7}.toml --validate-output "$OUT/validate_bench.json" \
+    $(if [ -n "$VALIDATE_FROM" ]; then echo --validate-from $VALIDATE_FROM; else
+      echo --validate benchmarks/grids/${VALIDATE:-h200_offgrid7}.toml --validate-output "$OUT/validate_bench.json"; fi) \
     --worst 10 > "$OUT/tune.txt" 2>&1
   echo "tune rc=$? in $(( $(date +%s) - start )) s"; grep -E "^--refine|^wrote|^validation" "$OUT/tune.txt" | tail -5
 fi
