@@ -473,14 +473,43 @@ class MLADecodePartialWGMMAT:
         g2r_q: cute.TiledCopy, r2s_q: cute.TiledCopy, r2s_P: cute.TiledCopy,
         mma_s: cute.TiledMma, mma_s_first: cute.TiledMma, mma_o: cute.TiledMma,
     ):
-        """Warpgroup 0 (threads 0..127): Q, the tile loop, the epilogue."""
-        mt = self.mma_dtype
-        bm = self.block_m
+        """Warpgroup 0 (threads 0..127), one work item per CTA: Q, the tile loop, the epilogue.
+        (The balanced kernel composes the same helpers in its column loop.)"""
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32
         warp = tidx // 32
 
-        # ---------------- Q: gmem (q dtype) -> MMA dtype -> sQ, rows >= R zero ----------------
+        self.load_q(mQ, b, m_block, R, sQ, g2r_q, r2s_q)
+        (tSrK, tSrQ, s_shape, tScS, n_tok, n_col, thr_o, tOrV, tOrP, acc_O, acc_O_mn, r2s_P_thr,
+         tPsP) = self.consumer_partitions(sK, sQ, sP, sV, r2s_P, mma_s, mma_s_first, mma_o)
+        col_lim = cute.make_rmem_tensor((n_col,), cutlass.Int32)
+        col_max = cute.make_rmem_tensor((n_col,), cutlass.Float32)
+        col_sum = cute.make_rmem_tensor((n_col,), cutlass.Float32)  # this thread's partial sums
+        self.reset_row_state(tScS, n_col, col_lim, col_max, col_sum, m_block, kv_len, s_q, num_heads)
+        red_writer = lane < 4  # lanes 0..3 hold every column of the warp once
+
+        for i in cutlass.range(0, T, 1):
+            self.consume_tile(
+                n_start, i, i, scale_log2, sRed, sP, mbar, tSrK, tSrQ, s_shape, tScS, n_tok, n_col,
+                tOrV, tOrP, acc_O, acc_O_mn, r2s_P, r2s_P_thr, tPsP, col_lim, col_max, col_sum,
+                warp, red_writer, mma_s, mma_s_first, mma_o,
+            )
+        self.consumer_epilogue(
+            mO, mLSE, mOp, mLSEp, b, m_block, slot, R, scale_ln, v_scale, sRed, tScS, n_col,
+            thr_o, acc_O_mn, col_max, col_sum, warp, red_writer,
+        )
+
+    @cute.jit
+    def load_q(
+        self, mQ: cute.Tensor, b: cutlass.Int32, m_block: cutlass.Int32, R: cutlass.Int32,
+        sQ: cute.Tensor, g2r_q: cute.TiledCopy, r2s_q: cute.TiledCopy,
+    ):
+        """Q rows of request b, m-block m_block: gmem (q dtype) -> MMA dtype -> sQ (rows >= R zero),
+        then the async-proxy fence and the consumer barrier the S^T WGMMAs (which read sQ) need.
+        Callers make sure no S^T WGMMA of an earlier item still reads sQ (all waited)."""
+        mt = self.mma_dtype
+        bm = self.block_m
+        tidx, _, _ = cute.arch.thread_idx()
         gQ = cute.local_tile(mQ[b, None, None], (bm, D_QK), (m_block, 0))
         cQ = cute.local_tile(cute.make_identity_tensor((mQ.shape[1], D_QK)), (bm, D_QK), (m_block, 0))
         thr_q = g2r_q.get_slice(tidx)
@@ -498,7 +527,16 @@ class MLADecodePartialWGMMAT:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG_THREADS)
 
-        # ---------------- MMA partitions ----------------
+    @cute.jit
+    def consumer_partitions(
+        self, sK: cute.Tensor, sQ: cute.Tensor, sP: cute.Tensor, sV: cute.Tensor,
+        r2s_P: cute.TiledCopy, mma_s: cute.TiledMma, mma_s_first: cute.TiledMma, mma_o: cute.TiledMma,
+    ):
+        """The consumer's MMA fragments and views (item independent) and the O^T accumulator
+        (zeroed): (tSrK, tSrQ, s_shape, tScS, n_tok, n_col, thr_o, tOrV, tOrP, acc_O, acc_O_mn,
+        thr_r2s_P, tPsP)."""
+        bm = self.block_m
+        tidx, _, _ = cute.arch.thread_idx()
         mma_s.set(warpgroup.Field.ACCUMULATE, True)
         mma_s_first.set(warpgroup.Field.ACCUMULATE, False)
         mma_o.set(warpgroup.Field.ACCUMULATE, True)
@@ -522,80 +560,113 @@ class MLADecodePartialWGMMAT:
         sPt = cute.make_tensor(sP.iterator, cute.select(sP.layout, mode=[1, 0]))
         thr_r2s_P = r2s_P.get_slice(tidx)
         tPsP = thr_r2s_P.partition_D(sPt)
+        return (tSrK, tSrQ, s_shape, tScS, n_tok, n_col, thr_o, tOrV, tOrP, acc_O, acc_O_mn, thr_r2s_P,
+                tPsP)
 
-        col_lim = cute.make_rmem_tensor((n_col,), cutlass.Int32)
+    @cute.jit
+    def reset_row_state(
+        self, tScS: cute.Tensor, n_col: cutlass.Constexpr, col_lim: cute.Tensor, col_max: cute.Tensor,
+        col_sum: cute.Tensor, m_block: cutlass.Int32, kv_len: cutlass.Int32, s_q: cutlass.Int32,
+        num_heads: cutlass.Int32,
+    ):
+        """Per item: each of this thread's columns (query rows) sees tokens < col_lim (causal,
+        bottom-right); running max -inf, partial sum 0."""
+        bm = self.block_m
         for c in cutlass.range_constexpr(n_col):
             grow = m_block * bm + tScS[0, c][1]
             col_lim[c] = kv_len - s_q + grow // num_heads + 1
-        col_max = cute.make_rmem_tensor((n_col,), cutlass.Float32)
-        col_sum = cute.make_rmem_tensor((n_col,), cutlass.Float32)  # this thread's partial sums
         col_max.fill(-cutlass.Float32.inf)
         col_sum.fill(0.0)
-        red_writer = lane < 4  # lanes 0..3 hold every column of the warp once
 
-        for i in cutlass.range(0, T, 1):
-            n = n_start + i
-            st = i % STAGES
-            cute.arch.mbarrier_wait(mbar + st, (i // STAGES) % 2)
-            cute.arch.fence_view_async_shared()
+    @cute.jit
+    def consume_tile(
+        self, n_start: cutlass.Int32, i: cutlass.Int32, gi: cutlass.Int32, scale_log2: cutlass.Float32,
+        sRed: cute.Tensor, sP: cute.Tensor, mbar, tSrK: cute.Tensor, tSrQ: cute.Tensor, s_shape,
+        tScS: cute.Tensor, n_tok: cutlass.Constexpr, n_col: cutlass.Constexpr, tOrV: cute.Tensor,
+        tOrP: cute.Tensor, acc_O: cute.Tensor, acc_O_mn: cute.Tensor, r2s_P: cute.TiledCopy, thr_r2s_P,
+        tPsP: cute.Tensor, col_lim: cute.Tensor, col_max: cute.Tensor, col_sum: cute.Tensor,
+        warp: cutlass.Int32, red_writer, mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
+        mma_o: cute.TiledMma,
+    ):
+        """Tile i of the current item (KV block n_start + i), the gi-th tile this CTA's ring
+        carries (gi = i for one item per CTA; the column's running count in the balanced kernel,
+        so the ring's stages and mbarrier phases continue across items): wait full, S^T, mask,
+        column max, online softmax, P^T -> sP, O^T += V^T P^T, release the stage."""
+        mt = self.mma_dtype
+        n = n_start + i
+        st = gi % STAGES
+        cute.arch.mbarrier_wait(mbar + st, (gi // STAGES) % 2)
+        cute.arch.fence_view_async_shared()
 
-            # ---- S^T = K Q^T: 36 WGMMA 64 x bm x 16 ----
-            acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
-                mma = mma_s_first if k == 0 else mma_s
-                cute.gemm(mma, acc_S, tSrK[None, None, k, st], tSrQ[None, None, k], acc_S)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+        # ---- S^T = K Q^T: 36 WGMMA 64 x bm x 16 ----
+        acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+            mma = mma_s_first if k == 0 else mma_s
+            cute.gemm(mma, acc_S, tSrK[None, None, k, st], tSrQ[None, None, k], acc_S)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
 
-            # ---- mask, column max over the warpgroup ----
-            acc_S_mn = _acc_mn_view(acc_S)
-            for c in cutlass.range_constexpr(n_col):
-                lim = col_lim[c] - n * BLOCK_N
-                if lim < BLOCK_N:  # only a row's last tiles have masked tokens
-                    for t in cutlass.range_constexpr(n_tok):
-                        if tScS[t, 0][0] >= lim:
-                            acc_S_mn[t, c] = -cutlass.Float32.inf
-                m_loc = _col_max(cute.arch.fmax(acc_S_mn[0, c], acc_S_mn[1, c]))
-                if red_writer:
-                    sRed[warp, tScS[0, c][1]] = m_loc
-            cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG_THREADS)
+        # ---- mask, column max over the warpgroup ----
+        acc_S_mn = _acc_mn_view(acc_S)
+        for c in cutlass.range_constexpr(n_col):
+            lim = col_lim[c] - n * BLOCK_N
+            if lim < BLOCK_N:  # only a row's last tiles have masked tokens
+                for t in cutlass.range_constexpr(n_tok):
+                    if tScS[t, 0][0] >= lim:
+                        acc_S_mn[t, c] = -cutlass.Float32.inf
+            m_loc = _col_max(cute.arch.fmax(acc_S_mn[0, c], acc_S_mn[1, c]))
+            if red_writer:
+                sRed[warp, tScS[0, c][1]] = m_loc
+        cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG_THREADS)
 
-            # ---- online softmax down the columns; O^T *= rescale ----
-            for c in cutlass.range_constexpr(n_col):
-                col = tScS[0, c][1]
-                m_cur = cute.arch.fmax(cute.arch.fmax(sRed[0, col], sRed[1, col]),
-                                       cute.arch.fmax(sRed[2, col], sRed[3, col]))
-                m_prev = col_max[c]
-                m_new = cute.arch.fmax(m_prev, m_cur)
-                m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
-                ms = m_use * scale_log2
-                p0 = cute.math.exp2(acc_S_mn[0, c] * scale_log2 - ms, fastmath=True)
-                p1 = cute.math.exp2(acc_S_mn[1, c] * scale_log2 - ms, fastmath=True)
-                corr = cute.math.exp2(m_prev * scale_log2 - ms, fastmath=True)
-                col_sum[c] = col_sum[c] * corr + (p0 + p1)
-                col_max[c] = m_new
-                acc_S_mn[0, c] = p0
-                acc_S_mn[1, c] = p1
-                acc_O_mn[None, c] = acc_O_mn[None, c].load() * corr
+        # ---- online softmax down the columns; O^T *= rescale ----
+        for c in cutlass.range_constexpr(n_col):
+            col = tScS[0, c][1]
+            m_cur = cute.arch.fmax(cute.arch.fmax(sRed[0, col], sRed[1, col]),
+                                   cute.arch.fmax(sRed[2, col], sRed[3, col]))
+            m_prev = col_max[c]
+            m_new = cute.arch.fmax(m_prev, m_cur)
+            m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
+            ms = m_use * scale_log2
+            p0 = cute.math.exp2(acc_S_mn[0, c] * scale_log2 - ms, fastmath=True)
+            p1 = cute.math.exp2(acc_S_mn[1, c] * scale_log2 - ms, fastmath=True)
+            corr = cute.math.exp2(m_prev * scale_log2 - ms, fastmath=True)
+            col_sum[c] = col_sum[c] * corr + (p0 + p1)
+            col_max[c] = m_new
+            acc_S_mn[0, c] = p0
+            acc_S_mn[1, c] = p1
+            acc_O_mn[None, c] = acc_O_mn[None, c].load() * corr
 
-            # ---- P^T -> sP (MMA dtype), visible to the async proxy and the warpgroup ----
-            rP = cute.make_rmem_tensor_like(acc_S, mt)
-            rP.store(acc_S.load().to(mt))
-            cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG_THREADS)
+        # ---- P^T -> sP (MMA dtype), visible to the async proxy and the warpgroup ----
+        rP = cute.make_rmem_tensor_like(acc_S, mt)
+        rP.store(acc_S.load().to(mt))
+        cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG_THREADS)
 
-            # ---- O^T += V^T P^T: 8 M-blocks x 4 k-steps ----
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                cute.gemm(mma_o, acc_O, tOrV[None, None, k, st], tOrP[None, None, k], acc_O)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            cute.arch.mbarrier_arrive(mbar + STAGES + st)
+        # ---- O^T += V^T P^T: 8 M-blocks x 4 k-steps ----
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.gemm(mma_o, acc_O, tOrV[None, None, k, st], tOrP[None, None, k], acc_O)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(mbar + STAGES + st)
 
-        # ---------------- epilogue: column sums over the warpgroup ----------------
-        # (sRed's last readers passed the last P barrier before anyone gets here)
+    @cute.jit
+    def consumer_epilogue(
+        self, mO: cute.Tensor, mLSE: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        b: cutlass.Int32, m_block: cutlass.Int32, slot: cutlass.Int32, R: cutlass.Int32,
+        scale_ln: cutlass.Float32, v_scale: cutlass.Float32, sRed: cute.Tensor, tScS: cute.Tensor,
+        n_col: cutlass.Constexpr, thr_o, acc_O_mn: cute.Tensor, col_max: cute.Tensor, col_sum: cute.Tensor,
+        warp: cutlass.Int32, red_writer,
+    ):
+        """Column sums over the warpgroup, then out (slot -1, q dtype) + lse, or the partial slot
+        (fp32) + its lse.  sRed: its last readers passed the last tile's P barrier before anyone
+        gets here; the balanced kernel's barrier at each item start orders the reads below before
+        the next item's first column max."""
+        bm = self.block_m
+        tidx, _, _ = cute.arch.thread_idx()
         for c in cutlass.range_constexpr(n_col):
             s_loc = _col_sum(col_sum[c])
             if red_writer:
