@@ -156,10 +156,64 @@ def consumer_schedule(T: int, stages: int = STAGES):
     return ev
 
 
+
+# ---- balanced mode (a fixed grid of CTA columns, each walking its range of work items) ----
+
+
+def ring_slot(gi: int):
+    """(stage, full-barrier parity, empty-barrier parity or None) of the gi-th tile a CTA's ring
+    carries.  The kernels compute exactly these expressions: with one item per CTA gi is the
+    item's own tile index; in the balanced kernel it is the column's running tile count, so the
+    stages and the mbarrier phases continue across item boundaries (restarting them per item would
+    wait on a phase that already completed after an item with an odd tile count)."""
+    st = gi % STAGES
+    use = gi // STAGES
+    return st, use % 2, ((use - 1) % 2 if gi >= STAGES else None)
+
+
+def item_tiles(kv_start: int, kv_end: int):
+    """(first 64-token block, tile count) of a work item, as the kernels compute n_start and T."""
+    n_start = kv_start // BLOCK_N
+    return n_start, (kv_end + BLOCK_N - 1) // BLOCK_N - n_start
+
+
+def producer_schedule_balanced(item_tile_counts):
+    """The balanced kernel's producer events (16-bit KV: cp.async, no register sets) for one
+    column whose items hold the given tile counts (0 allowed): per tile ("wait_empty", s,
+    parity) from the ring's third tile on, ("ldg", gi) + ("store", gi, s) (the cp.async),
+    ("arrive_full", s)."""
+    ev = [("setmaxnreg_dec", PRODUCER_REGS)]
+    g = 0
+    for n_tiles in item_tile_counts:
+        for i in range(n_tiles):
+            st, _, pe = ring_slot(g + i)
+            if pe is not None:
+                ev.append(("wait_empty", st, pe))
+            ev += [("ldg", g + i), ("store", g + i, st), ("arrive_full", st)]
+        g += n_tiles
+    return ev
+
+
+def consumer_schedule_balanced(item_tile_counts):
+    """The balanced kernel's consumer events: per item ("item_start", k) (consumer barrier, Q
+    reload when the request changes), its tiles' ("wait_full", s, parity) / ("arrive_empty", s),
+    then ("epilogue", k) (its out / partial write, between items)."""
+    ev = [("setmaxnreg_inc", CONSUMER_REGS)]
+    g = 0
+    for k, n_tiles in enumerate(item_tile_counts):
+        ev.append(("item_start", k))
+        for i in range(n_tiles):
+            st, pf, _ = ring_slot(g + i)
+            ev += [("wait_full", st, pf), ("arrive_empty", st)]
+        ev.append(("epilogue", k))
+        g += n_tiles
+    return ev
+
+
 class MLADecodePartialWGMMAT:
     """Split-KV partial kernel, transposed WGMMA (tokens = M, query rows = N), R <= 32."""
 
-    def __init__(self, q_dtype, kv_dtype, block_m: int):
+    def __init__(self, q_dtype, kv_dtype, block_m: int, balanced: bool = False):
         if q_dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise TypeError(f"q dtype must be bf16 or fp16, got {q_dtype}")
         if kv_dtype is not q_dtype and kv_dtype is not cutlass.Float8E4M3FN:
@@ -173,6 +227,15 @@ class MLADecodePartialWGMMAT:
         self.mma_dtype = cutlass.Float16 if self.is_fp8 else q_dtype
         self.block_m = block_m
         self.num_threads = NUM_THREADS
+        # balanced split-KV (schedule.make_schedule(..., balanced=True)): launched through call_balanced,
+        # a fixed grid of (m-blocks, CTA columns), each CTA walking its column's work items with one
+        # ring.  16-bit KV only, as the mma.sync balanced kernel: the hybrid plan's cost model
+        # (item_cost 1, 10% margin) was measured with a 16-bit cache, and the fp8 producer's two-tile
+        # register prefetch pairs register sets with stages (constexpr), which a running ring index
+        # breaks; an fp8 cache runs the fp8reg kernel by default anyway.
+        self.balanced = bool(balanced)
+        if self.balanced and self.is_fp8:
+            raise ValueError("balanced wgmma_t is built for bf16/fp16 KV only")
 
     # ------------------------------------------------------------------ host side
     def smem_bytes(self) -> int:
@@ -263,6 +326,7 @@ class MLADecodePartialWGMMAT:
         num_heads: cutlass.Int32,
         stream,
     ):
+        assert not self.balanced, "MLADecodePartialWGMMAT(balanced=True) is launched with call_balanced"
         mt = self.mma_dtype
         bm = self.block_m
         sK_layout, sQ_layout, sP_layout, sV_layout = self._smem_layouts()
@@ -291,6 +355,59 @@ class MLADecodePartialWGMMAT:
             scale_log2, scale_ln, v_scale, s_q, num_heads,
             sK_layout, sQ_layout, sP_layout, sV_layout,
             g2r_kv8, r2s_kv, g2s_kv, g2r_q, r2s_q, r2s_P,
+            mma_s, mma_s_first, mma_o, SharedStorage,
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.jit
+    def call_balanced(
+        self,
+        mQ: cute.Tensor,  # (B, R, 576) q dtype, R = s_q * H
+        mKV: cute.Tensor,  # (P, page, 576) kv dtype (16 bit)
+        mPT: cute.Tensor,  # (B, max_pages) int32
+        mLens: cute.Tensor,  # (B,) int32
+        mO: cute.Tensor,  # (B, R, 512) q dtype
+        mLSE: cute.Tensor,  # (B, R) fp32
+        mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot (column by column)
+        mRanges: cute.Tensor,  # (num_cols + 1,) int32: column c runs work rows [mRanges[c], mRanges[c+1])
+        mOp: cute.Tensor,  # (slots, R, 512) fp32
+        mLSEp: cute.Tensor,  # (slots, R) fp32
+        scale_log2: cutlass.Float32,
+        scale_ln: cutlass.Float32,
+        v_scale: cutlass.Float32,
+        s_q: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        stream,
+    ):
+        """Balanced launch: grid (m-blocks, num_cols), fixed for a decoder (the ranges' length), so a
+        CUDA graph replays it with any later schedule in the same buffers, whichever form it holds."""
+        assert self.balanced, "call_balanced needs MLADecodePartialWGMMAT(balanced=True)"
+        mt = self.mma_dtype
+        bm = self.block_m
+        sK_layout, sQ_layout, sP_layout, sV_layout = self._smem_layouts()
+        mma_s, mma_o = self._tiled_mmas()
+        mma_s_first, _ = self._tiled_mmas()
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * bm], 16]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * STAGES], 8]
+
+        _, _, g2s_kv, g2r_q, r2s_q = self._copies()
+        r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
+
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[1]), bm),
+            cute.size(mRanges.shape[0]) - 1,
+            1,
+        )
+        self.kernel_balanced(
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mRanges, mOp, mLSEp,
+            scale_log2, scale_ln, v_scale, s_q, num_heads,
+            sK_layout, sQ_layout, sP_layout, sV_layout,
+            g2s_kv, g2r_q, r2s_q, r2s_P,
             mma_s, mma_s_first, mma_o, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -460,6 +577,144 @@ class MLADecodePartialWGMMAT:
                             cute.arch.mbarrier_wait(mbar + STAGES + st, (i // STAGES - 1) % 2)
                         self.load_tile_16(thr_g2s, g2s_kv, mKV, mPT, b, n_start + i, st, blocks_per_page,
                                           kv_len, tPcK, tPsK, mbar + st)
+
+    @cute.kernel
+    def kernel_balanced(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mRanges: cute.Tensor,
+        mOp: cute.Tensor, mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sK_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        g2s_kv: cute.TiledCopy, g2r_q: cute.TiledCopy, r2s_q: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma, mma_o: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """Balanced split-KV: CTA (m_block, column) runs the work rows mRanges[column] ..
+        mRanges[column + 1] - 1 (rows with b < 0 skipped).  The mbarriers are set up once; the
+        producers and the consumer walk the same rows (read independently from mWork) and count
+        the tiles they have passed (g), so the ring's stages and phases continue across items,
+        also past items of one tile and columns with no item (both loops then do nothing)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, col, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        i_begin = mRanges[col]
+        i_end = mRanges[col + 1]
+        R = mQ.shape[1]
+        blocks_per_page = mKV.shape[1] // BLOCK_N
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        sRed = storage.sRed.get_tensor(cute.make_layout((4, self.block_m), stride=(self.block_m, 1)))
+        mbar = storage.mbar.data_ptr()  # full[s] = mbar + s, empty[s] = mbar + STAGES + s
+
+        if tidx == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                # 256 noinc (cp.async) + 256 plain arrives per fill; 128 consumer arrives per release
+                cute.arch.mbarrier_init(mbar + s, 2 * PROD_THREADS)
+                cute.arch.mbarrier_init(mbar + STAGES + s, WG_THREADS)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        if wg == 0:
+            if cutlass.const_expr(USE_SETMAXNREG):
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consumer_column(
+                mQ, mLens, mO, mLSE, mWork, mOp, mLSEp, i_begin, i_end, m_block, R,
+                scale_log2, scale_ln, v_scale, s_q, num_heads,
+                sK, sQ, sP, sV, sRed, mbar, g2r_q, r2s_q, r2s_P, mma_s, mma_s_first, mma_o,
+            )
+        else:
+            if cutlass.const_expr(USE_SETMAXNREG):
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.producer_column_16(mKV, mPT, mLens, mWork, i_begin, i_end, blocks_per_page, sK, mbar, g2s_kv)
+
+    @cute.jit
+    def producer_column_16(
+        self, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor, mWork: cute.Tensor,
+        i_begin: cutlass.Int32, i_end: cutlass.Int32, blocks_per_page: cutlass.Int32,
+        sK: cute.Tensor, mbar, g2s_kv: cute.TiledCopy,
+    ):
+        """Warpgroups 1 + 2 of the balanced kernel: every tile of every item of the column into the
+        ring (cp.async, 16-bit KV), the ring position gi = g + i running across items (ring_slot)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        ptid = tidx - WG_THREADS
+        cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
+        thr_g2s = g2s_kv.get_slice(ptid)
+        tPcK = thr_g2s.partition_S(cKV)
+        tPsK = thr_g2s.partition_D(sK)  # (CPY, 2, 9, STAGES)
+        g = cutlass.Int32(0)
+        for wi in cutlass.range(i_begin, i_end, 1):
+            b = mWork[wi, 0]
+            if b >= 0:
+                kv_len = mLens[b]
+                n_start = mWork[wi, 1] // BLOCK_N
+                T = (mWork[wi, 2] + BLOCK_N - 1) // BLOCK_N - n_start
+                for i in cutlass.range(0, T, 1):
+                    gi = g + i
+                    st = gi % STAGES
+                    if gi >= STAGES:
+                        cute.arch.mbarrier_wait(mbar + STAGES + st, (gi // STAGES - 1) % 2)
+                    self.load_tile_16(thr_g2s, g2s_kv, mKV, mPT, b, n_start + i, st, blocks_per_page,
+                                      kv_len, tPcK, tPsK, mbar + st)
+                g = g + T
+
+    @cute.jit
+    def consumer_column(
+        self, mQ: cute.Tensor, mLens: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor,
+        mOp: cute.Tensor, mLSEp: cute.Tensor, i_begin: cutlass.Int32, i_end: cutlass.Int32,
+        m_block: cutlass.Int32, R: cutlass.Int32,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sK: cute.Tensor, sQ: cute.Tensor, sP: cute.Tensor, sV: cute.Tensor, sRed: cute.Tensor, mbar,
+        g2r_q: cute.TiledCopy, r2s_q: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma, mma_o: cute.TiledMma,
+    ):
+        """Warpgroup 0 of the balanced kernel: per item of the column a consumer barrier (the
+        previous epilogue's sRed reads before this item's first column max), Q when the request
+        changes (sQ is read only by S^T WGMMAs, all waited by then), fresh row state, the tiles at
+        ring positions g + i, the epilogue (out + lse for slot -1, else the partial slot)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = tidx % 32
+        warp = tidx // 32
+        (tSrK, tSrQ, s_shape, tScS, n_tok, n_col, thr_o, tOrV, tOrP, acc_O, acc_O_mn, r2s_P_thr,
+         tPsP) = self.consumer_partitions(sK, sQ, sP, sV, r2s_P, mma_s, mma_s_first, mma_o)
+        col_lim = cute.make_rmem_tensor((n_col,), cutlass.Int32)
+        col_max = cute.make_rmem_tensor((n_col,), cutlass.Float32)
+        col_sum = cute.make_rmem_tensor((n_col,), cutlass.Float32)
+        red_writer = lane < 4
+        g = cutlass.Int32(0)
+        q_of = cutlass.Int32(-1)  # request whose Q rows sQ holds
+        for wi in cutlass.range(i_begin, i_end, 1):
+            b = mWork[wi, 0]
+            if b >= 0:
+                slot = mWork[wi, 3]
+                kv_len = mLens[b]
+                n_start = mWork[wi, 1] // BLOCK_N
+                T = (mWork[wi, 2] + BLOCK_N - 1) // BLOCK_N - n_start
+                cute.arch.barrier(barrier_id=BAR_CONSUMER, number_of_threads=WG_THREADS)
+                if b != q_of:
+                    self.load_q(mQ, b, m_block, R, sQ, g2r_q, r2s_q)
+                q_of = b
+                acc_O.fill(0.0)
+                self.reset_row_state(tScS, n_col, col_lim, col_max, col_sum, m_block, kv_len, s_q, num_heads)
+                for i in cutlass.range(0, T, 1):
+                    self.consume_tile(
+                        n_start, i, g + i, scale_log2, sRed, sP, mbar, tSrK, tSrQ, s_shape, tScS, n_tok,
+                        n_col, tOrV, tOrP, acc_O, acc_O_mn, r2s_P, r2s_P_thr, tPsP, col_lim, col_max,
+                        col_sum, warp, red_writer, mma_s, mma_s_first, mma_o,
+                    )
+                self.consumer_epilogue(
+                    mO, mLSE, mOp, mLSEp, b, m_block, slot, R, scale_ln, v_scale, sRed, tScS, n_col,
+                    thr_o, acc_O_mn, col_max, col_sum, warp, red_writer,
+                )
+                g = g + T
 
     @cute.jit
     def consumer(
@@ -708,7 +963,7 @@ class MLADecodePartialWGMMAT:
                         mLSEp[slot, grow] = col_lse[c]
 
 
-# ---- host helpers (the backend does not use this kernel) ----
+# ---- host helpers (backend.py runs these for mma=wgmma_t) ----
 
 
 def _build_partial_wgmma_t(q_name: str, kv_name: str, block_m: int):
@@ -744,3 +999,48 @@ def mla_decode_sm90_wgmma_t(q, kv_cache, page_table, kv_lens, sm_scale: float, k
                                          schedule.block_m)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
+
+
+def _build_partial_wgmma_t_balanced(q_name: str, kv_name: str, block_m: int):
+    from . import api
+
+    k = MLADecodePartialWGMMAT(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m, balanced=True)
+    return cute.compile(k.call_balanced, *api._fake_args_partial_balanced(q_name, kv_name),
+                        options=api.COMPILE_OPTIONS)
+
+
+def get_partial_kernel_wgmma_t_balanced(q_name: str, kv_name: str | None = None, block_m: int = 16):
+    """Compiled balanced transposed-WGMMA partial kernel (``MLADecodePartialWGMMAT(balanced=True)
+    .call_balanced``) for (q dtype, 16-bit kv dtype, BLOCK_M 16 / 32); kernel cache kind
+    ``partial_wgmma_t_balanced`` (the even kernel's keys and symbols stay as they were)."""
+    from . import kernel_cache
+
+    kv_name = kv_name or q_name
+    if kv_name == "fp8_e4m3":
+        raise ValueError("balanced wgmma_t is built for bf16/fp16 KV caches only")
+    return kernel_cache.get_or_build("partial_wgmma_t_balanced", (q_name, kv_name, block_m),
+                                     _build_partial_wgmma_t_balanced)
+
+
+def mla_decode_sm90_wgmma_t_balanced(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
+                                     out, lse, schedule, workspace, *, check: bool = True):
+    """``api.mla_decode_sm90_balanced`` with the balanced transposed-WGMMA partial kernel: a fixed grid
+    of (m-blocks, schedule.num_cols) CTAs, each walking its column of a ``make_schedule(...,
+    balanced=True, ctas_per_sm=1)`` schedule (either form of the hybrid plan), then the combine.
+    Needs s_q * H <= 32 and a bf16/fp16 cache (ValueError otherwise, also with check=False)."""
+    import torch
+
+    from . import api
+
+    if not schedule.balanced:
+        raise ValueError("wgmma_t balanced needs a schedule made with make_schedule(..., balanced=True)")
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError("balanced wgmma_t is built for bf16/fp16 KV caches only")
+    if schedule.block_m not in (16, 32):
+        raise ValueError(f"wgmma_t: s_q * H must be <= 32, got {schedule.rows}")
+    if check:
+        api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
+    partial = get_partial_kernel_wgmma_t_balanced(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
+                                                  schedule.block_m)
+    return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                               workspace)
