@@ -14,10 +14,10 @@ plan (once per step, host): the split-KV schedule over all SMs, written into
 the session's fixed device buffers. run (per layer): the partial kernel and
 the combine kernel; no host work.
 
-Option split_kv="balanced" (the default since 0.2.3; mma.sync kernel, bf16/fp16
-cache only; see balanced_split): the balanced split-KV kernel, whose schedule plan picks per
-step (the hybrid, kernels/schedule.py choose_form) into the same buffers, so
-graphs captured at one step replay at any later one.
+Option split_kv="balanced" (the default since 0.2.3; the mma.sync kernel or, with
+mma=wgmma_t, the transposed WGMMA kernel, bf16/fp16 cache only; see balanced_split): the
+balanced split-KV kernel, whose schedule plan picks per step (the hybrid, kernels/schedule.py
+choose_form) into the same buffers, so graphs captured at one step replay at any later one.
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ FP8REG_MAX_ROWS = 32
 SEESAW_MIN_ROWS = 128
 # the transposed WGMMA kernel (sm90_wgmma_t_decode: KV tokens are WGMMA's M, query rows its N) takes at most
 # this many packed rows (N = 16 or 32); with a bf16 cache and uniform lengths on an H200 0.93-0.99x fa3's time
-# against the mma.sync kernel's 0.88-0.90x at 32 rows, equal at 16 (docs/results/gpu9_wgmma_t/); it splits
-# evenly only, so the balanced mma.sync default stays faster with variable lengths
+# against the mma.sync kernel's 0.88-0.90x at 32 rows, equal at 16 (docs/results/gpu9_wgmma_t/); its balanced
+# mode (split_kv=balanced, 16-bit cache; compile-only so far) walks the same hybrid schedule as the mma.sync
+# balanced kernel
 WGMMA_T_MAX_ROWS = 32
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
@@ -88,19 +89,23 @@ class CuteDslOptions(BackendOptions):
                     "an H200, bf16 or fp8 KV), seesaw (WGMMA, each warpgroup its own KV tile; bf16, fp16 or fp8 KV, "
                     "s_q*num_heads > 32), fp8reg (fp8 KV, s_q*num_heads <= 32: fp8 B fragments converted in "
                     "registers), wgmma_t (s_q*num_heads <= 32, any cache: WGMMA with KV tokens as M and query rows "
-                    "as N, even split only; 7-12% faster than the default at 32 rows with uniform lengths), "
+                    "as N; 7-12% faster than the default at 32 rows with uniform lengths, even split; with a "
+                    "bf16/fp16 cache it follows split_kv, balanced not yet GPU-verified), "
                     "mma_sync (every shape). auto: fp8reg for fp8 KV up to "
                     f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows, wgmma from "
                     f"s_q*num_heads >= {WGMMA_MIN_ROWS}, else mma_sync")
     split_kv: SplitKV = Field(
         default="balanced",
-        description="how the mma.sync kernel with a bf16/fp16 cache splits the KV work (sm_90). balanced "
+        description="how the mma.sync kernel (and mma=wgmma_t) with a bf16/fp16 cache splits the KV work (sm_90). "
+                    "balanced "
                     "(default): the balanced kernel (a fixed grid of CTA columns) with a per-step hybrid plan, "
                     "the balanced split (each column an equal share of all requests' blocks) when predicted >= 10% "
                     "faster, else the even one in the same buffers; on an H200 14-31% faster with variable "
                     "lengths (B100 H16 lengths 1..8192: 179.3 -> 123.7 us) and 0.3-1.9% slower at uniform "
                     "lengths. even: the default kernel of 0.2.2, each request cut into equal items, one CTA per "
-                    "item (NOTES.md). Ignored where another kernel runs (WGMMA, seesaw, fp8reg, an fp8 cache)")
+                    "item (NOTES.md). Ignored where another kernel runs (WGMMA, seesaw, fp8reg, an fp8 cache); "
+                    "mma=wgmma_t takes it as the mma.sync kernel does (its balanced mode: same schedule, one CTA "
+                    "per SM)")
     num_sms: Union[Literal["auto"], int] = Field(
         default="auto",
         description="SMs the split-KV schedule spreads one step's work over (sm_90). auto: all of the GPU's. Set "
@@ -192,12 +197,19 @@ def partial_kernel(shape: DecodeShape, options: CuteDslOptions) -> PartialKernel
     return "wgmma" if rows >= WGMMA_MIN_ROWS else "mma_sync"
 
 
+# partial kernels with a balanced mode (a column loop over the hybrid schedule), 16-bit caches only
+BALANCED_KERNELS = ("mma_sync", "wgmma_t")
+
+
 def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
-    """Whether this shape runs the balanced split-KV kernel: split_kv=balanced and the mma.sync kernel with a
-    16-bit cache (the balanced kernel is that kernel's item body in a column loop; fp8 and the WGMMA kernels
-    have none). Shape class and options only, so the session's buffers and its CUDA graphs never change kind
+    """Whether this shape runs a balanced split-KV kernel: split_kv=balanced, the mma.sync kernel or the
+    transposed WGMMA kernel (mma=wgmma_t), and a 16-bit cache. Both balanced kernels are their item body in
+    a column loop; fp8 caches have none: the hybrid plan's cost model (item_cost, the 10% margin) was
+    measured with a 16-bit cache, the mma.sync fp8 kernel has no column loop, and the wgmma_t fp8
+    producer pairs its register sets with ring stages at compile time. The other WGMMA kernels have none
+    either. Shape class and options only, so the session's buffers and its CUDA graphs never change kind
     between steps."""
-    return (options.split_kv == "balanced" and partial_kernel(shape, options) == "mma_sync"
+    return (options.split_kv == "balanced" and partial_kernel(shape, options) in BALANCED_KERNELS
             and shape.kv_dtype != "fp8_e4m3")
 
 
@@ -206,13 +218,13 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions) -> str:
     is ignored (logged at plan; the answer to "which kernel runs" for a given option set)."""
     kernel = partial_kernel(shape, options)
     if balanced_split(shape, options):
-        return ("mma_sync kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
+        return (f"{kernel} kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
                 "whichever is predicted >= 10% faster)")
     text = f"{kernel} kernel, even split-KV"
     if options.split_kv == "balanced":
-        why = ("has an fp8 cache" if kernel == "mma_sync" else f"runs the {kernel} kernel")
-        text += (f" (split_kv=balanced ignored: it applies to the mma.sync kernel with a bf16/fp16 cache, "
-                 f"this shape {why})")
+        why = ("has an fp8 cache" if kernel in BALANCED_KERNELS else f"runs the {kernel} kernel")
+        text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
+                 f"cache, this shape {why})")
     return text
 
 
@@ -238,9 +250,9 @@ class CuteDslBackend(Backend):
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
                    "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504",
-                   "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel with "
-                   "a bf16/fp16 cache (mma=auto: s_q*H < 64); shapes that run the WGMMA, seesaw or fp8reg kernel, "
-                   "or an fp8 cache, ignore it and split evenly"),
+                   "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
+                   "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA, "
+                   "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly"),
             q_layouts=("packed",), kv_layouts=("packed",), strided_q=False,
         )
 
@@ -316,11 +328,14 @@ def session_sms(device_sms: int, options: CuteDslOptions) -> int:
 
 def run_function(kernel: PartialKernel, balanced: bool = False) -> Callable[..., Any]:
     """The host entry (partial kernel + combine, same arguments for all) that runs `kernel`; `balanced`: the
-    balanced split-KV entry (mma_sync only; balanced_split says when)."""
+    balanced split-KV entry (mma_sync and wgmma_t only; balanced_split says when)."""
     if balanced:
-        if kernel != "mma_sync":
-            raise ValueError(f"balanced split-KV is built for the mma_sync kernel only, not {kernel}")
-        from .kernels.api import mla_decode_sm90_balanced as run_fn
+        if kernel not in BALANCED_KERNELS:
+            raise ValueError(f"balanced split-KV is built for the mma_sync and wgmma_t kernels only, not {kernel}")
+        if kernel == "wgmma_t":
+            from .kernels.sm90_wgmma_t_decode import mla_decode_sm90_wgmma_t_balanced as run_fn
+        else:
+            from .kernels.api import mla_decode_sm90_balanced as run_fn
     elif kernel == "wgmma":
         from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as run_fn
     elif kernel == "seesaw":

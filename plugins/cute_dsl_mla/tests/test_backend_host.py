@@ -217,18 +217,28 @@ def test_wgmma_t_takes_up_to_32_rows_of_any_cache_refuses_more_and_is_never_auto
     from mla_cute_dsl.backend import balanced_split, ctas_per_sm, kernel_summary, partial_kernel, run_function
 
     wt = CuteDslOptions(mma="wgmma_t")
+    wt_even = CuteDslOptions(mma="wgmma_t", split_kv="even")
     backend = CuteDslBackend()
-    for kv, heads, s_q in (("bf16", 16, 2), ("fp8_e4m3", 16, 2), ("bf16", 1, 1), ("bf16", 3, 8)):
-        p = prob(num_heads=heads, seq_len_q=s_q, kv_dtype=kv)
+    for kv, heads, s_q in (("bf16", 16, 2), ("fp8_e4m3", 16, 2), ("bf16", 1, 1), ("bf16", 3, 8),
+                           ("fp16", 16, 1)):
+        p = prob(num_heads=heads, seq_len_q=s_q, kv_dtype=kv, q_dtype="fp16" if kv == "fp16" else "bf16")
         assert backend.can_implement(p.shape, wt) == []
         assert partial_kernel(p, wt) == "wgmma_t"
         assert partial_kernel(p, CuteDslOptions()) != "wgmma_t"  # auto never picks it
-        assert not balanced_split(p, wt)  # even split only: split_kv=balanced is ignored, and says so
-        assert "wgmma_t kernel, even split-KV (split_kv=balanced ignored" in kernel_summary(p, wt)
+        assert not balanced_split(p, wt_even) and kernel_summary(p, wt_even) == "wgmma_t kernel, even split-KV"
+        if kv == "fp8_e4m3":  # no balanced mode for an fp8 cache: split_kv=balanced is ignored, and says so
+            assert not balanced_split(p, wt)
+            assert kernel_summary(p, wt) == (
+                "wgmma_t kernel, even split-KV (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t "
+                "kernels with a bf16/fp16 cache, this shape has an fp8 cache)")
+        else:  # a 16-bit cache follows split_kv (balanced, the default): the balanced wgmma_t kernel
+            assert balanced_split(p, wt)
+            assert kernel_summary(p, wt).startswith("wgmma_t kernel, balanced split-KV (split_kv=balanced")
     r = backend.can_implement(prob(num_heads=16, seq_len_q=4).shape, wt)
     assert r == ["mma=wgmma_t: s_q*num_heads=64 > 32 (query rows are its WGMMA N: 16 or 32)"]
     assert ctas_per_sm("wgmma_t", CuteDslOptions()) == 1
     assert run_function("wgmma_t").__name__ == "mla_decode_sm90_wgmma_t"
+    assert run_function("wgmma_t", balanced=True).__name__ == "mla_decode_sm90_wgmma_t_balanced"
 
 
 @pytest.mark.parametrize("kv_dtype,heads,s_q,kernel,ctas", [
@@ -296,7 +306,7 @@ def test_split_kv_is_validated_and_names_its_values():
     assert d.options["cute_dsl_mla"].base.split_kv == "balanced"
 
 
-def test_split_kv_applies_only_to_the_mma_sync_kernel_with_a_16_bit_cache():
+def test_split_kv_applies_only_to_the_mma_sync_and_wgmma_t_kernels_with_a_16_bit_cache():
     from mla_cute_dsl.backend import balanced_split, kernel_summary
 
     bal = CuteDslOptions(split_kv="balanced")
@@ -310,12 +320,15 @@ def test_split_kv_applies_only_to_the_mma_sync_kernel_with_a_16_bit_cache():
     assert not balanced_split(prob(num_heads=64), bal)  # wgmma
     assert not balanced_split(prob(num_heads=128), bal)  # seesaw
     assert balanced_split(prob(num_heads=128), CuteDslOptions(split_kv="balanced", mma="mma_sync"))
+    assert balanced_split(prob(num_heads=16, seq_len_q=2), CuteDslOptions(split_kv="balanced", mma="wgmma_t"))
+    assert not balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(mma="wgmma_t"))
+    assert not balanced_split(prob(num_heads=64), CuteDslOptions(mma="wgmma"))
     # which kernel runs, and why the option is ignored where it is
     assert kernel_summary(prob(num_heads=16), bal).startswith("mma_sync kernel, balanced split-KV")
     assert kernel_summary(prob(num_heads=16), CuteDslOptions(split_kv="even")) == "mma_sync kernel, even split-KV"
     assert kernel_summary(prob(num_heads=128), bal) == (
-        "seesaw kernel, even split-KV (split_kv=balanced ignored: it applies to the mma.sync kernel with a "
-        "bf16/fp16 cache, this shape runs the seesaw kernel)")
+        "seesaw kernel, even split-KV (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels "
+        "with a bf16/fp16 cache, this shape runs the seesaw kernel)")
     assert kernel_summary(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
                                                                                    mma="mma_sync")).endswith(
         "this shape has an fp8 cache)")
@@ -396,8 +409,52 @@ def test_split_kv_balanced_run_does_no_host_work_beyond_the_launch(monkeypatch):
     planned.run(q, kv, out, None)
     (args, kw), = calls
     assert kw == {"check": False} and args[0] is q and args[8] is planned.schedule and args[9] is planned.workspace
-    with pytest.raises(ValueError, match="mma_sync kernel only"):
+    with pytest.raises(ValueError, match="mma_sync and wgmma_t kernels only"):
         be.run_function("wgmma", balanced=True)
+    with pytest.raises(ValueError, match="mma_sync and wgmma_t kernels only"):
+        be.run_function("fp8reg", balanced=True)
+
+
+def test_the_session_plans_the_hybrid_schedule_for_mma_wgmma_t(monkeypatch):
+    """mma=wgmma_t with split_kv=balanced (the default) through CuteDslSession.plan: the balanced wgmma_t entry
+    over a balanced schedule for one CTA per SM, its form following the lengths in the same buffers (so a graph
+    captured at one step replays at the next), equal to make_schedule's own answer; Planned.run passes the
+    plan's buffers with check=False; split_kv=even and an fp8 cache keep the even wgmma_t entry."""
+    import random
+
+    from mla_cute_dsl.kernels import schedule as S
+    from mlacore import StepInputs
+
+    session = _cpu_session(monkeypatch, CuteDslOptions(mma="wgmma_t"))
+    B = 64
+    rng = random.Random(99)
+    steps = [[4096] * B, [rng.randint(1, 8192) for _ in range(B)], [4096] * B]
+    table = torch.zeros(B, 128, dtype=torch.int32)
+    problem = prob(batch_size=B, seq_len_q=2, max_kv_len=8192)
+    forms, ptrs = [], set()
+    for lens_l in steps:
+        lens = torch.tensor(lens_l, dtype=torch.int32)
+        planned = session.plan(problem, StepInputs(lens, table, lens, table))
+        sched = planned.schedule
+        assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_t_balanced" and sched.balanced
+        assert sched.block_m == 32 and sched.num_cols == 132  # 32 rows: one m-block, a column per SM
+        ptrs.add((sched.work_info.data_ptr(), sched.split_info.data_ptr(), sched.cta_ranges.data_ptr(),
+                  planned.workspace[0].data_ptr()))
+        fresh = S.make_schedule(lens_l, 2, 16, 132, device="cpu", balanced=True, ctas_per_sm=1)
+        assert torch.equal(sched.work_info, fresh.work_info) and torch.equal(sched.cta_ranges, fresh.cta_ranges)
+        forms.append(sched.form)
+    assert forms == ["even", "balanced", "even"] and len(ptrs) == 1
+    calls = []
+    planned.run_fn = lambda *a, **k: calls.append((a, k))
+    planned.run(object(), object(), object(), None)
+    (args, kw), = calls
+    assert kw == {"check": False} and args[8] is planned.schedule and args[9] is planned.workspace
+    even = _cpu_session(monkeypatch, CuteDslOptions(mma="wgmma_t", split_kv="even")).plan(
+        problem, StepInputs(lens, table, lens, table))
+    assert even.run_fn.__name__ == "mla_decode_sm90_wgmma_t" and not even.schedule.balanced
+    fp8 = _cpu_session(monkeypatch, CuteDslOptions(mma="wgmma_t"), kv_dtype="fp8_e4m3").plan(
+        prob(batch_size=B, seq_len_q=2, kv_dtype="fp8_e4m3"), StepInputs(lens, table, lens, table))
+    assert fp8.run_fn.__name__ == "mla_decode_sm90_wgmma_t" and not fp8.schedule.balanced
 
 
 # -- option num_sms: schedules for fewer SMs than the GPU has ------------------------------------------------
