@@ -316,6 +316,152 @@ def test_protocol_model_catches_a_register_split_over_the_pool(monkeypatch, spli
             _simulate(n, random.Random(n))
 
 
+
+# ------------------------------------------- protocol model, balanced mode (multi-item columns)
+
+
+def _simulate_column(item_tiles, rng, prod=None, cons=None, stages=2):
+    """One CTA column of the balanced kernel: the producer and consumer programs
+    (producer_schedule_balanced / consumer_schedule_balanced, or the given event lists) under a random
+    interleaving with mbarrier phase semantics.  Checks: no deadlock (register pool included); a store
+    only into a stage whose last tile was released, and only after as many releases of that stage as
+    stores into it (no ABA: a wait that passed on an older phase of the same parity shows here); the
+    consumer's wait_full returns exactly the next tile of the column, filled by the phase it waited for;
+    each item's epilogue after all its tiles and before the next item's first; every tile consumed once."""
+    import mla_cute_dsl.kernels.sm90_wgmma_t_decode as M
+
+    prod = M.producer_schedule_balanced(item_tiles) if prod is None else prod
+    cons = M.consumer_schedule_balanced(item_tiles) if cons is None else cons
+    total = sum(item_tiles)
+    ends = [sum(item_tiles[:k + 1]) for k in range(len(item_tiles))]
+    pool = 0
+    full = [0] * stages  # completed phases
+    empty = [0] * stages
+    stores = [0] * stages  # tiles stored into a stage so far
+    taken = [0] * stages  # tiles the consumer took from a stage so far
+    content = [None] * stages
+    loaded = None  # the cp.async in flight (16-bit KV: ldg and store are one copy)
+    ip = ic = 0
+    consumed, epilogues = [], []
+    cur = item = None
+    while ip < len(prod) or ic < len(cons):
+        can_p = ip < len(prod) and (prod[ip][0] != "wait_empty" or empty[prod[ip][1]] % 2 != prod[ip][2])
+        can_c = ic < len(cons) and (cons[ic][0] != "wait_full" or full[cons[ic][1]] % 2 != cons[ic][2])
+        if can_c and cons[ic][0] == "setmaxnreg_inc":
+            can_c = pool >= (cons[ic][1] - M.REGS_AT_LAUNCH) * M.WG_THREADS
+        assert can_p or can_c, f"deadlock in column {item_tiles}: prod {prod[ip:ip+1]} cons {cons[ic:ic+1]}"
+        if can_p and (not can_c or rng.random() < 0.5):
+            ev = prod[ip]
+            ip += 1
+            if ev[0] == "setmaxnreg_dec":
+                pool += (M.REGS_AT_LAUNCH - ev[1]) * M.PROD_THREADS
+            elif ev[0] == "ldg":
+                assert loaded is None
+                loaded = ev[1]
+            elif ev[0] == "store":
+                gi, s = ev[1], ev[2]
+                assert loaded == gi
+                assert content[s] is None, f"store of tile {gi} over unreleased tile {content[s]}"
+                assert empty[s] == stores[s], "store before the stage's last release (ABA)"
+                content[s], loaded = gi, None
+                stores[s] += 1
+            elif ev[0] == "arrive_full":
+                full[ev[1]] += 1
+        else:
+            ev = cons[ic]
+            ic += 1
+            if ev[0] == "setmaxnreg_inc":
+                pool -= (ev[1] - M.REGS_AT_LAUNCH) * M.WG_THREADS
+            elif ev[0] == "item_start":
+                item = ev[1]
+                assert epilogues == list(range(item)), "item started before the previous epilogue"
+            elif ev[0] == "wait_full":
+                s = ev[1]
+                cur = content[s]
+                assert cur == len(consumed), f"consumer got tile {cur}, expected {len(consumed)}"
+                assert full[s] == taken[s] + 1, "full phase waited for is not this tile's"
+                assert cur < ends[item] and (item == 0 or cur >= ends[item - 1])
+            elif ev[0] == "arrive_empty":
+                s = ev[1]
+                assert content[s] == cur
+                consumed.append(cur)
+                content[s] = None
+                taken[s] += 1
+                empty[s] += 1
+            elif ev[0] == "epilogue":
+                assert ev[1] == item and len(consumed) == ends[item], "epilogue before its item's last tile"
+                epilogues.append(item)
+    assert consumed == list(range(total)) and epilogues == list(range(len(item_tiles)))
+
+
+def _random_column(rng):
+    """0..7 items of 0..9 tiles, 1-tile items common (the balanced plan's column tails and heads)."""
+    return [rng.choice([0, 1, 1, 1, 2, 3, 4, 5, 9]) for _ in range(rng.choice([0, 1, 1, 2, 3, 4, 5, 7]))]
+
+
+def test_balanced_protocol_model_no_deadlock_no_aba_over_random_columns():
+    rng = random.Random(4321)
+    cols = [[], [0], [1], [1, 1], [1, 1, 1], [1, 2], [2, 1], [3, 1, 3], [0, 1, 0, 2], [5]]
+    cols += [_random_column(rng) for _ in range(60)]
+    for col in cols:
+        for _ in range(200):
+            _simulate_column(col, rng)
+
+
+def test_balanced_ring_index_runs_across_items():
+    """The schedules put tile g + i of the column on stage (g + i) % 2: after an item of one tile the next
+    item starts on stage 1, and its first empty wait is the one for the column's third tile."""
+    import mla_cute_dsl.kernels.sm90_wgmma_t_decode as M
+
+    assert [M.ring_slot(g) for g in range(5)] == [(0, 0, None), (1, 0, None), (0, 1, 0), (1, 1, 0), (0, 0, 1)]
+    assert M.item_tiles(0, 1) == (0, 1) and M.item_tiles(128, 200) == (2, 2) and M.item_tiles(64, 64) == (1, 0)
+    cons = M.consumer_schedule_balanced([1, 2])
+    assert cons == [("setmaxnreg_inc", M.CONSUMER_REGS), ("item_start", 0), ("wait_full", 0, 0),
+                    ("arrive_empty", 0), ("epilogue", 0), ("item_start", 1), ("wait_full", 1, 0),
+                    ("arrive_empty", 1), ("wait_full", 0, 1), ("arrive_empty", 0), ("epilogue", 1)]
+    prod = M.producer_schedule_balanced([1, 2])
+    assert [e for e in prod if e[0] == "wait_empty"] == [("wait_empty", 0, 0)]
+
+
+def _restarting_schedules(item_tiles):
+    """Mutation: both sides restart the ring (stage and phase) at every item, as a per-item kernel body
+    wrapped in a loop would."""
+    import mla_cute_dsl.kernels.sm90_wgmma_t_decode as M
+
+    prod, cons, g = [("setmaxnreg_dec", M.PRODUCER_REGS)], [("setmaxnreg_inc", M.CONSUMER_REGS)], 0
+    for k, n in enumerate(item_tiles):
+        cons.append(("item_start", k))
+        for i in range(n):
+            st, pf, pe = M.ring_slot(i)
+            if pe is not None:
+                prod.append(("wait_empty", st, pe))
+            prod += [("ldg", g + i), ("store", g + i, st), ("arrive_full", st)]
+            cons += [("wait_full", st, pf), ("arrive_empty", st)]
+        cons.append(("epilogue", k))
+        g += n
+    return prod, cons
+
+
+@pytest.mark.parametrize("col", [[1, 1], [3, 2], [1, 4, 1]])
+def test_balanced_protocol_model_catches_a_ring_restarted_per_item(col):
+    rng = random.Random(11)
+    prod, cons = _restarting_schedules(col)
+    with pytest.raises(AssertionError):
+        for _ in range(200):
+            _simulate_column(col, rng, prod, cons)
+
+
+def test_balanced_protocol_model_catches_a_missing_wait():
+    import mla_cute_dsl.kernels.sm90_wgmma_t_decode as M
+
+    col = [2, 1, 3]
+    prod = [e for e in M.producer_schedule_balanced(col) if e[0] != "wait_empty"]
+    rng = random.Random(5)
+    with pytest.raises(AssertionError):
+        for _ in range(200):
+            _simulate_column(col, rng, prod=prod)
+
+
 # ---------------------------------------------------------------- whole kernel
 
 
