@@ -59,6 +59,7 @@ CASES = [
     ("wgmma", 64, 1, torch.bfloat16),
     ("seesaw", 128, 1, torch.bfloat16),
     ("seesaw", 128, 1, torch.float8_e4m3fn),
+    ("wgmma_t", 16, 2, torch.bfloat16),  # mma=wgmma_t, split_kv=even
 ]
 
 
@@ -149,3 +150,29 @@ def test_split_kv_balanced_entry_passes_the_compiled_argument_count(cpu_stream, 
     assert sched.form == "even"
     with pytest.raises(ValueError, match=r"Mismatched Tensor on argument #0"):
         run_fn(q, kv, table, lens, 0.1, 1.0, out, lse, sched, ws, check=False)
+
+
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_wgmma_t_balanced_entry_passes_the_compiled_argument_count(s_q, cpu_stream, cache_dir):
+    """mma=wgmma_t with split_kv=balanced (the entry balanced_split picks for bf16 H16, BLOCK_M 16 and 32) over
+    the hybrid schedule in its balanced form, compiled then from disk; then the even form's schedule."""
+    from mla_cute_dsl.backend import CuteDslOptions, balanced_split, partial_kernel, run_function
+    from mla_cute_dsl.kernels import alloc_workspace, make_schedule
+    from mlacore.problem import DecodeProblem, DeviceSpec
+
+    problem = DecodeProblem(num_heads=16, seq_len_q=s_q, batch_size=2, max_kv_len=200, min_kv_len=0,
+                            page_size=64, q_dtype="bf16", kv_dtype="bf16",
+                            device=DeviceSpec(type="cuda", capability=(9, 0)))
+    options = CuteDslOptions(mma="wgmma_t")
+    run_fn = run_function(partial_kernel(problem, options), balanced_split(problem, options))
+    assert run_fn.__name__ == "mla_decode_sm90_wgmma_t_balanced"
+    q, kv, table, lens, out, lse, _, _ = _case(16, s_q, torch.bfloat16)
+    for lens_l, form in (([200, 7], "balanced"), ([200, 200], "auto")):
+        sched = make_schedule(lens_l, s_q, 16, 132, device="cpu", balanced=True, form=form)
+        ws = alloc_workspace(sched, device="cpu")
+        if form == "balanced":
+            _compiled_then_from_disk(lambda: run_fn(q, kv, table, lens, 0.1, 1.0, out, lse, sched, ws, check=False))
+        else:
+            assert sched.form == "even"
+            with pytest.raises(ValueError, match=r"Mismatched Tensor on argument #0"):
+                run_fn(q, kv, table, lens, 0.1, 1.0, out, lse, sched, ws, check=False)
