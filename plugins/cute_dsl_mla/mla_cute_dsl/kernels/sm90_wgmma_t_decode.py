@@ -1,9 +1,22 @@
 """SM90 MLA decode, split-KV partial kernel, *transposed* WGMMA, few query rows
-(s_q * H <= 32), fp8 e4m3 or q-dtype KV.  Compile-only (not yet run on a GPU).
+(s_q * H <= 32), fp8 e4m3 or q-dtype KV.  GPU-verified on an H200 (branch wgmma-t, even split).
 
 Same host interface as ``sm90_decode.MLADecodePartial`` (same arguments, work items,
 partial buffers, combine kernel); helpers ``get_partial_kernel_wgmma_t`` (kernel cache
-kind ``partial_wgmma_t``) and ``mla_decode_sm90_wgmma_t``.  Not used by ``backend.py``.
+kind ``partial_wgmma_t``) and ``mla_decode_sm90_wgmma_t``; ``backend.py`` runs it for
+option mma=wgmma_t.
+
+Balanced mode (``MLADecodePartialWGMMAT(balanced=True).call_balanced``, bf16/fp16 KV only;
+``mla_decode_sm90_wgmma_t_balanced``, cache kind ``partial_wgmma_t_balanced``; compile-only so
+far): the grid is (m-blocks, schedule.num_cols), fixed per decoder, and CTA column c walks
+work rows cta_ranges[c] .. cta_ranges[c + 1] - 1 of a ``make_schedule(..., balanced=True)``
+schedule (either form of the hybrid plan; the same buffers, slots and combine as the
+mma.sync balanced kernel).  The mbarriers are set up once per CTA; the producers and the
+consumer walk the same rows and count the tiles they passed, so the ring's stage and phase
+of the column's gi-th tile are ``ring_slot(gi)`` across item boundaries (items of one tile,
+columns with no item).  Per item the consumer passes a barrier, reloads Q when the request
+changes, resets its row state, runs the tiles and writes its epilogue (out + lse for slot -1,
+else the partial slot) while the producers already fill the ring with the next item's tiles.
 
 Formulation (tokens are WGMMA's M, the 16 / 32 packed query rows its N):
 
