@@ -291,3 +291,28 @@ def test_emulation_catches_q_not_reloaded():
     o, _ = _emulate_columns(q, kv, lens, s_q, H, sched, sm_scale, reload_q=False)
     ro, _ = _reference(q, torch.nan_to_num(kv, nan=0.0), lens, s_q, H, sm_scale)
     assert not torch.allclose(o, ro, rtol=1e-6, atol=1e-6)
+
+
+def test_the_kernel_computes_the_ring_positions_the_models_use():
+    """The protocol model and the emulation run ring_slot / item_tiles; the kernel spells the same arithmetic
+    inline (DSL code): stage gi % STAGES, full parity (gi // STAGES) % 2, empty wait from gi >= STAGES with
+    parity (gi // STAGES - 1) % 2, gi = g + i with g advanced by each item's T after its tiles, T from the
+    item's rows as item_tiles computes it. A change on one side only fails here."""
+    import inspect
+
+    from mla_cute_dsl.kernels.sm90_wgmma_t_decode import MLADecodePartialWGMMAT as K
+
+    def flat(fn):
+        return " ".join(inspect.getsource(fn).split())
+
+    prod, cons, tile = flat(K.producer_column_16), flat(K.consumer_column), flat(K.consume_tile)
+    t_expr = "T = (mWork[wi, 2] + BLOCK_N - 1) // BLOCK_N - n_start"
+    for src in (prod, cons):
+        assert "n_start = mWork[wi, 1] // BLOCK_N" in src and t_expr in src
+        assert "for wi in cutlass.range(i_begin, i_end, 1):" in src and "if b >= 0:" in src
+        assert src.index("for i in cutlass.range(0, T, 1):") < src.index("g = g + T")
+    assert "gi = g + i st = gi % STAGES if gi >= STAGES: cute.arch.mbarrier_wait(mbar + STAGES + st, " \
+           "(gi // STAGES - 1) % 2)" in prod
+    assert "n_start, i, g + i," in cons
+    assert "st = gi % STAGES cute.arch.mbarrier_wait(mbar + st, (gi // STAGES) % 2)" in tile
+    assert "cute.arch.mbarrier_arrive(mbar + STAGES + st)" in tile
