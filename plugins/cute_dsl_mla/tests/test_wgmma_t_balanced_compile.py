@@ -316,3 +316,28 @@ def test_the_kernel_computes_the_ring_positions_the_models_use():
     assert "n_start, i, g + i," in cons
     assert "st = gi % STAGES cute.arch.mbarrier_wait(mbar + st, (gi // STAGES) % 2)" in tile
     assert "cute.arch.mbarrier_arrive(mbar + STAGES + st)" in tile
+
+
+def _same_request_columns(sched):
+    items, ranges = sched.work_info.tolist(), sched.cta_ranges.tolist()
+    return [c for c in range(len(ranges) - 1)
+            if len({items[i][0] for i in range(ranges[c], ranges[c + 1])}) < ranges[c + 1] - ranges[c]]
+
+
+def test_emulated_column_with_two_items_of_one_request():
+    """The even form on few columns can give one column two items of one request (different slots): Q is not
+    reloaded between them (same rows), the row state is, and both partials meet in the combine."""
+    lens, s_q, H = [64, 1500, 700, 0, 65], 2, 16
+    sched = S.make_schedule(lens, s_q, H, 4, device="cpu", balanced=True, form="even")
+    assert _same_request_columns(sched)
+    g = torch.Generator().manual_seed(135)
+    q = torch.randn(len(lens), s_q * H, 576, generator=g, dtype=torch.float64)
+    kv = torch.randn(len(lens), 1536, 576, generator=g, dtype=torch.float64)
+    for b, L in enumerate(lens):
+        kv[b, L:] = float("nan")
+    sm_scale = 1.0 / math.sqrt(192)
+    o, l = _emulate_columns(q, kv, lens, s_q, H, sched, sm_scale)
+    ro, rl = _reference(q, torch.nan_to_num(kv, nan=0.0), lens, s_q, H, sm_scale)
+    assert not torch.isnan(o).any() and torch.allclose(o, ro, rtol=1e-9, atol=1e-9)
+    fin = ~torch.isinf(rl)
+    assert torch.equal(torch.isinf(l), torch.isinf(rl)) and torch.allclose(l[fin], rl[fin], rtol=1e-9, atol=1e-9)

@@ -167,6 +167,22 @@ def test_wgmma_t_balanced_few_columns_walk_many_items(num_sms, s_q):
 
 
 @needs_sm90
+def test_wgmma_t_balanced_two_items_of_one_request_in_a_column():
+    """The even form on 4 columns puts two items of one request in one column (Q kept, row state reset, two
+    partial slots meeting in the combine)."""
+    lens = [64, 1500, 700, 0, 65]
+    case = make_case_lens(lens, 2, 16, torch.bfloat16, 64, seed=random.randrange(1 << 30))
+    sched, ws = _schedule(case, "even", num_sms=4)
+    items, ranges = sched.work_info.tolist(), sched.cta_ranges.tolist()
+    assert any(len({items[i][0] for i in range(ranges[c], ranges[c + 1])}) < ranges[c + 1] - ranges[c]
+               for c in range(4))
+    out, lse = _outs(case)
+    run_bal(case, out, lse, sched, ws)
+    torch.cuda.synchronize()
+    check(case, out, lse)
+
+
+@needs_sm90
 @pytest.mark.parametrize("s_q", [1, 2])
 def test_wgmma_t_balanced_matches_mma_sync_balanced_same_schedule(s_q):
     """Same inputs, same schedule through the verified balanced mma.sync kernel and this one: close (not
