@@ -14,7 +14,9 @@ capability and driver version.
 
 from __future__ import annotations
 
+import ast
 import ctypes
+import importlib.util
 import os
 from importlib import metadata
 from typing import Dict, List, Optional, Tuple
@@ -83,13 +85,32 @@ def _nvml_device() -> Optional[Tuple[str, str, str]]:
         lib.nvmlShutdown()
 
 
+def _torch_version() -> str:
+    """`torch.__version__` without importing torch: the `__version__` assignment in torch/version.py, which
+    carries the local build tag (2.11.0+cu130) that the distribution's metadata may not (2.11.0 on the H200
+    image); the metadata version when that file cannot be read."""
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec is not None and spec.submodule_search_locations:
+            path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+            with open(path, encoding="utf-8") as f:
+                for node in ast.parse(f.read()).body:
+                    if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__version__"
+                                                             for t in node.targets)
+                            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+                        return node.value.value
+    except (OSError, SyntaxError, ValueError, ImportError):
+        pass
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
 def light_fingerprint() -> Dict[str, object]:
     """This machine as `current_fingerprint` would describe it, without importing torch or starting CUDA."""
     gpu, capability, driver = _nvml_device() or ("cpu", "-", "")
-    try:
-        torch_version = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch_version = ""
+    torch_version = _torch_version()
     backends = {b.name: b.version for b in get_registry().backends() if b.loaded}
     return {"gpu": gpu, "capability": capability, "driver": driver, "torch": torch_version,
             "backends": backends}
