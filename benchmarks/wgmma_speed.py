@@ -7,6 +7,9 @@
            cache, on for fp8)
     seesaw_l2pf / seesaw_nopf  the seesaw kernel with / without that L2 prefetch
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
+    wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
+           one CTA per SM)
+    ours   cute_dsl_mla through mlacore.MLADecoder with its default options (what an engine runs)
     fa3    FlashInfer fa3 through mlacore.MLADecoder (dispatcher forced to flashinfer_mla, variant fa3)
 
 Shapes with H * s_q >= 64, KV bf16 (or fp8 e4m3 with --kv fp8, kv_scale 1: wgmma, seesaw
@@ -46,7 +49,7 @@ SHAPES = [  # (B, H, s_q, S)
     (4, 128, 1, 16384),
 ]
 QUICK_SHAPES = [0, 3]
-WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "mma", "fa3")
+WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "mma", "wgmma_t", "ours", "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
@@ -108,10 +111,12 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
 
         prefetch = {"seesaw": None, "seesaw_l2pf": True, "seesaw_nopf": False}[name]
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch)
+    elif name == "wgmma_t":
+        from mla_cute_dsl.kernels.sm90_wgmma_t_decode import mla_decode_sm90_wgmma_t as fn
     else:
         from mla_cute_dsl.kernels import mla_decode_sm90 as fn
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    sched = make_schedule(lens_cpu, s_q, H, n_sm)
+    sched = make_schedule(lens_cpu, s_q, H, n_sm)  # ctas_per_sm=1: what wgmma_t needs
     ws = alloc_workspace(sched)
 
     def run(i, out, lse):
@@ -122,19 +127,19 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
     return run, info, None
 
 
-def way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S):
+def way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S, backend="flashinfer_mla"):
     from mlacore import Dispatcher, MLADecoder, parse_policy
 
-    policy = parse_policy({"mla": {"order": ["flashinfer_mla"], "fallback": "error"},
-                           "backend": {"flashinfer_mla": {"options": {"variant": "fa3", "launch": "direct"}}}})
+    options = {"flashinfer_mla": {"options": {"variant": "fa3", "launch": "direct"}}} if backend == "flashinfer_mla" else {}
+    policy = parse_policy({"mla": {"order": [backend], "fallback": "error"}, "backend": options})
     dec = MLADecoder(H, PAGE, kv_dtype=kv_torch_dtype(torch), device="cuda", sm_scale=SM_SCALE, kv_scale=1.0,
                      dispatcher=Dispatcher(policy=policy, env={}), cuda_graph=True, max_batch=B, max_kv_len=S)
     t0 = time.perf_counter()
     plan = dec.plan(lens, table, s_q, kv_lens_host=lens_cpu, page_table_host=table.cpu())
     plan_s = time.perf_counter() - t0
     variant = getattr(plan.options, "variant", None)
-    if plan.backend != "flashinfer_mla" or variant != "fa3":
-        raise RuntimeError(f"planned {plan.backend} variant {variant}, wanted flashinfer_mla fa3")
+    if plan.backend != backend or (backend == "flashinfer_mla" and variant != "fa3"):
+        raise RuntimeError(f"planned {plan.backend} variant {variant}, wanted {backend}")
 
     def run(i, out, lse):
         st = sets[i]
@@ -193,8 +198,9 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes):
         outs = [torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
         lses = [torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda") for _ in range(n)]
         try:
-            if name == "fa3":
-                run, info, dec = way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S)
+            if name in ("fa3", "ours"):
+                run, info, dec = way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S,
+                                         backend="flashinfer_mla" if name == "fa3" else "cute_dsl_mla")
                 closers.append(dec)
             else:
                 run, info, _ = way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H)

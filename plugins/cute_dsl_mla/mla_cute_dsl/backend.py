@@ -68,8 +68,13 @@ FP8REG_MAX_ROWS = 32
 # B16 (docs/results/h200_seesaw_fp8_speed.txt); both measured with the seesaw's L2 prefetch on, which
 # from 0.2.2 is off for 16-bit caches and only made the seesaw faster there (NOTES.md, sixth session)
 SEESAW_MIN_ROWS = 128
+# the transposed WGMMA kernel (sm90_wgmma_t_decode: KV tokens are WGMMA's M, query rows its N) takes at most
+# this many packed rows (N = 16 or 32); with a bf16 cache and uniform lengths on an H200 0.93-0.99x fa3's time
+# against the mma.sync kernel's 0.88-0.90x at 32 rows, equal at 16 (docs/results/gpu9_wgmma_t/); it splits
+# evenly only, so the balanced mma.sync default stays faster with variable lengths
+WGMMA_T_MAX_ROWS = 32
 
-PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg"]
+PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
 SplitKV = Literal["even", "balanced"]
 
 
@@ -77,12 +82,14 @@ class CuteDslOptions(BackendOptions):
     ctas_per_sm: Literal["auto", 1, 2] = Field(
         default="auto", description="split-KV work items per SM in one wave (sm_90). auto: 2 for the fp8reg kernel "
         "(its 94-115 KB of shared memory lets two CTAs share an SM), else 1 (the WGMMA kernel's 224 KiB allows one)")
-    mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg"] = Field(
+    mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(
         default="auto",
         description="sm_90 partial kernel: wgmma (s_q*num_heads > 32; 1.4-1.7x faster than mma_sync at H=64/128 on "
                     "an H200, bf16 or fp8 KV), seesaw (WGMMA, each warpgroup its own KV tile; bf16, fp16 or fp8 KV, "
                     "s_q*num_heads > 32), fp8reg (fp8 KV, s_q*num_heads <= 32: fp8 B fragments converted in "
-                    "registers), mma_sync (every shape). auto: fp8reg for fp8 KV up to "
+                    "registers), wgmma_t (s_q*num_heads <= 32, any cache: WGMMA with KV tokens as M and query rows "
+                    "as N, even split only; 7-12% faster than the default at 32 rows with uniform lengths), "
+                    "mma_sync (every shape). auto: fp8reg for fp8 KV up to "
                     f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows, wgmma from "
                     f"s_q*num_heads >= {WGMMA_MIN_ROWS}, else mma_sync")
     split_kv: SplitKV = Field(
@@ -163,6 +170,14 @@ def fp8reg_reasons(shape: DecodeShape) -> List[str]:
         out.append(f"mma=fp8reg: s_q*num_heads={shape.seq_len_q * shape.num_heads} > {FP8REG_MAX_ROWS} "
                    "(its tiles are 16 or 32 query rows)")
     return out
+
+
+def wgmma_t_reasons(shape: DecodeShape) -> List[str]:
+    """Why the transposed WGMMA kernel cannot take a shape the mma.sync kernels take (empty: it can)."""
+    rows = shape.seq_len_q * shape.num_heads
+    if rows > WGMMA_T_MAX_ROWS:
+        return [f"mma=wgmma_t: s_q*num_heads={rows} > {WGMMA_T_MAX_ROWS} (query rows are its WGMMA N: 16 or 32)"]
+    return []
 
 
 def partial_kernel(shape: DecodeShape, options: CuteDslOptions) -> PartialKernel:
@@ -272,6 +287,8 @@ class CuteDslBackend(Backend):
                 reasons += wgmma_reasons(shape, options.mma)
             elif options.mma == "fp8reg":
                 reasons += fp8reg_reasons(shape)
+            elif options.mma == "wgmma_t":
+                reasons += wgmma_t_reasons(shape)
         return reasons
 
     @hookimpl
@@ -310,6 +327,8 @@ def run_function(kernel: PartialKernel, balanced: bool = False) -> Callable[...,
         from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw as run_fn
     elif kernel == "fp8reg":
         from .kernels.sm90_decode_fp8 import mla_decode_sm90_fp8 as run_fn
+    elif kernel == "wgmma_t":
+        from .kernels.sm90_wgmma_t_decode import mla_decode_sm90_wgmma_t as run_fn
     else:
         from .kernels.api import mla_decode_sm90 as run_fn
     return run_fn

@@ -65,6 +65,15 @@ class TestCuteDslFp8RegConformance(TestCuteDslConformance):
     kv_dtypes = ("fp8_e4m3",)
 
 
+class TestCuteDslWgmmaTConformance(TestCuteDslConformance):
+    """The transposed WGMMA kernel forced (never auto's choice), bf16 and fp8 caches up to 32 rows; shapes it
+    refuses (s_q*H > 32) are skipped with the backend's reason."""
+
+    options = {"mma": "wgmma_t"}
+    num_heads = (1, 3, 8, 16, 32)
+    kv_dtypes = ("bf16", "fp8_e4m3")
+
+
 class TestCuteDslMmaSyncConformance(TestCuteDslConformance):
     """The mma.sync kernel forced at every shape (auto now routes most shapes elsewhere)."""
 

@@ -213,6 +213,24 @@ def test_fp8reg_takes_fp8_caches_up_to_32_rows_and_refuses_the_rest_with_reasons
     assert ctas_per_sm("mma_sync", CuteDslOptions(ctas_per_sm=2)) == 2
 
 
+def test_wgmma_t_takes_up_to_32_rows_of_any_cache_refuses_more_and_is_never_auto():
+    from mla_cute_dsl.backend import balanced_split, ctas_per_sm, kernel_summary, partial_kernel, run_function
+
+    wt = CuteDslOptions(mma="wgmma_t")
+    backend = CuteDslBackend()
+    for kv, heads, s_q in (("bf16", 16, 2), ("fp8_e4m3", 16, 2), ("bf16", 1, 1), ("bf16", 3, 8)):
+        p = prob(num_heads=heads, seq_len_q=s_q, kv_dtype=kv)
+        assert backend.can_implement(p.shape, wt) == []
+        assert partial_kernel(p, wt) == "wgmma_t"
+        assert partial_kernel(p, CuteDslOptions()) != "wgmma_t"  # auto never picks it
+        assert not balanced_split(p, wt)  # even split only: split_kv=balanced is ignored, and says so
+        assert "wgmma_t kernel, even split-KV (split_kv=balanced ignored" in kernel_summary(p, wt)
+    r = backend.can_implement(prob(num_heads=16, seq_len_q=4).shape, wt)
+    assert r == ["mma=wgmma_t: s_q*num_heads=64 > 32 (query rows are its WGMMA N: 16 or 32)"]
+    assert ctas_per_sm("wgmma_t", CuteDslOptions()) == 1
+    assert run_function("wgmma_t").__name__ == "mla_decode_sm90_wgmma_t"
+
+
 @pytest.mark.parametrize("kv_dtype,heads,s_q,kernel,ctas", [
     ("fp8_e4m3", 16, 2, "fp8reg", 2), ("fp8_e4m3", 64, 1, "wgmma", 1), ("bf16", 16, 1, "mma_sync", 1),
     ("bf16", 128, 1, "seesaw", 1), ("fp8_e4m3", 128, 1, "seesaw", 1),
