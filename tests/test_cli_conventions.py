@@ -233,3 +233,33 @@ def test_cli_source_has_no_torch_at_import_time():
     names = {a.name for n in top for a in n.names} | {getattr(n, "module", None) or "" for n in top}
     assert not names & {"torch", "rich", "pydantic", "tomlkit"}, names
     assert os.path.basename(cli.__file__) == "cli.py"
+
+
+def test_policy_check_of_a_tuned_file_compares_fingerprints_without_torch(tmp_path):
+    """A tuned file makes `mla policy check` compare this machine with the tuned one: that comparison reads
+    package metadata and NVML, so it still imports no torch (issue 13: under 0.5 s, no CUDA probe)."""
+    p = tmp_path / "tuned.toml"
+    p.write_text('[mla]\norder = ["reference"]\n[tuned]\ngpu = "TestGPU"\ncapability = "9.0"\ntorch = "2.x"\n')
+    loaded = _modules_after_cli("policy", "check", str(p))
+    assert "mlacore.tools.fingerprint" in loaded  # the comparison ran
+    assert "torch" not in loaded and "rich" not in loaded
+
+
+def test_light_fingerprint_equals_torchs_view_of_this_machine():
+    """What `mla policy check` reads (metadata + NVML) must equal what `mla bench` records (torch, CUDA), or a
+    file tuned on this very machine would warn. On a GPU box this compares NVML's device name, capability and
+    driver with the CUDA runtime's."""
+    from mlacore.tools.fingerprint import current_fingerprint, light_fingerprint
+
+    assert light_fingerprint() == current_fingerprint()
+
+
+def test_light_fingerprint_sees_no_gpu_when_cuda_visible_devices_hides_them(monkeypatch):
+    from mlacore.tools.fingerprint import light_fingerprint
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    now = light_fingerprint()
+    assert (now["gpu"], now["capability"], now["driver"]) == ("cpu", "-", "")
+    import torch
+
+    assert now["torch"] == torch.__version__  # the local tag too (2.11.0+cu130), which metadata may drop

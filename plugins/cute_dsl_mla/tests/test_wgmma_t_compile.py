@@ -484,7 +484,13 @@ def _compile_dump(q, kv, bm, tmp_path):
 KNOWN_FRAME = {("bf16", "fp8_e4m3", 32): 24, ("fp16", "fp8_e4m3", 32): 24}
 
 
-@pytest.mark.parametrize("q,kv,bm", SPECS)
+# Whole-kernel compiles cost ~25 s each on a 2-core CI machine: every bf16-q specialization, and fp16 q with an
+# fp16 cache (its MMAs differ); fp16 q with an fp8 cache runs bf16 q's fp16 MMAs after a different q load, which
+# the layout tests above and the GPU tests cover.
+PTX_SPECS = [spec for spec in SPECS if spec[0] == "bf16"] + [("fp16", None, 32)]
+
+
+@pytest.mark.parametrize("q,kv,bm", PTX_SPECS)
 def test_ptx_structure_registers(q, kv, bm, tmp_path):
     """384 threads (.reqntid, .minnctapersm 1 so ptxas honours setmaxnreg), 168 registers at
     entry, setmaxnreg 240 / 128 paid from the CTA's pool (entry registers x 384), 68 WGMMA m64n{bm}k16 (36 S^T + 32 O^T) all from smem
