@@ -67,11 +67,21 @@ class TestCuteDslFp8RegConformance(TestCuteDslConformance):
 
 class TestCuteDslWgmmaTConformance(TestCuteDslConformance):
     """The transposed WGMMA kernel forced (never auto's choice), bf16 and fp8 caches up to 32 rows; shapes it
-    refuses (s_q*H > 32) are skipped with the backend's reason."""
+    refuses (s_q*H > 32) are skipped with the backend's reason. With the bf16 cache this is its balanced mode
+    (split_kv=balanced, the default), with fp8 its even split."""
 
     options = {"mma": "wgmma_t"}
     num_heads = (1, 3, 8, 16, 32)
     kv_dtypes = ("bf16", "fp8_e4m3")
+
+
+class TestCuteDslWgmmaTEvenConformance(TestCuteDslConformance):
+    """mma=wgmma_t with split_kv=even: its even entry with a bf16 cache (the class above runs its balanced mode
+    there, split_kv=balanced being the default; an fp8 cache always splits evenly)."""
+
+    options = {"mma": "wgmma_t", "split_kv": "even"}
+    num_heads = (3, 16, 32)
+    kv_dtypes = ("bf16",)
 
 
 class TestCuteDslMmaSyncConformance(TestCuteDslConformance):
