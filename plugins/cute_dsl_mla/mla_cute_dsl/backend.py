@@ -69,10 +69,11 @@ FP8REG_MAX_ROWS = 32
 # from 0.2.2 is off for 16-bit caches and only made the seesaw faster there (NOTES.md, sixth session)
 SEESAW_MIN_ROWS = 128
 # the transposed WGMMA kernel (sm90_wgmma_t_decode: KV tokens are WGMMA's M, query rows its N) takes at most
-# this many packed rows (N = 16 or 32); with a bf16 cache and uniform lengths on an H200 0.93-0.99x fa3's time
-# against the mma.sync kernel's 0.88-0.90x at 32 rows, equal at 16 (docs/results/gpu9_wgmma_t/); its balanced
-# mode (split_kv=balanced, 16-bit cache; compile-only so far) walks the same hybrid schedule as the mma.sync
-# balanced kernel
+# this many packed rows (N = 16 or 32). Its balanced mode (split_kv=balanced, 16-bit cache) walks the same
+# hybrid schedule as the mma.sync balanced kernel; GPU-verified on an H200 (docs/results/gpu9_wgmma_t_balanced/).
+# Measured there at 17-32 rows with a bf16 cache against the default (docs/results/gpu9_wgmma_t_auto/): the gain
+# grows with the step's KV blocks (batch x length), not with batch alone: 7-10% faster at B=64-128 S=4096,
+# 1-4% at B=32-128 S=1024, equal at B=16 S=4096, 4-9% slower at B=1-16 S=1024 and B=1-4 S=4096
 WGMMA_T_MAX_ROWS = 32
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
@@ -89,8 +90,9 @@ class CuteDslOptions(BackendOptions):
                     "an H200, bf16 or fp8 KV), seesaw (WGMMA, each warpgroup its own KV tile; bf16, fp16 or fp8 KV, "
                     "s_q*num_heads > 32), fp8reg (fp8 KV, s_q*num_heads <= 32: fp8 B fragments converted in "
                     "registers), wgmma_t (s_q*num_heads <= 32, any cache: WGMMA with KV tokens as M and query rows "
-                    "as N; 7-12% faster than the default at 32 rows with uniform lengths, even split; with a "
-                    "bf16/fp16 cache it follows split_kv, balanced not yet GPU-verified), "
+                    "as N; with a bf16/fp16 cache it follows split_kv; on an H200 at 17-32 rows 7-10% faster than "
+                    "the default at B=64-128 S=4096, 4-9% slower at small batches and short lengths, equal at 16 "
+                    "rows; never auto's choice), "
                     "mma_sync (every shape). auto: fp8reg for fp8 KV up to "
                     f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows, wgmma from "
                     f"s_q*num_heads >= {WGMMA_MIN_ROWS}, else mma_sync")

@@ -7,8 +7,8 @@ kind ``partial_wgmma_t``) and ``mla_decode_sm90_wgmma_t``; ``backend.py`` runs i
 option mma=wgmma_t.
 
 Balanced mode (``MLADecodePartialWGMMAT(balanced=True).call_balanced``, bf16/fp16 KV only;
-``mla_decode_sm90_wgmma_t_balanced``, cache kind ``partial_wgmma_t_balanced``; compile-only so
-far): the grid is (m-blocks, schedule.num_cols), fixed per decoder, and CTA column c walks
+``mla_decode_sm90_wgmma_t_balanced``, cache kind ``partial_wgmma_t_balanced``; GPU-verified on an
+H200, eighth session, docs/results/gpu9_wgmma_t_balanced/): the grid is (m-blocks, schedule.num_cols), fixed per decoder, and CTA column c walks
 work rows cta_ranges[c] .. cta_ranges[c + 1] - 1 of a ``make_schedule(..., balanced=True)``
 schedule (either form of the hybrid plan; the same buffers, slots and combine as the
 mma.sync balanced kernel).  The mbarriers are set up once per CTA; the producers and the
