@@ -41,13 +41,11 @@ def current_fingerprint() -> Dict[str, object]:
 
 def _driver_version() -> str:
     try:
-        import ctypes
-
         lib = ctypes.CDLL("libcuda.so.1")
         version = ctypes.c_int()
         if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:
             return f"{version.value // 1000}.{(version.value % 1000) // 10}"
-    except OSError:
+    except (OSError, AttributeError):  # no libcuda, or one without the call
         pass
     return ""
 
