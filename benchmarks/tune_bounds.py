@@ -26,7 +26,9 @@ Rows:
   - `minimax over corners`: the arm whose worst ratio to the fastest over the corners is smallest (mean ratio,
     then the label, break ties);
   - `group arm <=5%, else minimax`: a group whose training cells all have one arm within 5% of the fastest
-    gets that arm (as the tuner's GROUP_TIE), every other group `minimax over corners`.
+    gets that arm (as the tuner's GROUP_TIE), every other group `minimax over corners`;
+  - `line arm <=5%, else minimax`: the same one level down: where one arm is within 5% of the fastest at every
+    measured cell of the corners' batch lines (all their lengths), that arm, else `minimax over corners`.
 
     python benchmarks/tune_bounds.py            (from the repository root; WORST=3 lists each fold's worst cells)
 """
@@ -119,6 +121,15 @@ def group_arm_else_minimax(train: Group, b: int, n: int) -> str:
     return minimax_corners(train, b, n)
 
 
+def line_arm_else_minimax(train: Group, b: int, n: int) -> str:
+    lines = {bb for bb, _ in corners(train, b, n)}
+    cells = [ts for (bb, _), ts in train.items() if bb in lines]
+    arm = _minimax(cells, _arms(train))
+    if max(ratio(t, arm) for t in cells) <= 1.0 + SLOW:
+        return arm
+    return minimax_corners(train, b, n)
+
+
 Regrets = List[Tuple[float, tuple, Point]]  # (regret, group, point), worst first
 
 
@@ -179,6 +190,7 @@ def main() -> None:
         ("nearest corner winner", nearest_corner_winner),
         ("minimax over corners", minimax_corners),
         ("group arm <=5%, else minimax", group_arm_else_minimax),
+        ("line arm <=5%, else minimax", line_arm_else_minimax),
     )]
     print(f"{'mean%/worst%/cells>5%':33}" + "  ".join(f"{g.replace('_bench', ''):>16}" for g in GRIDS))
     for name, fn in rows:
