@@ -18,6 +18,12 @@ Option split_kv="balanced" (the default since 0.2.3; the mma.sync kernel or, wit
 mma=wgmma_t, the transposed WGMMA kernel, bf16/fp16 cache only; see balanced_split): the
 balanced split-KV kernel, whose schedule plan picks per step (the hybrid, kernels/schedule.py
 choose_form) into the same buffers, so graphs captured at one step replay at any later one.
+
+mma=auto with a bf16/fp16 cache at 17-32 packed rows and split_kv=balanced runs the transposed WGMMA
+kernel's balanced mode from batch WGMMA_T_AUTO_MIN_BATCH (32), the mma.sync balanced kernel below it
+(partial_kernel_for: shape class, batch size and options, never lengths). Both take the same schedule
+buffers and workspace, so a session's buffers per s_q serve both and a graph captured at batch B replays
+the kernel plan chose for B.
 """
 
 from __future__ import annotations
@@ -74,6 +80,16 @@ SEESAW_MIN_ROWS = 128
 # mode (split_kv=balanced, 16-bit cache; compile-only so far) walks the same hybrid schedule as the mma.sync
 # balanced kernel
 WGMMA_T_MAX_ROWS = 32
+# mma=auto picks the transposed WGMMA kernel (its balanced mode) for a bf16/fp16 cache at 17-32 packed rows
+# when the step's batch size is at least this (split_kv=balanced, ctas_per_sm auto or 1), else the mma.sync
+# balanced kernel. Both walk the same hybrid schedule in the same buffers. Measured on an H200 (NOTES.md,
+# eighth session; docs/results/gpu9_wgmma_t_auto/, gpu9_wgmma_t_balanced/), wgmma_t against mma.sync, us:
+# faster from batch 32 up: B=32 H3 s_q8 51.6 vs 53.3, B=32 H8 s_q4 53.0 vs 54.8, B=64 H16 s_q2 88.2 vs 94.8,
+# B=128 152-155 vs 168-171; lengths spread B=32 40.6 vs 42.3, B=128 112.3 vs 116.1. Slower at batches 1-16:
+# B=1 H16 s_q2 14.4 vs 13.6, B=4 14.0 vs 13.3, B=16 S1024 20.2 vs 19.2 (S4096 equal). At <= 16 rows the two
+# are within 2%, so auto keeps mma.sync there. Batch only (never lengths): a CUDA graph captured at one batch
+# size replays the kernel it captured.
+WGMMA_T_AUTO_MIN_BATCH = 32
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
 SplitKV = Literal["even", "balanced"]
@@ -89,11 +105,14 @@ class CuteDslOptions(BackendOptions):
                     "an H200, bf16 or fp8 KV), seesaw (WGMMA, each warpgroup its own KV tile; bf16, fp16 or fp8 KV, "
                     "s_q*num_heads > 32), fp8reg (fp8 KV, s_q*num_heads <= 32: fp8 B fragments converted in "
                     "registers), wgmma_t (s_q*num_heads <= 32, any cache: WGMMA with KV tokens as M and query rows "
-                    "as N; 7-12% faster than the default at 32 rows with uniform lengths, even split; with a "
-                    "bf16/fp16 cache it follows split_kv, balanced not yet GPU-verified), "
+                    "as N; with a bf16/fp16 cache it follows split_kv; balanced: 3-10% faster than mma_sync "
+                    "balanced from batch 32 at 17-32 rows, 4-9% slower at batches 1-16 on an H200), "
                     "mma_sync (every shape). auto: fp8reg for fp8 KV up to "
                     f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows, wgmma from "
-                    f"s_q*num_heads >= {WGMMA_MIN_ROWS}, else mma_sync")
+                    f"s_q*num_heads >= {WGMMA_MIN_ROWS}, wgmma_t for a bf16/fp16 cache at 17-"
+                    f"{WGMMA_T_MAX_ROWS} rows when the step's batch size is >= {WGMMA_T_AUTO_MIN_BATCH} "
+                    "(split_kv=balanced, ctas_per_sm auto/1; decided per batch size, never by lengths, so "
+                    "graphs captured per batch size keep their kernel), else mma_sync")
     split_kv: SplitKV = Field(
         default="balanced",
         description="how the mma.sync kernel (and mma=wgmma_t) with a bf16/fp16 cache splits the KV work (sm_90). "
@@ -105,7 +124,8 @@ class CuteDslOptions(BackendOptions):
                     "lengths. even: the default kernel of 0.2.2, each request cut into equal items, one CTA per "
                     "item (NOTES.md). Ignored where another kernel runs (WGMMA, seesaw, fp8reg, an fp8 cache); "
                     "mma=wgmma_t takes it as the mma.sync kernel does (its balanced mode: same schedule, one CTA "
-                    "per SM)")
+                    "per SM). With even, mma=auto always runs the mma.sync even kernel at 17-32 rows (its "
+                    "batch rule for wgmma_t applies to split_kv=balanced only); mma=wgmma_t runs its even entry")
     num_sms: Union[Literal["auto"], int] = Field(
         default="auto",
         description="SMs the split-KV schedule spreads one step's work over (sm_90). auto: all of the GPU's. Set "
@@ -185,8 +205,24 @@ def wgmma_t_reasons(shape: DecodeShape) -> List[str]:
     return []
 
 
-def partial_kernel(shape: DecodeShape, options: CuteDslOptions) -> PartialKernel:
-    """Which sm_90 partial kernel runs this shape (forced values the shape refuses are refused in can_implement)."""
+def _wgmma_t_auto(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether mma=auto's batch rule applies to this shape class and options: a bf16/fp16 cache, 17-32 packed
+    rows, split_kv=balanced (with split_kv=even auto keeps the mma.sync even kernel: the measurements are of
+    the balanced modes) and ctas_per_sm auto or 1 (the transposed kernel's shared memory holds one CTA per SM;
+    measured there). Shape class and options only."""
+    rows = shape.seq_len_q * shape.num_heads
+    return (options.mma == "auto" and shape.kv_dtype != "fp8_e4m3" and 16 < rows <= WGMMA_T_MAX_ROWS
+            and options.split_kv == "balanced" and options.ctas_per_sm in ("auto", 1))
+
+
+def partial_kernel(shape: DecodeShape, options: CuteDslOptions,
+                   batch_size: Optional[int] = None) -> PartialKernel:
+    """Which sm_90 partial kernel runs this shape (forced values the shape refuses are refused in can_implement).
+
+    mma=auto depends on the batch size in one case only (a bf16/fp16 cache at 17-32 rows, split_kv=balanced:
+    wgmma_t from WGMMA_T_AUTO_MIN_BATCH requests, mma.sync below). Without `batch_size` (a caller with a
+    shape class and no batch; a DecodeProblem's own batch_size is NOT read here) the answer is the one below
+    the threshold: mma_sync there. Plans use partial_kernel_for, which passes the step's batch size."""
     if options.mma != "auto":
         return options.mma
     rows = shape.seq_len_q * shape.num_heads
@@ -194,7 +230,18 @@ def partial_kernel(shape: DecodeShape, options: CuteDslOptions) -> PartialKernel
         return "fp8reg"
     if rows >= SEESAW_MIN_ROWS:
         return "seesaw"
-    return "wgmma" if rows >= WGMMA_MIN_ROWS else "mma_sync"
+    if rows >= WGMMA_MIN_ROWS:
+        return "wgmma"
+    if batch_size is not None and batch_size >= WGMMA_T_AUTO_MIN_BATCH and _wgmma_t_auto(shape, options):
+        return "wgmma_t"
+    return "mma_sync"
+
+
+def partial_kernel_for(problem: DecodeProblem, options: CuteDslOptions) -> PartialKernel:
+    """The partial kernel a plan of `problem` runs: partial_kernel with the problem's batch size. A function of
+    (shape class, batch size, options) only, never of lengths, so a decoder's plans at one batch size always
+    run the same kernel (CUDA graphs captured per batch size replay it)."""
+    return partial_kernel(problem, options, problem.batch_size)
 
 
 # partial kernels with a balanced mode (a column loop over the hybrid schedule), 16-bit caches only
@@ -208,23 +255,41 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
     measured with a 16-bit cache, the mma.sync fp8 kernel has no column loop, and the wgmma_t fp8
     producer pairs its register sets with ring stages at compile time. The other WGMMA kernels have none
     either. Shape class and options only, so the session's buffers and its CUDA graphs never change kind
-    between steps."""
+    between steps: mma=auto's batch rule swaps mma_sync for wgmma_t, both balanced kernels, never changing
+    this answer."""
     return (options.split_kv == "balanced" and partial_kernel(shape, options) in BALANCED_KERNELS
             and shape.kv_dtype != "fp8_e4m3")
 
 
-def kernel_summary(shape: DecodeShape, options: CuteDslOptions) -> str:
+def kernel_summary(shape: DecodeShape, options: CuteDslOptions, batch_size: Optional[int] = None) -> str:
     """Which sm_90 kernel runs a shape and how its KV is split, and why a split_kv the kernel cannot take
-    is ignored (logged at plan; the answer to "which kernel runs" for a given option set)."""
-    kernel = partial_kernel(shape, options)
+    is ignored (logged at plan; the answer to "which kernel runs" for a given option set). `batch_size`
+    (default: a DecodeProblem's own batch_size; none for a bare shape class) decides mma=auto's one batch
+    rule, which the text then names with the threshold and why."""
+    if batch_size is None:
+        batch_size = getattr(shape, "batch_size", None)
+    kernel = partial_kernel(shape, options, batch_size)
     if balanced_split(shape, options):
-        return (f"{kernel} kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
+        text = (f"{kernel} kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
                 "whichever is predicted >= 10% faster)")
-    text = f"{kernel} kernel, even split-KV"
-    if options.split_kv == "balanced":
-        why = ("has an fp8 cache" if kernel in BALANCED_KERNELS else f"runs the {kernel} kernel")
-        text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
-                 f"cache, this shape {why})")
+    else:
+        text = f"{kernel} kernel, even split-KV"
+        if options.split_kv == "balanced":
+            why = ("has an fp8 cache" if kernel in BALANCED_KERNELS else f"runs the {kernel} kernel")
+            text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
+                     f"cache, this shape {why})")
+    if _wgmma_t_auto(shape, options):
+        rows = shape.seq_len_q * shape.num_heads
+        if batch_size is None:
+            text += (f"; mma=auto at {rows} rows with a 16-bit cache: this below batch {WGMMA_T_AUTO_MIN_BATCH}, "
+                     f"the wgmma_t kernel from batch {WGMMA_T_AUTO_MIN_BATCH} (same schedule buffers)")
+        elif kernel == "wgmma_t":
+            text += (f"; mma=auto: batch {batch_size} >= {WGMMA_T_AUTO_MIN_BATCH} at {rows} rows with a 16-bit "
+                     "cache (wgmma_t measured 3-10% faster than mma.sync there on an H200)")
+        else:
+            text += (f"; mma=auto: batch {batch_size} < {WGMMA_T_AUTO_MIN_BATCH} at {rows} rows with a 16-bit "
+                     f"cache (wgmma_t measured 4-9% slower than mma.sync at batches 1-16 on an H200; it runs "
+                     f"from batch {WGMMA_T_AUTO_MIN_BATCH})")
     return text
 
 
@@ -250,6 +315,10 @@ class CuteDslBackend(Backend):
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
                    "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504",
+                   f"mma=auto with a bf16/fp16 cache at 17-{WGMMA_T_MAX_ROWS} rows (s_q*H) and split_kv=balanced: "
+                   f"the wgmma_t kernel when the batch size is >= {WGMMA_T_AUTO_MIN_BATCH} (3-10% faster there "
+                   "on an H200), the mma.sync kernel below (wgmma_t 4-9% slower at batches 1-16); by batch "
+                   "size only, so a CUDA graph captured at one batch size keeps its kernel",
                    "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
                    "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA, "
                    "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly"),
@@ -379,7 +448,8 @@ class CuteDslSession(Session):
         self._schedules: Dict[int, Tuple[Any, Any]] = {}  # s_q -> (schedule, workspace)
         self._lse: Dict[Tuple[int, int], torch.Tensor] = {}
         self._combines: set = set()  # q dtypes whose two combine kernels are built
-        self._described: set = set()  # shape classes whose kernel was logged
+        self._both_partials: set = set()  # (q, kv dtype, block_m) whose two balanced partials (batch rule) are built
+        self._described: set = set()  # (shape class, kernel) pairs whose kernel was logged
         env = config.envelope
         self._lens_buf = self._table_buf = None
         if env is not None:
@@ -391,7 +461,10 @@ class CuteDslSession(Session):
         from .kernels.schedule import alloc_workspace, make_schedule
 
         s_q, B = problem.seq_len_q, problem.batch_size
-        ctas = ctas_per_sm(partial_kernel(problem, self.options), self.options)
+        # mma=auto may run wgmma_t or mma.sync here by batch size (partial_kernel_for): both need one CTA per SM
+        # (ctas_per_sm), block_m_for(rows), the balanced schedule format and alloc_workspace's workspace, so the
+        # buffers of s_q serve both and a batch change never reallocates them for the kernel's sake
+        ctas = ctas_per_sm(partial_kernel_for(problem, self.options), self.options)
         # split_kv=balanced: the hybrid plan (make_schedule picks the form per step into the same buffers)
         balanced = balanced_split(problem, self.options)
         found = self._schedules.get(s_q)
@@ -407,6 +480,24 @@ class CuteDslSession(Session):
         self._schedules[s_q] = found
         return found
 
+    def _build_both_partials(self, problem: DecodeProblem) -> None:
+        """Both balanced partial kernels of a shape class where mma=auto's batch rule applies (wgmma_t from
+        batch 32, mma.sync below), at its first plan: MLADecoder.warmup plans one batch size per shape class
+        outside graph mode, so building only the kernel of that batch would leave the other to compile at the
+        first serving step on the other side of the threshold (the combine kernels are built the same way)."""
+        from .kernels.schedule import block_m_for
+
+        rows = problem.seq_len_q * problem.num_heads
+        key = (problem.q_dtype, problem.kv_dtype, block_m_for(rows))
+        if key in self._both_partials:
+            return
+        from .kernels.api import get_partial_kernel
+        from .kernels.sm90_wgmma_t_decode import get_partial_kernel_wgmma_t_balanced
+
+        get_partial_kernel(key[0], key[1], key[2], None, balanced=True)
+        get_partial_kernel_wgmma_t_balanced(key[0], key[1], key[2])
+        self._both_partials.add(key)
+
     def plan(self, problem: DecodeProblem, step: StepInputs) -> CuteDslPlanned:
         import torch
 
@@ -417,6 +508,8 @@ class CuteDslSession(Session):
             get_combine_kernel(problem.q_dtype, wide=False)
             get_combine_kernel(problem.q_dtype, wide=True)
             self._combines.add(problem.q_dtype)
+        if _wgmma_t_auto(problem, self.options):
+            self._build_both_partials(problem)
         schedule, workspace = self._schedule(problem, step.kv_lens_host)
         lens, table = step.kv_lens, step.page_table
         if self._lens_buf is not None:
@@ -431,16 +524,17 @@ class CuteDslSession(Session):
             if scratch is None:
                 scratch = self._lse[key] = torch.empty(B, problem.seq_len_q, problem.num_heads,
                                                        dtype=torch.float32, device=self.device)
-        if problem.shape not in self._described:  # once per shape class: which kernel runs, how it splits
-            self._described.add(problem.shape)
+        kernel = partial_kernel_for(problem, self.options)  # (shape class, batch size, options): never lengths
+        if (problem.shape, kernel) not in self._described:  # once per shape class and kernel: which, how it splits
+            self._described.add((problem.shape, kernel))
             log.debug("cute_dsl_mla: %s runs the %s", problem.describe(), kernel_summary(problem, self.options))
         return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
-                              self.config.kv_scale, kernel=partial_kernel(problem, self.options),
-                              balanced=balanced_split(problem, self.options))
+                              self.config.kv_scale, kernel=kernel, balanced=balanced_split(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()
         self._lse.clear()
+        self._both_partials.clear()
         self._lens_buf = self._table_buf = None
 
 

@@ -213,7 +213,7 @@ def test_fp8reg_takes_fp8_caches_up_to_32_rows_and_refuses_the_rest_with_reasons
     assert ctas_per_sm("mma_sync", CuteDslOptions(ctas_per_sm=2)) == 2
 
 
-def test_wgmma_t_takes_up_to_32_rows_of_any_cache_refuses_more_and_is_never_auto():
+def test_wgmma_t_takes_up_to_32_rows_of_any_cache_and_refuses_more():
     from mla_cute_dsl.backend import balanced_split, ctas_per_sm, kernel_summary, partial_kernel, run_function
 
     wt = CuteDslOptions(mma="wgmma_t")
@@ -224,7 +224,7 @@ def test_wgmma_t_takes_up_to_32_rows_of_any_cache_refuses_more_and_is_never_auto
         p = prob(num_heads=heads, seq_len_q=s_q, kv_dtype=kv, q_dtype="fp16" if kv == "fp16" else "bf16")
         assert backend.can_implement(p.shape, wt) == []
         assert partial_kernel(p, wt) == "wgmma_t"
-        assert partial_kernel(p, CuteDslOptions()) != "wgmma_t"  # auto never picks it
+        assert partial_kernel(p, CuteDslOptions()) != "wgmma_t"  # auto without a batch: never
         assert not balanced_split(p, wt_even) and kernel_summary(p, wt_even) == "wgmma_t kernel, even split-KV"
         if kv == "fp8_e4m3":  # no balanced mode for an fp8 cache: split_kv=balanced is ignored, and says so
             assert not balanced_split(p, wt)
@@ -281,6 +281,132 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     session.plan(problem, StepInputs(lens, table, lens, table))
     assert built == [("bf16", False), ("bf16", True)] and made == [ctas, ctas]  # once per session
     assert be.partial_kernel(problem, CuteDslOptions()) == kernel
+
+
+# -- mma=auto's batch rule: wgmma_t for a 16-bit cache at 17-32 rows from batch 32 -------------------------
+
+ROWS = {16: (16, 1), 17: (17, 1), 24: (3, 8), 32: (16, 2), 33: (33, 1)}  # packed rows -> (heads, s_q)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8_e4m3"])
+def test_auto_picks_wgmma_t_for_a_16_bit_cache_at_17_to_32_rows_from_batch_32(kv):
+    from mla_cute_dsl.backend import (WGMMA_T_AUTO_MIN_BATCH, balanced_split, ctas_per_sm, partial_kernel,
+                                      partial_kernel_for)
+
+    assert WGMMA_T_AUTO_MIN_BATCH == 32
+    q = "fp16" if kv == "fp16" else "bf16"
+    auto = CuteDslOptions()
+    for rows, (heads, s_q) in ROWS.items():
+        for batch in (1, 31, 32, 128):
+            p = prob(num_heads=heads, seq_len_q=s_q, batch_size=batch, q_dtype=q, kv_dtype=kv)
+            if kv == "fp8_e4m3":
+                want = "fp8reg" if rows <= 32 else "mma_sync"
+            else:
+                want = "wgmma_t" if 17 <= rows <= 32 and batch >= 32 else "mma_sync"
+            assert partial_kernel_for(p, auto) == want, (kv, rows, batch)
+            # without a batch (a DecodeProblem's own batch_size is not read): the choice below the threshold
+            assert partial_kernel(p, auto) == ("fp8reg" if kv == "fp8_e4m3" and rows <= 32 else "mma_sync")
+            assert partial_kernel(p, auto, batch) == want
+            # what differs between the two kernels is nothing the session's buffers are keyed by
+            assert balanced_split(p, auto) == (kv != "fp8_e4m3")
+            assert ctas_per_sm(want, auto) == (2 if want == "fp8reg" else 1)
+            # forced kernels stay forced at every batch
+            assert partial_kernel_for(p, CuteDslOptions(mma="mma_sync")) == "mma_sync"
+            if rows <= 32:
+                assert partial_kernel_for(p, CuteDslOptions(mma="wgmma_t")) == "wgmma_t"
+                assert partial_kernel_for(p, CuteDslOptions(mma="wgmma_t", split_kv="even")) == "wgmma_t"
+            # split_kv=even: auto keeps the mma.sync even kernel (the rule is for the balanced modes)
+            assert partial_kernel_for(p, CuteDslOptions(split_kv="even")) == (
+                "fp8reg" if kv == "fp8_e4m3" and rows <= 32 else "mma_sync")
+            # two CTAs per SM set by hand: wgmma_t holds one, auto keeps mma.sync; one set by hand: as auto
+            assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=2)) in ("mma_sync", "fp8reg")
+            assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=1)) == want
+
+
+def test_kernel_summary_and_explain_name_the_batch_rule():
+    from mla_cute_dsl.backend import kernel_summary
+
+    auto = CuteDslOptions()
+    big, small = prob(num_heads=16, seq_len_q=2, batch_size=128), prob(num_heads=16, seq_len_q=2, batch_size=8)
+    assert kernel_summary(big, auto) == (
+        "wgmma_t kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, whichever "
+        "is predicted >= 10% faster); mma=auto: batch 128 >= 32 at 32 rows with a 16-bit cache (wgmma_t "
+        "measured 3-10% faster than mma.sync there on an H200)")
+    assert kernel_summary(small, auto).startswith("mma_sync kernel, balanced split-KV")
+    assert kernel_summary(small, auto).endswith(
+        "; mma=auto: batch 8 < 32 at 32 rows with a 16-bit cache (wgmma_t measured 4-9% slower than mma.sync at "
+        "batches 1-16 on an H200; it runs from batch 32)")
+    assert kernel_summary(big, auto, batch_size=8) == kernel_summary(small, auto)  # an explicit batch wins
+    assert kernel_summary(big.shape, auto).endswith(  # a shape class: both sides of the threshold
+        "; mma=auto at 32 rows with a 16-bit cache: this below batch 32, the wgmma_t kernel from batch 32 "
+        "(same schedule buffers)")
+    # no rule where it does not apply: forced kernels, split_kv=even, fp8, 16 and 33 rows
+    assert kernel_summary(big, CuteDslOptions(mma="mma_sync")).startswith("mma_sync kernel, balanced")
+    assert "mma=auto" not in kernel_summary(big, CuteDslOptions(mma="mma_sync"))
+    assert kernel_summary(big, CuteDslOptions(split_kv="even")) == "mma_sync kernel, even split-KV"
+    assert "mma=auto" not in kernel_summary(prob(num_heads=16, batch_size=128), auto)
+    assert "mma=auto" not in kernel_summary(prob(num_heads=33, batch_size=128), auto)
+    assert kernel_summary(prob(num_heads=16, seq_len_q=2, batch_size=128, kv_dtype="fp8_e4m3"), auto) == (
+        "fp8reg kernel, even split-KV (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels "
+        "with a bf16/fp16 cache, this shape runs the fp8reg kernel)")
+    # `mla backends explain` prints the chosen backend's notes: the rule with its threshold is one of them
+    notes = CuteDslBackend().info().notes
+    assert any("wgmma_t" in n and "batch size is >= 32" in n and "17-32 rows" in n for n in notes)
+    desc = CuteDslOptions.model_fields["mma"].description
+    assert "wgmma_t for a bf16/fp16 cache at 17-32 rows when the step's batch size is >= 32" in desc
+
+
+def test_a_session_runs_wgmma_t_at_batch_128_mma_sync_at_8_with_the_same_schedule_buffers(monkeypatch):
+    """Plans at batch 128, 8, 128 (H16 s_q2: 32 rows, bf16): the Planned runs the wgmma_t, mma.sync, wgmma_t
+    balanced entries, every plan on the one schedule and workspace of s_q=2 (made once, one CTA per SM), and
+    a plan at batch B runs the same kernel whatever the lengths (graph replay per batch size). Both balanced
+    partial kernels are built at the first plan (warm-up at one batch size builds the other side too)."""
+    import types
+
+    from mla_cute_dsl.kernels import api, schedule, sm90_wgmma_t_decode
+    from mlacore import SessionConfig, StepInputs
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(
+        multi_processor_count=132))
+    made, filled = [], []
+    real_make, real_alloc = schedule.make_schedule, schedule.alloc_workspace
+
+    def make(*a, **k):
+        (filled if k.get("out") is not None else made).append((k["ctas_per_sm"], k["balanced"]))
+        return real_make(*a, **{**k, "device": "cpu"})
+
+    monkeypatch.setattr(schedule, "make_schedule", make)
+    monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None: real_alloc(sched, device="cpu"))
+    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False: None)
+    partials = []
+    monkeypatch.setattr(api, "get_partial_kernel", lambda *a, **k: partials.append(("mma_sync", a, k)))
+    monkeypatch.setattr(sm90_wgmma_t_decode, "get_partial_kernel_wgmma_t_balanced",
+                        lambda *a, **k: partials.append(("wgmma_t", a, k)))
+    config = SessionConfig(num_heads=16, page_size=64, q_dtype="bf16", kv_dtype="bf16", out_dtype="bf16",
+                           kv_lora_rank=512, qk_rope_head_dim=64, causal=True, return_lse=True, sm_scale=0.1,
+                           kv_scale=1.0, q_scale=1.0, device=H200)
+    session = CuteDslBackend().open(config, CuteDslOptions())
+    gen = torch.Generator().manual_seed(0)
+    runs, buffers = [], []
+    for batch, spread in ((128, False), (8, False), (128, True), (8, True), (128, False)):
+        lens = (torch.randint(1, 4096, (batch,), generator=gen) if spread
+                else torch.full((batch,), 2048)).to(torch.int32)
+        table = torch.zeros(batch, 64, dtype=torch.int32)
+        planned = session.plan(prob(num_heads=16, seq_len_q=2, batch_size=batch), StepInputs(lens, table, lens,
+                                                                                              table))
+        runs.append(planned.run_fn.__name__)
+        buffers.append((id(planned.schedule), id(planned.workspace)))
+        assert planned.schedule.block_m == 32 and planned.schedule.balanced
+    wt, ms = "mla_decode_sm90_wgmma_t_balanced", "mla_decode_sm90_balanced"
+    assert runs == [wt, ms, wt, ms, wt]
+    assert len(set(buffers)) == 1  # one schedule and one workspace for both kernels
+    assert made == [(1, True)] and filled == [(1, True)] * 4
+    assert partials == [("mma_sync", ("bf16", "bf16", 32, None), {"balanced": True}),
+                        ("wgmma_t", ("bf16", "bf16", 32), {})]  # once per session, at the first plan
+    # where the rule does not apply (16 rows here) the session builds nothing at plan
+    lens, table = torch.full((128,), 100, dtype=torch.int32), torch.zeros(128, 64, dtype=torch.int32)
+    planned = session.plan(prob(num_heads=16, seq_len_q=1, batch_size=128), StepInputs(lens, table, lens, table))
+    assert planned.run_fn.__name__ == "mla_decode_sm90_balanced" and len(partials) == 2
 
 
 # -- option split_kv: the balanced split-KV kernel with the hybrid plan --------------------------------------
