@@ -127,7 +127,9 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
     return run, info, None
 
 
-def way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S, backend="flashinfer_mla"):
+def way_decoder(torch, sets, table, lens, lens_cpu, s_q, H, B, S, backend="flashinfer_mla"):
+    """A way through mlacore.MLADecoder with the dispatcher forced to `backend`: FlashInfer fa3 ("fa3"),
+    or cute_dsl_mla with its default options ("ours")."""
     from mlacore import Dispatcher, MLADecoder, parse_policy
 
     options = {"flashinfer_mla": {"options": {"variant": "fa3", "launch": "direct"}}} if backend == "flashinfer_mla" else {}
@@ -199,7 +201,7 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes):
         lses = [torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda") for _ in range(n)]
         try:
             if name in ("fa3", "ours"):
-                run, info, dec = way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S,
+                run, info, dec = way_decoder(torch, sets, table, lens, lens_cpu, s_q, H, B, S,
                                          backend="flashinfer_mla" if name == "fa3" else "cute_dsl_mla")
                 closers.append(dec)
             else:

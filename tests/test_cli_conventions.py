@@ -263,3 +263,125 @@ def test_light_fingerprint_sees_no_gpu_when_cuda_visible_devices_hides_them(monk
     import torch
 
     assert now["torch"] == torch.__version__  # the local tag too (2.11.0+cu130), which metadata may drop
+
+
+class _FakeNvml:
+    """A stand-in for libnvidia-ml (and libcuda's cuDriverGetVersion) so that the light fingerprint's NVML
+    branches run on a CPU machine: `devices` is [(name, (major, minor), mig_on)]; `missing` names calls the
+    fake driver lacks (AttributeError, as ctypes raises for an absent symbol); `fail` names calls that
+    return an NVML error."""
+
+    def __init__(self, devices, missing=(), fail=()):
+        self.devices, self.missing, self.fail = devices, set(missing), set(fail)
+        self.shutdowns = 0
+
+    def __getattr__(self, name):
+        if name in self.missing or not hasattr(type(self), "_" + name):
+            raise AttributeError(name)
+        method = getattr(type(self), "_" + name)
+
+        def call(*args):
+            return 999 if name in self.fail else method(self, *args)
+        return call
+
+    def _nvmlInit_v2(self):
+        return 0
+
+    def _nvmlShutdown(self):
+        self.shutdowns += 1
+        return 0
+
+    def _nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = len(self.devices)
+        return 0
+
+    def _nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = index.value + 1
+        return 0
+
+    def _nvmlDeviceGetName(self, handle, buf, size):
+        buf.value = self.devices[handle.value - 1][0].encode()
+        return 0
+
+    def _nvmlDeviceGetCudaComputeCapability(self, handle, major, minor):
+        major._obj.value, minor._obj.value = self.devices[handle.value - 1][1]
+        return 0
+
+    def _nvmlDeviceGetMigMode(self, handle, current, pending):
+        current._obj.value = int(self.devices[handle.value - 1][2])
+        return 0
+
+    def _cuDriverGetVersion(self, version):
+        version._obj.value = 13000
+        return 0
+
+
+def _with_fake_libs(monkeypatch, nvml=None, libcuda=True):
+    import ctypes
+
+    def cdll(name, *a, **k):
+        if "nvidia-ml" in name and nvml is not None:
+            return nvml
+        if "libcuda" in name and libcuda:
+            return nvml or _FakeNvml([])
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+
+
+H200 = ("NVIDIA H200", (9, 0), False)
+
+
+@pytest.mark.parametrize("visible,devices,env,expected", [
+    (None, [H200], {}, ("NVIDIA H200", "9.0", "13.0")),
+    ("1", [H200, H200], {}, ("NVIDIA H200", "9.0", "13.0")),
+    ("0", [("NVIDIA H100 80GB HBM3", (9, 0), False), ("NVIDIA L4", (8, 9), False)], {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+     ("NVIDIA H100 80GB HBM3", "9.0", "13.0")),
+    (None, [("NVIDIA H100 80GB HBM3", (9, 0), False), ("NVIDIA L4", (8, 9), False)], {}, None),  # CUDA's order unknown
+    ("GPU-8932f937", [H200], {}, None),  # a UUID (prefix): NVML cannot resolve prefixes
+    ("MIG-GPU-8932f937-aaaa/1/0", [H200], {}, None),
+    (None, [("NVIDIA H200", (9, 0), True)], {}, None),  # MIG on: CUDA's device 0 is an instance
+    ("7", [H200], {}, None),  # no such index
+    ("", [H200], {}, ("cpu", "-", "")),
+    ("-1", [H200], {}, ("cpu", "-", "")),
+    (None, [], {}, ("cpu", "-", "")),
+])
+def test_light_fingerprint_nvml_branches(monkeypatch, visible, devices, env, expected):
+    from mlacore.tools import fingerprint
+
+    nvml = _FakeNvml(devices)
+    _with_fake_libs(monkeypatch, nvml)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert fingerprint._nvml_device() == expected
+    now = fingerprint.light_fingerprint()
+    assert (now["gpu"], now["capability"], now["driver"]) == (expected or (None, None, None))
+
+
+@pytest.mark.parametrize("missing,fail", [(("nvmlDeviceGetCount_v2",), ()), (("nvmlInit_v2",), ()),
+                                          ((), ("nvmlInit_v2",)), ((), ("nvmlDeviceGetCudaComputeCapability",))])
+def test_light_fingerprint_is_unknown_not_cpu_when_nvml_cannot_answer(monkeypatch, missing, fail):
+    """An old driver without a call, or an NVML error, on a GPU machine: the GPU fields are unknown (not
+    compared), never "cpu" (which would tell the user to re-tune on the very GPU the file was tuned on)."""
+    from mlacore.tools import fingerprint
+
+    _with_fake_libs(monkeypatch, _FakeNvml([H200], missing=missing, fail=fail))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert fingerprint._nvml_device() is None
+    tuned = type("T", (), {"gpu": "NVIDIA H200", "capability": "9.0", "driver": "13.0", "torch": "",
+                           "backends": {}})()
+    assert fingerprint.fingerprint_mismatches(tuned) == []
+
+
+def test_light_fingerprint_without_nvml_but_with_a_driver_is_unknown_and_without_both_is_cpu(monkeypatch):
+    from mlacore.tools import fingerprint
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _with_fake_libs(monkeypatch, nvml=None, libcuda=True)  # a container without the NVML `utility` libraries
+    assert fingerprint._nvml_device() is None
+    _with_fake_libs(monkeypatch, nvml=None, libcuda=False)
+    assert fingerprint._nvml_device() == ("cpu", "-", "")

@@ -6,10 +6,11 @@ when GPU, driver, torch or a backend's version differ.
 
 Two ways to read this machine: `current_fingerprint` (torch's own view, used
 by `mla bench`, which has torch and CUDA up anyway) and `light_fingerprint`
-(package metadata and NVML, used by `mla policy check`, which must stay fast
-and import neither torch nor start CUDA). Both give the same strings on one
-machine: NVML and the CUDA runtime report the same device name, compute
-capability and driver version.
+(package metadata, torch/version.py, NVML and libcuda's driver version, used
+by `mla policy check`, which must stay fast and import neither torch nor start
+CUDA). Both give the same strings on one machine (checked on an H200), except
+that the light one leaves the GPU fields unknown where NVML cannot tell which
+GPU CUDA would call device 0 (MIG, UUIDs, mixed GPUs; see `_nvml_device`).
 """
 
 from __future__ import annotations
@@ -40,49 +41,84 @@ def current_fingerprint() -> Dict[str, object]:
 
 def _driver_version() -> str:
     try:
-        import ctypes
-
         lib = ctypes.CDLL("libcuda.so.1")
         version = ctypes.c_int()
         if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:
             return f"{version.value // 1000}.{(version.value % 1000) // 10}"
-    except OSError:
+    except (OSError, AttributeError):  # no libcuda, or one without the call
         pass
     return ""
 
 
+NO_GPU = ("cpu", "-", "")
+
+
 def _nvml_device() -> Optional[Tuple[str, str, str]]:
-    """(name, capability, driver) of the GPU CUDA would call device 0, through NVML (no CUDA context, no
-    torch); None when there is no NVML library, no GPU, or CUDA_VISIBLE_DEVICES hides every GPU."""
+    """(name, capability, driver) of the GPU CUDA calls device 0, read through NVML (no CUDA context, no
+    torch); `NO_GPU` when this machine has no NVIDIA driver or CUDA_VISIBLE_DEVICES hides every GPU; None
+    when it has a GPU but NVML cannot say which one CUDA would use, so that the caller compares nothing
+    rather than warn about a GPU that is there: no NVML library beside libcuda (containers without the
+    `utility` capability), GPUs named by UUID or MIG instance in CUDA_VISIBLE_DEVICES, MIG mode on (CUDA's
+    device 0 is then an instance), GPUs of different kinds whose NVML order (PCI bus) may differ from CUDA's
+    default order, a driver without one of these calls, or any NVML error."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     first = None if visible is None else visible.split(",")[0].strip()
     if first is not None and (first == "" or first.startswith("-")):
-        return None
+        return NO_GPU
     try:
         lib = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return NO_GPU
         return None
-    if lib.nvmlInit_v2() != 0:
+    if first is not None and not first.isdigit():
         return None
     try:
-        handle = ctypes.c_void_p()
-        if first is not None and not first.isdigit():  # a GPU UUID (or MIG UUID prefix)
-            found = lib.nvmlDeviceGetHandleByUUID(first.encode(), ctypes.byref(handle))
-        else:
-            found = lib.nvmlDeviceGetHandleByIndex_v2(int(first or 0), ctypes.byref(handle))
-        if found != 0:
+        if lib.nvmlInit_v2() != 0:
             return None
+    except AttributeError:
+        return None
+    try:
+        count = ctypes.c_uint()
+        if lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        if count.value == 0:
+            return NO_GPU
+        names = set()
+        for index in range(count.value):
+            handle = ctypes.c_void_p()
+            name = ctypes.create_string_buffer(96)
+            if (lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0
+                    or lib.nvmlDeviceGetName(handle, name, ctypes.c_uint(96)) != 0):
+                return None
+            names.add(name.value)
+        if len(names) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+            return None
+        index = int(first or 0)
+        if index >= count.value:
+            return None
+        handle = ctypes.c_void_p()
         name = ctypes.create_string_buffer(96)
-        major, minor, version = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        if (lib.nvmlDeviceGetName(handle, name, 96) != 0
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        mig, pending = ctypes.c_uint(), ctypes.c_uint()
+        if (lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0
+                or lib.nvmlDeviceGetName(handle, name, ctypes.c_uint(96)) != 0
                 or lib.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
             return None
-        driver = ""
-        if lib.nvmlSystemGetCudaDriverVersion_v2(ctypes.byref(version)) == 0:
-            driver = f"{version.value // 1000}.{(version.value % 1000) // 10}"
-        return name.value.decode(errors="replace"), f"{major.value}.{minor.value}", driver
+        # NOT_SUPPORTED (no MIG on this GPU) leaves mig at 0; MIG enabled: CUDA's device 0 is an instance
+        lib.nvmlDeviceGetMigMode(handle, ctypes.byref(mig), ctypes.byref(pending))
+        if mig.value == 1:
+            return None
+        return name.value.decode(errors="replace"), f"{major.value}.{minor.value}", _driver_version()
+    except (AttributeError, ctypes.ArgumentError, ValueError):
+        return None
     finally:
-        lib.nvmlShutdown()
+        try:
+            lib.nvmlShutdown()
+        except AttributeError:
+            pass
 
 
 def _torch_version() -> str:
@@ -108,8 +144,9 @@ def _torch_version() -> str:
 
 
 def light_fingerprint() -> Dict[str, object]:
-    """This machine as `current_fingerprint` would describe it, without importing torch or starting CUDA."""
-    gpu, capability, driver = _nvml_device() or ("cpu", "-", "")
+    """This machine as `current_fingerprint` would describe it, without importing torch or starting CUDA;
+    gpu, capability and driver are None where NVML cannot tell which GPU CUDA would use (not compared)."""
+    gpu, capability, driver = _nvml_device() or (None, None, None)
     torch_version = _torch_version()
     backends = {b.name: b.version for b in get_registry().backends() if b.loaded}
     return {"gpu": gpu, "capability": capability, "driver": driver, "torch": torch_version,
@@ -122,7 +159,7 @@ def fingerprint_mismatches(tuned, now: Optional[Dict[str, object]] = None) -> Li
     out = []
     for key in ("gpu", "capability", "driver", "torch"):
         then = getattr(tuned, key)
-        if then and then != now[key]:
+        if then and now[key] is not None and then != now[key]:
             out.append(f"tuned on {key}={then!r}, this machine has {now[key]!r}: re-run `mla tune`")
     for name, version in tuned.backends.items():
         have = now["backends"].get(name)

@@ -75,10 +75,11 @@ FP8REG_MAX_ROWS = 32
 # from 0.2.2 is off for 16-bit caches and only made the seesaw faster there (NOTES.md, sixth session)
 SEESAW_MIN_ROWS = 128
 # the transposed WGMMA kernel (sm90_wgmma_t_decode: KV tokens are WGMMA's M, query rows its N) takes at most
-# this many packed rows (N = 16 or 32); with a bf16 cache and uniform lengths on an H200 0.93-0.99x fa3's time
-# against the mma.sync kernel's 0.88-0.90x at 32 rows, equal at 16 (docs/results/gpu9_wgmma_t/); its balanced
-# mode (split_kv=balanced, 16-bit cache; compile-only so far) walks the same hybrid schedule as the mma.sync
-# balanced kernel
+# this many packed rows (N = 16 or 32). Its balanced mode (split_kv=balanced, 16-bit cache) walks the same
+# hybrid schedule as the mma.sync balanced kernel; GPU-verified on an H200 (docs/results/gpu9_wgmma_t_balanced/).
+# Measured there at 17-32 rows with a bf16 cache against the default (docs/results/gpu9_wgmma_t_auto/): the gain
+# grows with the step's KV blocks (batch x length), not with batch alone: 7-10% faster at B=64-128 S=4096,
+# 1-4% at B=32-128 S=1024, equal at B=16 S=4096, 4-9% slower at B=1-16 S=1024 and B=1-4 S=4096
 WGMMA_T_MAX_ROWS = 32
 # mma=auto picks the transposed WGMMA kernel (its balanced mode) for a bf16/fp16 cache at 17-32 packed rows
 # when the step's batch size is at least this (split_kv=balanced, ctas_per_sm auto or 1), else the mma.sync

@@ -253,6 +253,16 @@ def launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, 
     return out, lse
 
 
+def check_balanced(schedule: Schedule, kv_cache) -> None:
+    """What every balanced entry needs, checked even with check=False (a wrong schedule or cache would make
+    the column loop read another kernel's buffers): a make_schedule(..., balanced=True) schedule and a
+    bf16/fp16 cache (the balanced kernels have no fp8 path)."""
+    if not schedule.balanced:
+        raise ValueError("balanced=True needs a schedule made with make_schedule(..., balanced=True)")
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only")
+
+
 def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                     out, lse, schedule: Schedule, workspace, *, check: bool = True,
                     layout=None, balanced: bool = False):
@@ -269,10 +279,7 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     The default kernel accepts a balanced schedule too (one CTA per work row, the same items).
     """
     if balanced:
-        if not schedule.balanced:
-            raise ValueError("balanced=True needs a schedule made with make_schedule(..., balanced=True)")
-        if kv_cache.dtype == torch.float8_e4m3fn:
-            raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only")
+        check_balanced(schedule, kv_cache)
         if check:
             check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
         partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m,

@@ -7,8 +7,8 @@ kind ``partial_wgmma_t``) and ``mla_decode_sm90_wgmma_t``; ``backend.py`` runs i
 option mma=wgmma_t.
 
 Balanced mode (``MLADecodePartialWGMMAT(balanced=True).call_balanced``, bf16/fp16 KV only;
-``mla_decode_sm90_wgmma_t_balanced``, cache kind ``partial_wgmma_t_balanced``; compile-only so
-far): the grid is (m-blocks, schedule.num_cols), fixed per decoder, and CTA column c walks
+``mla_decode_sm90_wgmma_t_balanced``, cache kind ``partial_wgmma_t_balanced``; GPU-verified on an
+H200, eighth session, docs/results/gpu9_wgmma_t_balanced/): the grid is (m-blocks, schedule.num_cols), fixed per decoder, and CTA column c walks
 work rows cta_ranges[c] .. cta_ranges[c + 1] - 1 of a ``make_schedule(..., balanced=True)``
 schedule (either form of the hybrid plan; the same buffers, slots and combine as the
 mma.sync balanced kernel).  The mbarriers are set up once per CTA; the producers and the
@@ -1041,14 +1041,9 @@ def mla_decode_sm90_wgmma_t_balanced(q, kv_cache, page_table, kv_lens, sm_scale:
     of (m-blocks, schedule.num_cols) CTAs, each walking its column of a ``make_schedule(...,
     balanced=True, ctas_per_sm=1)`` schedule (either form of the hybrid plan), then the combine.
     Needs s_q * H <= 32 and a bf16/fp16 cache (ValueError otherwise, also with check=False)."""
-    import torch
-
     from . import api
 
-    if not schedule.balanced:
-        raise ValueError("wgmma_t balanced needs a schedule made with make_schedule(..., balanced=True)")
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        raise ValueError("balanced wgmma_t is built for bf16/fp16 KV caches only")
+    api.check_balanced(schedule, kv_cache)
     if schedule.block_m not in (16, 32):
         raise ValueError(f"wgmma_t: s_q * H must be <= 32, got {schedule.rows}")
     if check:
