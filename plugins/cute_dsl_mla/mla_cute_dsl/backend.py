@@ -18,6 +18,17 @@ Option split_kv="balanced" (the default since 0.2.3; the mma.sync kernel or, wit
 mma=wgmma_t, the transposed WGMMA kernel, bf16/fp16 cache only; see balanced_split): the
 balanced split-KV kernel, whose schedule plan picks per step (the hybrid, kernels/schedule.py
 choose_form) into the same buffers, so graphs captured at one step replay at any later one.
+
+mma=auto with a bf16/fp16 cache at 17-32 packed rows, split_kv=balanced and ctas_per_sm auto/1 picks per
+plan, from the step's host lengths: the transposed WGMMA kernel's balanced mode when the step has at least
+WGMMA_T_AUTO_MIN_BLOCKS (640) KV blocks (step_kv_blocks: the sum over requests of ceil(kv_len / 64)), the
+mma.sync balanced kernel below (partial_kernel_for). Graph safety: the two kernels read exactly the same
+things from plan (one make_schedule(..., balanced=True, ctas_per_sm=1) schedule per s_q: block_m_for(rows),
+the same columns, work_info / split_info / cta_ranges in the same format, wide_combine by batch and rows; the
+same alloc_workspace partial buffers; the same lse scratch per (batch, s_q); the same launch_balanced
+arguments, grid (ceil(rows / block_m), num_cols) and combine kernel), and plan writes the same buffers
+whichever it picks. So a CUDA graph captured after one plan replays its captured kernel (the capture-time
+plan's choice, not necessarily the newest plan's) correctly after any later plan of its batch size.
 """
 
 from __future__ import annotations
@@ -75,6 +86,20 @@ SEESAW_MIN_ROWS = 128
 # grows with the step's KV blocks (batch x length), not with batch alone: 7-10% faster at B=64-128 S=4096,
 # 1-4% at B=32-128 S=1024, equal at B=16 S=4096, 4-9% slower at B=1-16 S=1024 and B=1-4 S=4096
 WGMMA_T_MAX_ROWS = 32
+# mma=auto picks the transposed WGMMA kernel (its balanced mode) for a bf16/fp16 cache at 17-32 packed rows
+# (split_kv=balanced, ctas_per_sm auto or 1) when the step has at least this many KV blocks of 64 tokens
+# (step_kv_blocks: sum over the step's requests of ceil(kv_len / 64), kv_len counting the step's new tokens;
+# the blocks the split-KV schedule distributes), else the mma.sync balanced kernel; decided per plan. Measured
+# on an H200 (docs/results/gpu10_session/wgmma_t_threshold_bench.{txt,json} and
+# wgmma_t_threshold_varlen_bench.json; H=16 s_q=2 bf16, mla bench, CUDA-graph replay; wgmma_t's gain over
+# mma_sync): the gain follows the step's blocks, not its batch. Uniform lengths, >= 768 blocks: -0.6..+14%
+# (B24 S2048 +1.3, B48 S1024 +5.4, B96 S512 +8.7, B16 S4096 +0.6, B32 S2048 +1.8, B64 S1024 +0.6, B24 S4096
+# +5.0, B48 S2048 -0.6, B96 S1024 +14, B32 S4096 +4.5, B64 S2048 +2.8, B48 S4096 +0.9, B64 S4096 +6.8, B96
+# S4096 +5.6); 512 blocks: -0.1, -1.1, -2.2, -0.6; <= 384 blocks: -7..+1.3, mostly -4..-7. Lengths spread over
+# [0.1 S, S]: ~563 blocks +1.8, +2.7; ~1126 +2.5, +3.5; ~2253 -1.9, -0.3; ~4506 +3.1. 640 lies between the
+# measured 512 (a loss) and 768 (a gain). The earlier rule by batch (>= 32) lost 7% at B32 S512 and 2.2% at
+# B32 S1024 and missed +5% at B24 S4096. At <= 16 rows the two are within 2%, so auto keeps mma.sync there.
+WGMMA_T_AUTO_MIN_BLOCKS = 640
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
 SplitKV = Literal["even", "balanced"]
@@ -90,12 +115,15 @@ class CuteDslOptions(BackendOptions):
                     "an H200, bf16 or fp8 KV), seesaw (WGMMA, each warpgroup its own KV tile; bf16, fp16 or fp8 KV, "
                     "s_q*num_heads > 32), fp8reg (fp8 KV, s_q*num_heads <= 32: fp8 B fragments converted in "
                     "registers), wgmma_t (s_q*num_heads <= 32, any cache: WGMMA with KV tokens as M and query rows "
-                    "as N; with a bf16/fp16 cache it follows split_kv; on an H200 at 17-32 rows 7-10% faster than "
-                    "the default at B=64-128 S=4096, 4-9% slower at small batches and short lengths, equal at 16 "
-                    "rows; never auto's choice), "
+                    "as N; with a bf16/fp16 cache it follows split_kv; balanced, at 17-32 rows on an H200: up to "
+                    "14% faster than mma_sync balanced on steps of >= 768 KV blocks, mostly 4-7% slower at <= 384), "
                     "mma_sync (every shape). auto: fp8reg for fp8 KV up to "
                     f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows, wgmma from "
-                    f"s_q*num_heads >= {WGMMA_MIN_ROWS}, else mma_sync")
+                    f"s_q*num_heads >= {WGMMA_MIN_ROWS}, wgmma_t for a bf16/fp16 cache at 17-"
+                    f"{WGMMA_T_MAX_ROWS} rows when the step has >= {WGMMA_T_AUTO_MIN_BLOCKS} KV blocks (sum over "
+                    "its requests of ceil(kv_len/64); split_kv=balanced, ctas_per_sm auto/1; decided per plan, "
+                    "both kernels read the same schedule buffers, so CUDA graphs replay correctly after any "
+                    "plan), else mma_sync")
     split_kv: SplitKV = Field(
         default="balanced",
         description="how the mma.sync kernel (and mma=wgmma_t) with a bf16/fp16 cache splits the KV work (sm_90). "
@@ -107,7 +135,8 @@ class CuteDslOptions(BackendOptions):
                     "lengths. even: the default kernel of 0.2.2, each request cut into equal items, one CTA per "
                     "item (NOTES.md). Ignored where another kernel runs (WGMMA, seesaw, fp8reg, an fp8 cache); "
                     "mma=wgmma_t takes it as the mma.sync kernel does (its balanced mode: same schedule, one CTA "
-                    "per SM)")
+                    "per SM). With even, mma=auto always runs the mma.sync even kernel at 17-32 rows (its "
+                    "KV-block rule for wgmma_t applies to split_kv=balanced only); mma=wgmma_t runs its even entry")
     num_sms: Union[Literal["auto"], int] = Field(
         default="auto",
         description="SMs the split-KV schedule spreads one step's work over (sm_90). auto: all of the GPU's. Set "
@@ -187,8 +216,34 @@ def wgmma_t_reasons(shape: DecodeShape) -> List[str]:
     return []
 
 
-def partial_kernel(shape: DecodeShape, options: CuteDslOptions) -> PartialKernel:
-    """Which sm_90 partial kernel runs this shape (forced values the shape refuses are refused in can_implement)."""
+def _wgmma_t_auto(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether mma=auto's KV-block rule applies to this shape class and options: a bf16/fp16 cache, 17-32 packed
+    rows, split_kv=balanced (with split_kv=even auto keeps the mma.sync even kernel: the measurements are of
+    the balanced modes) and ctas_per_sm auto or 1 (the transposed kernel's shared memory holds one CTA per SM,
+    and one CTA per SM keeps the schedule identical for both kernels). Shape class and options only."""
+    rows = shape.seq_len_q * shape.num_heads
+    return (options.mma == "auto" and shape.kv_dtype != "fp8_e4m3" and 16 < rows <= WGMMA_T_MAX_ROWS
+            and options.split_kv == "balanced" and options.ctas_per_sm in ("auto", 1))
+
+
+def step_kv_blocks(kv_lens: Any) -> int:
+    """The step's KV blocks: the sum over its requests of ceil(kv_len / 64) (kv_len <= 0 counts 0), kv_len
+    being the request's whole KV length including this step's new tokens (the host lengths plan receives).
+    The same count as the split-KV schedule's blocks (kernels/schedule.py _nblocks); mma=auto's wgmma_t rule
+    compares it with WGMMA_T_AUTO_MIN_BLOCKS. A host tensor or a sequence of ints."""
+    if hasattr(kv_lens, "tolist"):
+        kv_lens = kv_lens.tolist()
+    return sum((n + BLOCK_N - 1) // BLOCK_N for n in kv_lens if n > 0)
+
+
+def partial_kernel(shape: DecodeShape, options: CuteDslOptions,
+                   kv_blocks: Optional[int] = None) -> PartialKernel:
+    """Which sm_90 partial kernel runs this shape (forced values the shape refuses are refused in can_implement).
+
+    mma=auto depends on the step in one case only (a bf16/fp16 cache at 17-32 rows, split_kv=balanced,
+    ctas_per_sm auto/1): wgmma_t when the step has `kv_blocks` >= WGMMA_T_AUTO_MIN_BLOCKS (step_kv_blocks),
+    mma.sync below. Without `kv_blocks` (a caller with a shape class or a problem and no lengths) the answer is
+    the one below the threshold: mma_sync there. Plans use partial_kernel_for, which counts the step's blocks."""
     if options.mma != "auto":
         return options.mma
     rows = shape.seq_len_q * shape.num_heads
@@ -196,7 +251,21 @@ def partial_kernel(shape: DecodeShape, options: CuteDslOptions) -> PartialKernel
         return "fp8reg"
     if rows >= SEESAW_MIN_ROWS:
         return "seesaw"
-    return "wgmma" if rows >= WGMMA_MIN_ROWS else "mma_sync"
+    if rows >= WGMMA_MIN_ROWS:
+        return "wgmma"
+    if kv_blocks is not None and kv_blocks >= WGMMA_T_AUTO_MIN_BLOCKS and _wgmma_t_auto(shape, options):
+        return "wgmma_t"
+    return "mma_sync"
+
+
+def partial_kernel_for(problem: DecodeShape, options: CuteDslOptions, kv_lens: Any) -> PartialKernel:
+    """The partial kernel a plan with these host lengths runs: partial_kernel with step_kv_blocks(kv_lens)
+    (counted only where mma=auto's rule applies). It may differ between two plans of one batch size; that is
+    graph-safe because the two kernels it chooses between (mma.sync and wgmma_t, both balanced) read exactly
+    the same schedule, workspace and scratch from plan (module docstring; CuteDslSession._schedule)."""
+    if not _wgmma_t_auto(problem, options):
+        return partial_kernel(problem, options)
+    return partial_kernel(problem, options, step_kv_blocks(kv_lens))
 
 
 # partial kernels with a balanced mode (a column loop over the hybrid schedule), 16-bit caches only
@@ -210,23 +279,42 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
     measured with a 16-bit cache, the mma.sync fp8 kernel has no column loop, and the wgmma_t fp8
     producer pairs its register sets with ring stages at compile time. The other WGMMA kernels have none
     either. Shape class and options only, so the session's buffers and its CUDA graphs never change kind
-    between steps."""
+    between steps: mma=auto's KV-block rule swaps mma_sync for wgmma_t, both balanced kernels, never changing
+    this answer."""
     return (options.split_kv == "balanced" and partial_kernel(shape, options) in BALANCED_KERNELS
             and shape.kv_dtype != "fp8_e4m3")
 
 
-def kernel_summary(shape: DecodeShape, options: CuteDslOptions) -> str:
+def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optional[int] = None) -> str:
     """Which sm_90 kernel runs a shape and how its KV is split, and why a split_kv the kernel cannot take
-    is ignored (logged at plan; the answer to "which kernel runs" for a given option set)."""
-    kernel = partial_kernel(shape, options)
+    is ignored (logged at plan; the answer to "which kernel runs" for a given option set). `kv_blocks` (the
+    step's step_kv_blocks; none for a shape class or a problem without lengths) decides mma=auto's one
+    per-step rule, which the text then names with the threshold and why; without it the text names both
+    sides."""
+    kernel = partial_kernel(shape, options, kv_blocks)
     if balanced_split(shape, options):
-        return (f"{kernel} kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
+        text = (f"{kernel} kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
                 "whichever is predicted >= 10% faster)")
-    text = f"{kernel} kernel, even split-KV"
-    if options.split_kv == "balanced":
-        why = ("has an fp8 cache" if kernel in BALANCED_KERNELS else f"runs the {kernel} kernel")
-        text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
-                 f"cache, this shape {why})")
+    else:
+        text = f"{kernel} kernel, even split-KV"
+        if options.split_kv == "balanced":
+            why = ("has an fp8 cache" if kernel in BALANCED_KERNELS else f"runs the {kernel} kernel")
+            text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
+                     f"cache, this shape {why})")
+    if _wgmma_t_auto(shape, options):
+        rows = shape.seq_len_q * shape.num_heads
+        least = WGMMA_T_AUTO_MIN_BLOCKS
+        if kv_blocks is None:
+            text += (f"; mma=auto at {rows} rows with a 16-bit cache, per step: this kernel below {least} KV blocks "
+                     f"(sum of ceil(kv_len/64) over the step's requests), the wgmma_t kernel from {least} (the "
+                     "same schedule buffers: graph-safe)")
+        elif kernel == "wgmma_t":
+            text += (f"; mma=auto: {kv_blocks} KV blocks >= {least} at {rows} rows with a 16-bit cache (wgmma_t "
+                     "measured -0.6..+14% against mma.sync from 768 blocks on an H200)")
+        else:
+            text += (f"; mma=auto: {kv_blocks} KV blocks < {least} at {rows} rows with a 16-bit cache (wgmma_t "
+                     f"measured mostly 4-7% slower than mma.sync at <= 384 blocks, 0-2% at 512 on an H200; it runs "
+                     f"from {least} blocks)")
     return text
 
 
@@ -248,10 +336,16 @@ class CuteDslBackend(Backend):
         return BackendInfo(
             description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
             notes=("sm_90 kernels checked on an H200: WGMMA from s_q*H >= 64 (its seesaw schedule from 128, "
-                   "bf16, fp16 or fp8 KV), fp8reg for an fp8 cache up to s_q*H = 32, mma.sync otherwise",
+                   "bf16, fp16 or fp8 KV), fp8reg for an fp8 cache up to s_q*H = 32, mma.sync otherwise "
+                   "(at 17-32 rows with a 16-bit cache wgmma_t on large steps, below)",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
                    "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504",
+                   f"mma=auto with a bf16/fp16 cache at 17-{WGMMA_T_MAX_ROWS} rows (s_q*H), split_kv=balanced: "
+                   f"per step the wgmma_t kernel when the step has >= {WGMMA_T_AUTO_MIN_BLOCKS} KV blocks (sum "
+                   "over its requests of ceil(kv_len/64)), the mma.sync kernel below (on an H200 wgmma_t "
+                   "-0.6..+14% from 768 blocks, mostly 4-7% slower at <= 384); both read the same schedule "
+                   "buffers, so a CUDA graph replays its captured kernel correctly after any later plan",
                    "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
                    "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA, "
                    "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly"),
@@ -352,7 +446,12 @@ def run_function(kernel: PartialKernel, balanced: bool = False) -> Callable[...,
 
 
 class CuteDslPlanned(Planned):
-    __slots__ = ("kv_lens", "page_table", "schedule", "workspace", "lse_scratch", "sm_scale", "kv_scale", "run_fn")
+    """One step's plan: the buffers its kernels read, the partial kernel it runs (`kernel`, `balanced`) and the
+    host entry for them (`run_fn`). A CUDA graph captured around run keeps the kernel of the plan it was
+    captured after; a later plan's `kernel` names what an eager run of that plan would launch."""
+
+    __slots__ = ("kv_lens", "page_table", "schedule", "workspace", "lse_scratch", "sm_scale", "kv_scale", "run_fn",
+                 "kernel", "balanced")
 
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
@@ -360,7 +459,7 @@ class CuteDslPlanned(Planned):
         run_fn = run_function(kernel, balanced)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
         self.lse_scratch, self.sm_scale, self.kv_scale = lse_scratch, sm_scale, kv_scale
-        self.run_fn = run_fn
+        self.run_fn, self.kernel, self.balanced = run_fn, kernel, balanced
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
             kv_scale: Any = None, q_scale: Any = None) -> None:
@@ -381,7 +480,8 @@ class CuteDslSession(Session):
         self._schedules: Dict[int, Tuple[Any, Any]] = {}  # s_q -> (schedule, workspace)
         self._lse: Dict[Tuple[int, int], torch.Tensor] = {}
         self._combines: set = set()  # q dtypes whose two combine kernels are built
-        self._described: set = set()  # shape classes whose kernel was logged
+        self._both_partials: set = set()  # (q, kv dtype, block_m) whose two balanced partials (auto's rule) are built
+        self._described: set = set()  # (shape class, kernel) pairs whose kernel was logged
         env = config.envelope
         self._lens_buf = self._table_buf = None
         if env is not None:
@@ -393,6 +493,11 @@ class CuteDslSession(Session):
         from .kernels.schedule import alloc_workspace, make_schedule
 
         s_q, B = problem.seq_len_q, problem.batch_size
+        # Everything here is a function of the shape class and the options, never of the step's kernel choice:
+        # where mma=auto picks wgmma_t or mma.sync per step (partial_kernel_for, by KV blocks) the schedule is made
+        # for the lengths-free answer (mma_sync); both kernels need one CTA per SM (ctas_per_sm: the rule needs
+        # ctas_per_sm auto or 1), block_m_for(rows) (32 at 17-32 rows), the balanced format (balanced_split is
+        # true for both) and alloc_workspace's buffers, so either kernel runs any schedule plan writes here
         ctas = ctas_per_sm(partial_kernel(problem, self.options), self.options)
         # split_kv=balanced: the hybrid plan (make_schedule picks the form per step into the same buffers)
         balanced = balanced_split(problem, self.options)
@@ -409,6 +514,25 @@ class CuteDslSession(Session):
         self._schedules[s_q] = found
         return found
 
+    def _build_both_partials(self, problem: DecodeProblem) -> None:
+        """Both balanced partial kernels of a shape class where mma=auto's KV-block rule applies (wgmma_t from
+        WGMMA_T_AUTO_MIN_BLOCKS blocks, mma.sync below), at its first plan: MLADecoder.warmup plans one length
+        per shape class (or per batch size in graph mode), so building only the kernel of that step would leave
+        the other to compile at the first serving step on the other side of the threshold (the combine kernels
+        are built the same way)."""
+        from .kernels.schedule import block_m_for
+
+        rows = problem.seq_len_q * problem.num_heads
+        key = (problem.q_dtype, problem.kv_dtype, block_m_for(rows))
+        if key in self._both_partials:
+            return
+        from .kernels.api import get_partial_kernel
+        from .kernels.sm90_wgmma_t_decode import get_partial_kernel_wgmma_t_balanced
+
+        get_partial_kernel(key[0], key[1], key[2], None, balanced=True)
+        get_partial_kernel_wgmma_t_balanced(key[0], key[1], key[2])
+        self._both_partials.add(key)
+
     def plan(self, problem: DecodeProblem, step: StepInputs) -> CuteDslPlanned:
         import torch
 
@@ -419,6 +543,8 @@ class CuteDslSession(Session):
             get_combine_kernel(problem.q_dtype, wide=False)
             get_combine_kernel(problem.q_dtype, wide=True)
             self._combines.add(problem.q_dtype)
+        if _wgmma_t_auto(problem, self.options):
+            self._build_both_partials(problem)
         schedule, workspace = self._schedule(problem, step.kv_lens_host)
         lens, table = step.kv_lens, step.page_table
         if self._lens_buf is not None:
@@ -433,16 +559,21 @@ class CuteDslSession(Session):
             if scratch is None:
                 scratch = self._lse[key] = torch.empty(B, problem.seq_len_q, problem.num_heads,
                                                        dtype=torch.float32, device=self.device)
-        if problem.shape not in self._described:  # once per shape class: which kernel runs, how it splits
-            self._described.add(problem.shape)
-            log.debug("cute_dsl_mla: %s runs the %s", problem.describe(), kernel_summary(problem, self.options))
+        # mma=auto's rule may pick another kernel than the previous plan of this batch size did: graph-safe, the
+        # schedule, workspace and scratch above are the same whichever runs (see the module docstring)
+        kernel = partial_kernel_for(problem, self.options, step.kv_lens_host)
+        if (problem.shape, kernel) not in self._described:  # once per shape class and kernel: which, how it splits
+            self._described.add((problem.shape, kernel))
+            blocks = step_kv_blocks(step.kv_lens_host) if _wgmma_t_auto(problem, self.options) else None
+            log.debug("cute_dsl_mla: %s runs the %s", problem.describe(),
+                      kernel_summary(problem, self.options, blocks))
         return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
-                              self.config.kv_scale, kernel=partial_kernel(problem, self.options),
-                              balanced=balanced_split(problem, self.options))
+                              self.config.kv_scale, kernel=kernel, balanced=balanced_split(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()
         self._lse.clear()
+        self._both_partials.clear()
         self._lens_buf = self._table_buf = None
 
 

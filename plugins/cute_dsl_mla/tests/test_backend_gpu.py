@@ -1,9 +1,15 @@
 """cute_dsl_mla through mlacore on a GPU: the conformance suite (graph replay after a re-plan included)."""
 
+import random
+
 import pytest
 import torch
 
+from mlacore import MLADecoder
+from mlacore.problem import DecodeProblem, DeviceSpec, torch_dtype
+from mlacore.testing.compare import compare, only_backend_dispatcher, reference_outputs
 from mlacore.testing.conformance import BackendConformance
+from mlacore.testing.inputs import make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -66,9 +72,10 @@ class TestCuteDslFp8RegConformance(TestCuteDslConformance):
 
 
 class TestCuteDslWgmmaTConformance(TestCuteDslConformance):
-    """The transposed WGMMA kernel forced (never auto's choice), bf16 and fp8 caches up to 32 rows; shapes it
-    refuses (s_q*H > 32) are skipped with the backend's reason. With the bf16 cache this is its balanced mode
-    (split_kv=balanced, the default), with fp8 its even split."""
+    """The transposed WGMMA kernel forced (auto runs it only on steps of >= 640 KV blocks at 17-32 rows with a
+    16-bit cache), bf16 and fp8 caches up to 32 rows; shapes it refuses (s_q*H > 32) are skipped with the
+    backend's reason. With the bf16 cache this is its balanced mode (split_kv=balanced, the default), with fp8
+    its even split."""
 
     options = {"mma": "wgmma_t"}
     num_heads = (1, 3, 8, 16, 32)
@@ -108,6 +115,185 @@ class TestCuteDslEvenSplitConformance(TestCuteDslConformance):
     options = {"split_kv": "even"}
     num_heads = (1, 3, 8, 16, 32)
     kv_dtypes = ("bf16",)
+
+
+# -- mma=auto's KV-block rule (wgmma_t for a 16-bit cache at 17-32 rows from 640 KV blocks per step) ---------
+# The conformance suite plans short steps only (batches 2-5, lengths up to 2000: below the rule's threshold), so
+# these tests exercise it directly: eager plans on both sides against the fp64 oracle, and CUDA graphs captured
+# on one side and replayed after plans on the other (the graph keeps its capture-time kernel; both kernels read
+# the same schedule buffers, so every replay must match the oracle).
+
+WGMMA_T_RUN, MMA_SYNC_RUN = "mla_decode_sm90_wgmma_t_balanced", "mla_decode_sm90_balanced"
+MIN_BLOCKS = 640  # mla_cute_dsl.backend.WGMMA_T_AUTO_MIN_BLOCKS (asserted below)
+
+
+def _auto_problem(heads, s_q, batch, dtype="bf16", max_kv_len=600, min_kv_len=1):
+    return DecodeProblem(num_heads=heads, seq_len_q=s_q, batch_size=batch, min_kv_len=min_kv_len,
+                         max_kv_len=max_kv_len, page_size=64, q_dtype=dtype, kv_dtype=dtype,
+                         device=DeviceSpec.of("cuda"))
+
+
+def _auto_decoder(problem, inputs, **kw):
+    return MLADecoder(problem.num_heads, problem.page_size, q_dtype=torch_dtype(problem.q_dtype),
+                      kv_dtype=torch_dtype(problem.kv_dtype), device="cuda", sm_scale=inputs.sm_scale,
+                      kv_scale=inputs.kv_scale, dispatcher=only_backend_dispatcher("cute_dsl_mla"), **kw)
+
+
+def _lens_with_blocks(batch, blocks, seed, max_blocks=64):
+    """Host lengths of `batch` requests holding exactly `blocks` KV blocks of 64 tokens in all (sum of
+    ceil(len/64), what the rule counts): 1..max_blocks blocks per request spread at random, each request ending
+    at a random token of its last block."""
+    assert batch <= blocks <= batch * max_blocks
+    rng = random.Random(seed)
+    nb = [1] * batch
+    for _ in range(blocks - batch):
+        i = rng.randrange(batch)
+        while nb[i] >= max_blocks:
+            i = (i + 1) % batch
+        nb[i] += 1
+    return torch.tensor([64 * (n - 1) + rng.randint(1, 64) for n in nb], dtype=torch.int32)
+
+
+def _want(heads, s_q, blocks):
+    return WGMMA_T_RUN if 16 < heads * s_q <= 32 and blocks >= MIN_BLOCKS else MMA_SYNC_RUN
+
+
+def _step(heads, s_q, lens, dtype, seed, pages):
+    """Fresh random q / cache / table for these lengths (make_inputs: NaN-poisoned spare pages and tails), the
+    cache exactly `pages` pages, and the problem the oracle compares with."""
+    problem = _auto_problem(heads, s_q, lens.shape[0], dtype, max_kv_len=int(lens.max()), min_kv_len=int(lens.min()))
+    used = sum((int(n) + 63) // 64 for n in lens)
+    return problem, make_inputs(problem, "cuda", seed=seed, kv_lens=lens, extra_pages=pages - used)
+
+
+def _poisoned(q):
+    return (torch.full((*q.shape[:3], 512), float("nan"), dtype=q.dtype, device="cuda"),
+            torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device="cuda"))
+
+
+def test_auto_threshold_constant_is_the_one_these_tests_use():
+    from mla_cute_dsl.backend import WGMMA_T_AUTO_MIN_BLOCKS, step_kv_blocks
+
+    assert WGMMA_T_AUTO_MIN_BLOCKS == MIN_BLOCKS
+    for batch, blocks in ((16, 639), (16, 640), (8, 1500), (64, 100)):
+        assert step_kv_blocks(_lens_with_blocks(batch, blocks, seed=blocks, max_blocks=256)) == blocks
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("heads,s_q", [(16, 2), (3, 8), (17, 1), (24, 1), (16, 1)])
+@pytest.mark.parametrize("batch,blocks", [(16, 639), (16, 640), (64, 100), (8, 1500)])
+def test_auto_runs_wgmma_t_from_640_kv_blocks_at_17_to_32_rows_and_matches_the_oracle(dtype, heads, s_q, batch,
+                                                                                        blocks):
+    """Eager: both sides of the threshold (639 / 640 blocks), a large batch of short requests (64 x ~1.6
+    blocks: mma.sync) and a small batch of long ones (8 x ~190 blocks: wgmma_t), against the fp64 oracle."""
+    _sm90()
+    lens = _lens_with_blocks(batch, blocks, seed=blocks * 7 + heads, max_blocks=256)
+    problem, inputs = _step(heads, s_q, lens, dtype, seed=batch * 100 + heads, pages=blocks + 8)
+    want = _want(heads, s_q, blocks)
+    with _auto_decoder(problem, inputs) as decoder:
+        plan = decoder.plan(inputs.kv_lens, inputs.page_table, s_q)
+        assert plan.planned.run_fn.__name__ == want
+        assert plan.planned.kernel == ("wgmma_t" if want == WGMMA_T_RUN else "mma_sync")
+        out, lse = _poisoned(inputs.q)
+        decoder.run(inputs.q, inputs.kv_cache, plan, out=out, lse=lse)
+    res = compare(problem, out, lse, *reference_outputs(problem, inputs))
+    assert res.passed, res.messages
+
+
+def _capture(decoder, q, kv_cache, plan, out, lse):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decoder.run(q, kv_cache, plan, out=out, lse=lse)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.run(q, kv_cache, plan, out=out, lse=lse)
+    torch.cuda.synchronize()
+    return graph
+
+
+@pytest.mark.parametrize("capture_blocks,replay_blocks", [
+    (639, (640, 1024, 639, 100, 900)),  # captured below (mma.sync), replayed after plans above and below
+    (640, (639, 16, 1000, 300, 640)),  # captured above (wgmma_t), replayed after plans below and above
+])
+def test_auto_graph_captured_on_one_side_of_the_block_threshold_replays_after_plans_on_the_other(
+        capture_blocks, replay_blocks):
+    """One graph decoder (H16 s_q2 bf16, 32 rows, batch 16, lengths up to 4096): a graph captured after a plan on
+    one side of 640 blocks bakes that plan's kernel; later plans of the same batch size on either side (their
+    Planned names the other kernel where they cross) write the same schedule buffers, and every replay, on fresh
+    random q / cache / lengths / table copied into the captured buffers with NaN-poisoned outputs, matches the
+    fp64 oracle."""
+    _sm90()
+    heads, s_q, batch, dtype = 16, 2, 16, "bf16"
+    pages = 16 * 64 + 8
+    lens = _lens_with_blocks(batch, capture_blocks, seed=capture_blocks)
+    problem, inputs = _step(heads, s_q, lens, dtype, seed=1, pages=pages)
+    q, kv_cache = inputs.q, inputs.kv_cache  # the captured buffers, refilled per step
+    out, lse = _poisoned(q)
+    decoder = _auto_decoder(problem, inputs, cuda_graph=True, max_batch=batch, max_kv_len=4096)
+    try:
+        plan = decoder.plan(inputs.kv_lens, inputs.page_table, s_q)
+        assert plan.planned.run_fn.__name__ == _want(heads, s_q, capture_blocks)
+        graph = _capture(decoder, q, kv_cache, plan, out, lse)
+        res = compare(problem, out, lse, *reference_outputs(problem, inputs))
+        assert res.passed, ("capture", res.messages)
+        for i, blocks in enumerate(replay_blocks):
+            lens = _lens_with_blocks(batch, blocks, seed=1000 * i + blocks)
+            problem, step = _step(heads, s_q, lens, dtype, seed=100 + i, pages=pages)
+            q.copy_(step.q)
+            kv_cache.copy_(step.kv_cache)
+            plan = decoder.plan(step.kv_lens, step.page_table, s_q)
+            assert plan.planned.run_fn.__name__ == _want(heads, s_q, blocks)  # the plan's choice, not the graph's
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            res = compare(problem, out, lse, *reference_outputs(problem, step))
+            assert res.passed, (capture_blocks, blocks, res.messages)
+    finally:
+        decoder.close()
+
+
+def test_auto_graphs_of_two_batch_sizes_share_the_schedule_buffers_across_the_block_threshold():
+    """One graph decoder (envelope batch 64, lengths up to 8192), H16 s_q2 bf16: a graph captured at B=64 with
+    1500 blocks (wgmma_t) and one at B=8 with 100 blocks (mma.sync) share the session's schedule buffers of
+    s_q=2; plans with fresh data crossing the threshold both ways (B=64 at 300 blocks: the plan says mma.sync,
+    the graph runs wgmma_t; B=8 at 700: the reverse), each followed by its batch's replay, match the oracle."""
+    _sm90()
+    heads, s_q, dtype, pages = 16, 2, "bf16", 1500 + 8
+    decoder = None
+    graphs = {}
+    try:
+        for batch, blocks in ((64, 1500), (8, 100)):
+            lens = _lens_with_blocks(batch, blocks, seed=blocks, max_blocks=128)
+            problem, inputs = _step(heads, s_q, lens, dtype, seed=batch, pages=pages)
+            if decoder is None:
+                decoder = _auto_decoder(problem, inputs, cuda_graph=True, max_batch=64, max_kv_len=8192)
+            q, kv_cache = inputs.q, inputs.kv_cache  # this graph's buffers, refilled per step
+            plan = decoder.plan(inputs.kv_lens, inputs.page_table, s_q)
+            assert plan.planned.run_fn.__name__ == _want(heads, s_q, blocks)
+            out, lse = _poisoned(q)
+            graphs[batch] = (_capture(decoder, q, kv_cache, plan, out, lse), kv_cache, q, out, lse)
+            res = compare(problem, out, lse, *reference_outputs(problem, inputs))  # the warm-up run's output
+            assert res.passed, ("capture", batch, res.messages)
+        for i, (batch, blocks) in enumerate(((64, 300), (8, 700), (64, 1500), (8, 100), (64, 640), (8, 639))):
+            graph, kv_cache, q, out, lse = graphs[batch]
+            lens = _lens_with_blocks(batch, blocks, seed=7 * i + blocks, max_blocks=128)
+            problem, step = _step(heads, s_q, lens, dtype, seed=200 + i, pages=pages)
+            q.copy_(step.q)
+            kv_cache.copy_(step.kv_cache)
+            plan = decoder.plan(step.kv_lens, step.page_table, s_q)
+            assert plan.planned.run_fn.__name__ == _want(heads, s_q, blocks)
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            res = compare(problem, out, lse, *reference_outputs(problem, step))
+            assert res.passed, (batch, blocks, res.messages)
+    finally:
+        if decoder is not None:
+            decoder.close()
 
 
 def _sm100():

@@ -213,7 +213,7 @@ def test_fp8reg_takes_fp8_caches_up_to_32_rows_and_refuses_the_rest_with_reasons
     assert ctas_per_sm("mma_sync", CuteDslOptions(ctas_per_sm=2)) == 2
 
 
-def test_wgmma_t_takes_up_to_32_rows_of_any_cache_refuses_more_and_is_never_auto():
+def test_wgmma_t_takes_up_to_32_rows_of_any_cache_and_refuses_more():
     from mla_cute_dsl.backend import balanced_split, ctas_per_sm, kernel_summary, partial_kernel, run_function
 
     wt = CuteDslOptions(mma="wgmma_t")
@@ -224,7 +224,7 @@ def test_wgmma_t_takes_up_to_32_rows_of_any_cache_refuses_more_and_is_never_auto
         p = prob(num_heads=heads, seq_len_q=s_q, kv_dtype=kv, q_dtype="fp16" if kv == "fp16" else "bf16")
         assert backend.can_implement(p.shape, wt) == []
         assert partial_kernel(p, wt) == "wgmma_t"
-        assert partial_kernel(p, CuteDslOptions()) != "wgmma_t"  # auto never picks it
+        assert partial_kernel(p, CuteDslOptions()) != "wgmma_t"  # auto without the step's blocks: never
         assert not balanced_split(p, wt_even) and kernel_summary(p, wt_even) == "wgmma_t kernel, even split-KV"
         if kv == "fp8_e4m3":  # no balanced mode for an fp8 cache: split_kv=balanced is ignored, and says so
             assert not balanced_split(p, wt)
@@ -281,6 +281,226 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     session.plan(problem, StepInputs(lens, table, lens, table))
     assert built == [("bf16", False), ("bf16", True)] and made == [ctas, ctas]  # once per session
     assert be.partial_kernel(problem, CuteDslOptions()) == kernel
+
+
+# -- mma=auto's KV-block rule: wgmma_t for a 16-bit cache at 17-32 rows from 640 KV blocks per step ---------
+
+# packed rows -> (heads, s_q) pairs; several s_q per row count
+ROWS = {16: ((16, 1), (8, 2)), 17: ((17, 1),), 24: ((3, 8), (24, 1), (12, 2)), 32: ((16, 2), (32, 1), (8, 4)),
+        33: ((33, 1),)}
+
+
+def _lens(blocks_each, last=None):
+    """Host lengths: one request per entry of blocks_each, each ending mid-block (64 * n - 31 tokens: n blocks),
+    the last one `last` tokens when given."""
+    lens = [64 * n - 31 for n in blocks_each]
+    if last is not None:
+        lens[-1] = last
+    return torch.tensor(lens, dtype=torch.int32)
+
+
+def test_step_kv_blocks_is_the_sum_of_ceil_len_over_64_as_the_schedule_counts():
+    from mla_cute_dsl.backend import WGMMA_T_AUTO_MIN_BLOCKS, step_kv_blocks
+    from mla_cute_dsl.kernels import schedule as S
+
+    assert WGMMA_T_AUTO_MIN_BLOCKS == 640
+    assert step_kv_blocks([0, 1, 63, 64, 65, 128, 129]) == 0 + 1 + 1 + 1 + 2 + 2 + 3
+    assert step_kv_blocks(torch.tensor([4032] * 9 + [4033], dtype=torch.int32)) == 9 * 63 + 64
+    assert step_kv_blocks([]) == 0 and step_kv_blocks(torch.zeros(0, dtype=torch.int32)) == 0
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        lens = torch.randint(0, 9000, (int(torch.randint(1, 200, (1,), generator=gen)),), generator=gen)
+        assert step_kv_blocks(lens) == int(S._nblocks(lens.to(torch.int64)).sum())
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8_e4m3"])
+def test_auto_picks_wgmma_t_for_a_16_bit_cache_at_17_to_32_rows_from_640_kv_blocks(kv):
+    from mla_cute_dsl.backend import balanced_split, ctas_per_sm, partial_kernel, partial_kernel_for
+
+    q = "fp16" if kv == "fp16" else "bf16"
+    auto = CuteDslOptions()
+    steps = {  # host lengths -> their KV blocks (uniform, spread, one block short, mid-block boundaries)
+        "639 uniform-ish": (_lens([64] * 10, last=4032), 639), "640 uniform": (_lens([64] * 10), 640),
+        "640 at a block edge": (_lens([64] * 10, last=4033), 640), "639 spread": (_lens([1, 638]), 639),
+        "640 spread": (_lens([1, 2, 3, 634]), 640), "small": (_lens([4] * 8), 32),
+        "big batch, few blocks": (_lens([1] * 128), 128), "many": (_lens([64] * 128), 8192),
+    }
+    for rows, pairs in ROWS.items():
+        for heads, s_q in pairs:
+            p = prob(num_heads=heads, seq_len_q=s_q, batch_size=8, q_dtype=q, kv_dtype=kv)
+            for name, (lens, blocks) in steps.items():
+                if kv == "fp8_e4m3":  # never: fp8reg up to 32 rows, mma.sync above
+                    want = "fp8reg" if rows <= 32 else "mma_sync"
+                else:
+                    want = "wgmma_t" if 17 <= rows <= 32 and blocks >= 640 else "mma_sync"
+                assert partial_kernel_for(p, auto, lens) == want, (kv, rows, name)
+                assert partial_kernel(p, auto, blocks) == want
+                # the batch plays no part: the same blocks in one request or many
+                assert partial_kernel(prob(num_heads=heads, seq_len_q=s_q, batch_size=1, q_dtype=q, kv_dtype=kv),
+                                      auto, blocks) == want
+                # what differs between the two kernels is nothing the session's buffers are keyed by
+                assert balanced_split(p, auto) == (kv != "fp8_e4m3")
+                assert ctas_per_sm(want, auto) == (2 if want == "fp8reg" else 1)
+                # forced kernels stay forced at every step
+                assert partial_kernel_for(p, CuteDslOptions(mma="mma_sync"), lens) == "mma_sync"
+                if rows <= 32:
+                    assert partial_kernel_for(p, CuteDslOptions(mma="wgmma_t"), lens) == "wgmma_t"
+                    assert partial_kernel_for(p, CuteDslOptions(mma="wgmma_t", split_kv="even"), lens) == "wgmma_t"
+                # split_kv=even: auto keeps the mma.sync even kernel (the rule is for the balanced modes)
+                off = "fp8reg" if kv == "fp8_e4m3" and rows <= 32 else "mma_sync"
+                assert partial_kernel_for(p, CuteDslOptions(split_kv="even"), lens) == off
+                # two CTAs per SM set by hand: wgmma_t holds one, auto keeps mma.sync; one set by hand: as auto
+                assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=2), lens) == off
+                assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=1), lens) == want
+            # without lengths (a shape class, a problem): the answer below the threshold
+            assert partial_kernel(p, auto) == ("fp8reg" if kv == "fp8_e4m3" and rows <= 32 else "mma_sync")
+
+
+def test_kernel_summary_and_explain_name_the_kv_block_rule():
+    from mla_cute_dsl.backend import kernel_summary
+
+    auto = CuteDslOptions()
+    p = prob(num_heads=16, seq_len_q=2, batch_size=10)
+    assert kernel_summary(p, auto, 640) == (
+        "wgmma_t kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, whichever "
+        "is predicted >= 10% faster); mma=auto: 640 KV blocks >= 640 at 32 rows with a 16-bit cache (wgmma_t "
+        "measured -0.6..+14% against mma.sync from 768 blocks on an H200)")
+    assert kernel_summary(p, auto, 639) == (
+        "mma_sync kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, whichever "
+        "is predicted >= 10% faster); mma=auto: 639 KV blocks < 640 at 32 rows with a 16-bit cache (wgmma_t "
+        "measured mostly 4-7% slower than mma.sync at <= 384 blocks, 0-2% at 512 on an H200; it runs from 640 "
+        "blocks)")
+    for shape_or_problem in (p, p.shape):  # without the step's blocks: both sides of the threshold
+        assert kernel_summary(shape_or_problem, auto).endswith(
+            "; mma=auto at 32 rows with a 16-bit cache, per step: this kernel below 640 KV blocks (sum of "
+            "ceil(kv_len/64) over the step's requests), the wgmma_t kernel from 640 (the same schedule buffers: "
+            "graph-safe)")
+        assert kernel_summary(shape_or_problem, auto).startswith("mma_sync kernel, balanced split-KV")
+    # no rule where it does not apply: forced kernels, split_kv=even, ctas_per_sm=2, fp8, 16 and 33 rows
+    assert kernel_summary(p, CuteDslOptions(mma="mma_sync"), 5000).startswith("mma_sync kernel, balanced")
+    assert "mma=auto" not in kernel_summary(p, CuteDslOptions(mma="mma_sync"), 5000)
+    assert kernel_summary(p, CuteDslOptions(mma="wgmma_t"), 5).startswith("wgmma_t kernel, balanced")
+    assert kernel_summary(p, CuteDslOptions(split_kv="even"), 5000) == "mma_sync kernel, even split-KV"
+    assert "mma=auto" not in kernel_summary(p, CuteDslOptions(ctas_per_sm=2), 5000)
+    assert "mma=auto" not in kernel_summary(prob(num_heads=16), auto, 5000)
+    assert "mma=auto" not in kernel_summary(prob(num_heads=33), auto, 5000)
+    assert kernel_summary(prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3"), auto, 5000) == (
+        "fp8reg kernel, even split-KV (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels "
+        "with a bf16/fp16 cache, this shape runs the fp8reg kernel)")
+    # `mla backends list` / `explain` print the notes: the rule with its threshold and the graph argument
+    notes = CuteDslBackend().info().notes
+    assert any("wgmma_t kernel when the step has >= 640 KV blocks" in n and "17-32 rows" in n
+               and "ceil(kv_len/64)" in n and "CUDA graph" in n for n in notes)
+    assert not any("batch size is >=" in n for n in notes)
+    desc = CuteDslOptions.model_fields["mma"].description
+    assert "wgmma_t for a bf16/fp16 cache at 17-32 rows when the step has >= 640 KV blocks" in desc
+    assert "KV-block rule" in CuteDslOptions.model_fields["split_kv"].description
+
+
+def _rule_session(monkeypatch, options=None, heads=16):
+    """A CuteDslSession on the CPU (132 SMs, schedules and workspaces on the CPU) recording make_schedule's
+    calls (new / in place) and the partial kernels built (none compiled)."""
+    import types
+
+    from mla_cute_dsl.kernels import api, schedule, sm90_wgmma_t_decode
+    from mlacore import SessionConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(
+        multi_processor_count=132))
+    real_make, real_alloc = schedule.make_schedule, schedule.alloc_workspace
+    rec = types.SimpleNamespace(made=[], filled=[], partials=[], make_schedule=real_make)
+
+    def make(*a, **k):
+        (rec.filled if k.get("out") is not None else rec.made).append((k["ctas_per_sm"], k["balanced"]))
+        return real_make(*a, **{**k, "device": "cpu"})
+
+    monkeypatch.setattr(schedule, "make_schedule", make)
+    monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None: real_alloc(sched, device="cpu"))
+    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False: None)
+    monkeypatch.setattr(api, "get_partial_kernel", lambda *a, **k: rec.partials.append(("mma_sync", a, k)))
+    monkeypatch.setattr(sm90_wgmma_t_decode, "get_partial_kernel_wgmma_t_balanced",
+                        lambda *a, **k: rec.partials.append(("wgmma_t", a, k)))
+    config = SessionConfig(num_heads=heads, page_size=64, q_dtype="bf16", kv_dtype="bf16", out_dtype="bf16",
+                           kv_lora_rank=512, qk_rope_head_dim=64, causal=True, return_lse=False, sm_scale=0.1,
+                           kv_scale=1.0, q_scale=1.0, device=H200)
+    session = CuteDslBackend().open(config, options or CuteDslOptions())
+    session.device = torch.device("cpu")  # the lse scratch (return_lse=False) on the CPU
+    return session, rec
+
+
+def test_a_session_picks_the_kernel_per_plan_by_kv_blocks_on_the_same_buffers(monkeypatch):
+    """Plans of one batch size (64, H16 s_q2: 32 rows, bf16) at 639 and 640 blocks (uniform, at a block edge,
+    spread: the hybrid's even and balanced forms) run mma.sync or wgmma_t by blocks (the Planned's kernel and
+    run_fn), every plan on the one schedule, workspace and lse scratch of s_q=2 (made once for one CTA per SM,
+    then filled in place), each schedule equal to make_schedule's own for those lengths (so it does not depend
+    on the kernel): a graph captured after any of these plans replays its kernel on any later one's buffers.
+    Both partial kernels are built at the first plan, whichever side it is on."""
+    from mlacore import StepInputs
+
+    session, rec = _rule_session(monkeypatch)
+    table = torch.zeros(64, 64, dtype=torch.int32)
+    problem = prob(num_heads=16, seq_len_q=2, batch_size=64, return_lse=False)
+    steps = [(_lens([10] * 64, last=576), "mma_sync"), (_lens([10] * 64), "wgmma_t"),
+             (_lens([1] * 63 + [576]), "mma_sync"), (_lens([1] * 63 + [577]), "wgmma_t"),
+             (_lens([10] * 64, last=577), "wgmma_t"), (_lens([1] * 64), "mma_sync")]
+    seen, combos = set(), set()
+    for lens, want in steps:
+        planned = session.plan(problem, StepInputs(lens, table, lens, table))
+        assert planned.kernel == want and planned.balanced
+        assert planned.run_fn.__name__ == {"wgmma_t": "mla_decode_sm90_wgmma_t_balanced",
+                                           "mma_sync": "mla_decode_sm90_balanced"}[want]
+        sched = planned.schedule
+        assert sched.block_m == 32 and sched.num_cols == 132 and sched.balanced
+        fresh = rec.make_schedule(lens, 2, 16, 132, device="cpu", balanced=True, ctas_per_sm=1)
+        assert torch.equal(sched.work_info, fresh.work_info) and torch.equal(sched.split_info, fresh.split_info)
+        assert torch.equal(sched.cta_ranges, fresh.cta_ranges) and sched.wide_combine == fresh.wide_combine
+        seen.add((id(sched), id(planned.workspace), id(planned.lse_scratch)))
+        combos.add((want, sched.form))
+    assert combos == {(k, f) for k in ("mma_sync", "wgmma_t") for f in ("even", "balanced")}
+    assert len(seen) == 1  # one schedule, one workspace, one lse scratch for both kernels
+    assert rec.made == [(1, True)] and rec.filled == [(1, True)] * (len(steps) - 1)
+    assert rec.partials == [("mma_sync", ("bf16", "bf16", 32, None), {"balanced": True}),
+                            ("wgmma_t", ("bf16", "bf16", 32), {})]  # once per session, at the first plan
+    # where the rule does not apply (16 rows here) the session builds nothing extra at plan
+    big = _lens([64] * 64)
+    planned = session.plan(prob(num_heads=16, seq_len_q=1, batch_size=64), StepInputs(big, table, big, table))
+    assert planned.kernel == "mma_sync" and len(rec.partials) == 2
+
+
+@pytest.mark.parametrize("options,heads,s_q,kernel", [
+    ({"mma": "mma_sync"}, 16, 2, "mma_sync"), ({"mma": "wgmma_t"}, 16, 2, "wgmma_t"),
+    ({"split_kv": "even"}, 16, 2, "mma_sync"), ({"ctas_per_sm": 2}, 16, 2, "mma_sync"),
+    ({}, 16, 1, "mma_sync"), ({}, 33, 1, "mma_sync"), ({"ctas_per_sm": 1}, 3, 8, None),
+])
+def test_options_and_shapes_that_disable_the_rule_keep_one_kernel_and_build_nothing_extra(
+        monkeypatch, options, heads, s_q, kernel):
+    """Forced kernels, split_kv=even, two CTAs per SM, 16 and 33 rows: the same kernel at 639 and 640 blocks and
+    no second partial built at plan; ctas_per_sm=1 set by hand keeps the rule (kernel None: by blocks)."""
+    from mlacore import StepInputs
+
+    session, rec = _rule_session(monkeypatch, CuteDslOptions(**options), heads=heads)
+    table = torch.zeros(10, 64, dtype=torch.int32)
+    problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=10)
+    got = [session.plan(problem, StepInputs(lens, table, lens, table)).kernel
+           for lens in (_lens([64] * 10, last=4032), _lens([64] * 10))]
+    assert got == ([kernel] * 2 if kernel else ["mma_sync", "wgmma_t"])
+    assert len(rec.partials) == (0 if kernel else 2)
+    assert rec.made[0][0] == (2 if options.get("ctas_per_sm") == 2 else 1)
+
+
+def test_an_fp8_cache_never_runs_wgmma_t_under_auto(monkeypatch):
+    from mla_cute_dsl.backend import partial_kernel_for
+    from mlacore import StepInputs
+
+    table = torch.zeros(128, 64, dtype=torch.int32)
+    lens = _lens([64] * 128)
+    for heads, s_q in ((16, 2), (3, 8), (17, 1), (16, 1)):
+        session = _cpu_session(monkeypatch, CuteDslOptions(), heads=heads, kv_dtype="fp8_e4m3")
+        problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=128, kv_dtype="fp8_e4m3")
+        planned = session.plan(problem, StepInputs(lens, table, lens, table))
+        assert planned.kernel == "fp8reg" and not planned.balanced
+        assert planned.run_fn.__name__ == "mla_decode_sm90_fp8"
+        assert partial_kernel_for(problem, CuteDslOptions(), lens) == "fp8reg"
 
 
 # -- option split_kv: the balanced split-KV kernel with the hybrid plan --------------------------------------

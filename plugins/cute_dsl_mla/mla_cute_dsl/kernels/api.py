@@ -238,7 +238,9 @@ def launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, 
                     schedule: Schedule, workspace):
     """launch() for a balanced partial kernel (get_partial_kernel(..., balanced=True)) and a schedule made
     with make_schedule(..., balanced=True): the same arguments plus the schedule's per-column item ranges;
-    grid (m-blocks, num_cols), fixed per decoder. No checks."""
+    grid (m-blocks, num_cols), fixed per decoder. No checks. Shared by the mma.sync and the wgmma_t balanced
+    entries: the backend's mma=auto swaps them per step (by KV blocks) under CUDA graphs, which is correct
+    because both launch from here with the same arguments and combine."""
     B, s_q, H, _ = q.shape
     R = s_q * H
     combine = combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule)

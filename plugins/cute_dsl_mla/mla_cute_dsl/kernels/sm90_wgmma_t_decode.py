@@ -4,7 +4,11 @@
 Same host interface as ``sm90_decode.MLADecodePartial`` (same arguments, work items,
 partial buffers, combine kernel); helpers ``get_partial_kernel_wgmma_t`` (kernel cache
 kind ``partial_wgmma_t``) and ``mla_decode_sm90_wgmma_t``; ``backend.py`` runs it for
-option mma=wgmma_t.
+option mma=wgmma_t, and its balanced mode for mma=auto on steps of >= 640 KV blocks at
+17-32 rows with a 16-bit cache (WGMMA_T_AUTO_MIN_BLOCKS; the mma.sync balanced kernel on
+smaller steps). That per-step swap is CUDA-graph safe only while the two balanced entries
+take identical arguments (``api.launch_balanced``), grid and combine over the same
+schedule, workspace and buffers: keep them so.
 
 Balanced mode (``MLADecodePartialWGMMAT(balanced=True).call_balanced``, bf16/fp16 KV only;
 ``mla_decode_sm90_wgmma_t_balanced``, cache kind ``partial_wgmma_t_balanced``; GPU-verified on an
