@@ -721,3 +721,12 @@ def test_cli_tune_from_refuses_to_overwrite_an_input_and_writes_the_joined_runs(
     assert main(["tune", "--from", str(fa), "--from", str(fb), "--write", str(pol), "-o", str(joined)]) == 0
     rows = json.loads(joined.read_text())["rows"]
     assert sorted({r["problem"]["batch_size"] for r in rows}) == [1, 4, 16, 128]
+
+
+def test_backend_spec_types_option_values_as_toml_does_and_labels_round_trip():
+    spec = BackendSpec.parse("cute_dsl_mla:pdl=false,num_sms=100,mma=wgmma_t,x=True")
+    assert spec.options == (("pdl", False), ("num_sms", 100), ("mma", "wgmma_t"), ("x", True))
+    assert spec.label == "cute_dsl_mla:pdl=false,num_sms=100,mma=wgmma_t,x=true"
+    assert BackendSpec.parse(spec.label) == spec
+    with pytest.raises(ValueError, match="key=value"):
+        BackendSpec.parse("cute_dsl_mla:pdl")

@@ -38,7 +38,7 @@ class BackendSpec:
     def label(self) -> str:
         if not self.options:
             return self.name
-        return self.name + ":" + ",".join(f"{k}={v}" for k, v in self.options)
+        return self.name + ":" + ",".join(f"{k}={_option_text(v)}" for k, v in self.options)
 
     @classmethod
     def parse(cls, text: str) -> "BackendSpec":
@@ -48,8 +48,23 @@ class BackendSpec:
             key, eq, value = item.partition("=")
             if not eq:
                 raise ValueError(f"--backend {text!r}: expected NAME or NAME:key=value[,key=value]")
-            opts.append((key.strip(), int(value) if value.strip().isdigit() else value.strip()))
+            opts.append((key.strip(), _option_value(value.strip())))
         return cls(name.strip(), tuple(opts))
+
+
+def _option_value(text: str) -> object:
+    """A command-line option value as TOML would type it: digits an int, true/false a bool, else the text
+    (backend options are strict, so "false" must arrive as False)."""
+    if text.isdigit():
+        return int(text)
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
+def _option_text(value: object) -> str:
+    """The inverse of _option_value for labels (true/false, as typed on the command line and in TOML)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass

@@ -143,6 +143,12 @@ class CuteDslOptions(BackendOptions):
                     "it lower when other kernels hold SMs while attention runs (e.g. communication kernels on a "
                     "side stream): a schedule for all SMs then needs a second wave for the columns or items that "
                     "find no free SM. At most the GPU's SM count (an error when the decoder opens)")
+    pdl: bool = Field(
+        default=True,
+        description="launch the combine kernel with programmatic dependent launch (sm_90): its CTAs are scheduled "
+                    "while the partial kernel runs and wait on the GPU (griddepcontrol.wait) until the partial "
+                    "grid's writes are visible, so the combine's launch latency hides behind the partial kernel. "
+                    "false: the combine is launched after the partial kernel as an ordinary stream-ordered kernel")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
@@ -506,10 +512,12 @@ class CuteDslSession(Session):
         if found is not None and found[0].split_info.shape[0] >= B:
             make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, ctas_per_sm=ctas,
                           device=self.device, out=found[0], balanced=balanced)
+            found[0].pdl_combine = self.options.pdl
             return found
         max_batch = env.max_batch if env is not None else B
         schedule = make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, max_batch=max_batch,
                                  ctas_per_sm=ctas, device=self.device, balanced=balanced)
+        schedule.pdl_combine = self.options.pdl
         found = (schedule, alloc_workspace(schedule, device=self.device))
         self._schedules[s_q] = found
         return found
@@ -540,8 +548,8 @@ class CuteDslSession(Session):
         if problem.q_dtype not in self._combines:  # both combine kernels now (a step picks one by its splits),
             from .kernels.api import get_combine_kernel  # so that warmup builds both and no step compiles
 
-            get_combine_kernel(problem.q_dtype, wide=False)
-            get_combine_kernel(problem.q_dtype, wide=True)
+            get_combine_kernel(problem.q_dtype, wide=False, pdl=self.options.pdl)
+            get_combine_kernel(problem.q_dtype, wide=True, pdl=self.options.pdl)
             self._combines.add(problem.q_dtype)
         if _wgmma_t_auto(problem, self.options):
             self._build_both_partials(problem)

@@ -263,7 +263,7 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     monkeypatch.setattr(schedule, "make_schedule", lambda *a, **k: made.append(k["ctas_per_sm"]) or real_make(
         *a, **{**k, "device": "cpu"}))
     monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None: real_alloc(sched, device="cpu"))
-    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False: built.append((q, wide)))
+    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False, pdl=True: built.append((q, wide, pdl)))
     config = SessionConfig(num_heads=heads, page_size=64, q_dtype="bf16", kv_dtype=kv_dtype, out_dtype="bf16",
                            kv_lora_rank=512, qk_rope_head_dim=64, causal=True, return_lse=True, sm_scale=0.1,
                            kv_scale=1.0, q_scale=1.0, device=H200)
@@ -273,13 +273,13 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=2, kv_dtype=kv_dtype)
     planned = session.plan(problem, StepInputs(lens, table, lens, table))
     assert made == [ctas]
-    assert built == [("bf16", False), ("bf16", True)]
+    assert built == [("bf16", False, True), ("bf16", True, True)]  # PDL by default (option pdl)
     runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma", "seesaw": "mla_decode_sm90_wgmma_seesaw",
             # split_kv=balanced (the default) takes the mma.sync kernel with a 16-bit cache to its balanced entry
             "mma_sync": "mla_decode_sm90" if kv_dtype == "fp8_e4m3" else "mla_decode_sm90_balanced"}
     assert planned.run_fn.__name__ == runs[kernel]
     session.plan(problem, StepInputs(lens, table, lens, table))
-    assert built == [("bf16", False), ("bf16", True)] and made == [ctas, ctas]  # once per session
+    assert built == [("bf16", False, True), ("bf16", True, True)] and made == [ctas, ctas]  # once per session
     assert be.partial_kernel(problem, CuteDslOptions()) == kernel
 
 
@@ -416,7 +416,7 @@ def _rule_session(monkeypatch, options=None, heads=16):
 
     monkeypatch.setattr(schedule, "make_schedule", make)
     monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None: real_alloc(sched, device="cpu"))
-    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False: None)
+    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False, pdl=True: None)
     monkeypatch.setattr(api, "get_partial_kernel", lambda *a, **k: rec.partials.append(("mma_sync", a, k)))
     monkeypatch.setattr(sm90_wgmma_t_decode, "get_partial_kernel_wgmma_t_balanced",
                         lambda *a, **k: rec.partials.append(("wgmma_t", a, k)))
@@ -571,7 +571,7 @@ def _cpu_session(monkeypatch, options, heads=16, kv_dtype="bf16", envelope=None)
     real_make, real_alloc = schedule.make_schedule, schedule.alloc_workspace
     monkeypatch.setattr(schedule, "make_schedule", lambda *a, **k: real_make(*a, **{**k, "device": "cpu"}))
     monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None: real_alloc(sched, device="cpu"))
-    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False: None)
+    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False, pdl=True: None)
     config = SessionConfig(num_heads=heads, page_size=64, q_dtype="bf16", kv_dtype=kv_dtype, out_dtype="bf16",
                            kv_lora_rank=512, qk_rope_head_dim=64, causal=True, return_lse=True, sm_scale=0.1,
                            kv_scale=1.0, q_scale=1.0, device=H200)
@@ -717,3 +717,24 @@ def test_the_session_plans_for_num_sms_and_refuses_more_than_the_gpu_has(monkeyp
                                                  balanced=split == "balanced").capacity
     with pytest.raises(ValueError, match="num_sms=200"):
         _cpu_session(monkeypatch, CuteDslOptions(num_sms=200))
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_option_pdl_sets_how_the_schedule_launches_its_combine(monkeypatch, pdl):
+    """Option pdl reaches the schedule plan returns (Schedule.pdl_combine, read by api.combine_kernel_for) on the
+    first plan and on a re-plan into the same buffers, and the combine kernels built at the first plan are the
+    PDL ones exactly when it is set (so warmup builds the kernels the steps run)."""
+    from mla_cute_dsl.kernels import api
+    from mlacore import StepInputs
+
+    session = _cpu_session(monkeypatch, CuteDslOptions(pdl=pdl))
+    built = []
+    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False, pdl=True: built.append((wide, pdl)))
+    lens = torch.tensor([4096, 100], dtype=torch.int32)
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    problem = prob(batch_size=2)
+    first = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
+    again = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
+    assert first is again and again.pdl_combine is pdl
+    assert built == [(False, pdl), (True, pdl)]
+    assert CuteDslOptions().pdl is True

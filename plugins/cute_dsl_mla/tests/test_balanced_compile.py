@@ -37,9 +37,20 @@ DEFAULT_PTX_SHA256 = {
 DEFAULT_FRAME = {16: 0, 32: 16, 64: 40}
 
 
+PDL_TRIGGER = "griddepcontrol.launch_dependents;"
+
+
 def ptx_sha256(ptx: str) -> str:
     lines = [re.sub(r"//.*$", "", line).rstrip() for line in ptx.splitlines()]
     return hashlib.sha256("\n".join(line for line in lines if line).encode()).hexdigest()
+
+
+def ptx_sha256_before_pdl(ptx: str) -> str:
+    """ptx_sha256 of a partial kernel's PTX without its one programmatic-dependent-launch trigger (added to
+    every partial kernel at its start in mla-cute-dsl 0.2.5, so that the combine kernel launched with PDL is
+    scheduled early): the pinned hashes predate it, so an equal hash means the trigger is the only change."""
+    assert ptx.count(PDL_TRIGGER) == 1, "each partial kernel triggers its dependents exactly once"
+    return ptx_sha256("\n".join(line for line in ptx.splitlines() if line.strip() != PDL_TRIGGER))
 
 
 def _dump(fn, args, tmp_path):
@@ -64,7 +75,7 @@ def test_default_ptx_is_unchanged(spec, tmp_path):
     q, kv, bm = spec
     k = MLADecodePartial(api._cutlass_dtype(q), api._cutlass_dtype(kv), bm)
     ptx, _, _ = _dump(k, api._fake_args_partial(q, kv), tmp_path)
-    assert ptx_sha256(ptx) == DEFAULT_PTX_SHA256[spec]
+    assert ptx_sha256_before_pdl(ptx) == DEFAULT_PTX_SHA256[spec]
 
 
 @pytest.mark.parametrize("bm", [16, 32, 64])
@@ -75,6 +86,7 @@ def test_balanced_kernel_compiles_without_extra_spills(q, bm, tmp_path):
 
     k = MLADecodePartial(api._cutlass_dtype(q), api._cutlass_dtype(q), bm, balanced=True)
     ptx, regs, frame = _dump(k.call_balanced, api._fake_args_partial_balanced(q, q), tmp_path)
+    assert ptx.count("griddepcontrol.launch_dependents;") == 1  # the PDL trigger for the combine kernel
     print(f"balanced {q} block_m {bm}: {regs} registers, stack frame {frame} B")
     assert "kernel_balanced" in ptx and "ld.local" not in ptx and "st.local" not in ptx
     assert regs <= 255

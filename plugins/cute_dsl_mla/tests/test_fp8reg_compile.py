@@ -179,6 +179,7 @@ def test_compiles_registers_and_ptx_counts(q, bm, tmp_path):
     cute.compile(k, *api._fake_args_partial(q, "fp8_e4m3"),
                  options=api.COMPILE_OPTIONS + f" --keep-ptx --keep-cubin --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert ptx.count("griddepcontrol.launch_dependents;") == 1  # the PDL trigger for the combine kernel
     cubin = b"".join(p.read_bytes() for p in tmp_path.glob("*.cubin"))
     attrs = _nv_info_attrs(cubin)
     regs = max(v for a, v in attrs if a == 0x2F)  # EIATTR_REGCOUNT

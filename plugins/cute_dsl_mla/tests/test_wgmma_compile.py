@@ -358,6 +358,7 @@ def test_ptx_structure_registers_and_descriptors(q, kv, tmp_path):
     import re
 
     ptx, regs, frame = _compile_dump(q, kv, tmp_path)
+    assert ptx.count("griddepcontrol.launch_dependents;") == 1  # the PDL trigger for the combine kernel
     assert regs <= 255 and frame == 0, (regs, frame)
     assert ".reqntid 256, 1, 1" in ptx
 
@@ -679,6 +680,7 @@ def test_seesaw_ptx_structure(q, tmp_path):
     import re
 
     ptx, regs, frame = _compile_dump_seesaw(q, tmp_path)
+    assert ptx.count("griddepcontrol.launch_dependents;") == 1  # the PDL trigger for the combine kernel
     assert regs <= 255 and frame == 0, (regs, frame)
     assert ".reqntid 256, 1, 1" in ptx
     t = "f16" if q == "fp16" else "bf16"

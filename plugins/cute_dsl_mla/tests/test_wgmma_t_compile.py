@@ -497,6 +497,7 @@ def test_ptx_structure_registers(q, kv, bm, tmp_path):
     descriptors, 4 mbarriers, no local memory in the PTX; fp8: 4 x 72 cvt.rn.f16x2.e4m3x2
     (two stages x plain / masked store), no cp.async for KV; 16-bit KV: cp.async + noinc arrive."""
     ptx, regs, frame = _compile_dump(q, kv, bm, tmp_path)
+    assert ptx.count("griddepcontrol.launch_dependents;") == 1  # the PDL trigger for the combine kernel
     assert regs == 168, regs
     assert frame == KNOWN_FRAME.get((q, kv, bm), 0), frame
     assert ".reqntid 384, 1, 1" in ptx and ".minnctapersm 1" in ptx

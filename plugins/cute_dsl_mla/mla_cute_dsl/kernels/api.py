@@ -129,22 +129,30 @@ def _build_partial_balanced(q_name: str, kv_name: str, block_m: int, layout):
     return cute.compile(k.call_balanced, *_fake_args_partial_balanced(q_name, kv_name), options=COMPILE_OPTIONS)
 
 
-def _build_combine(q_name: str):
+def _build_combine(q_name: str, pdl: bool = False):
     import cutlass.cute as cute
 
     from .combine import MLACombine
 
-    return cute.compile(MLACombine(_cutlass_dtype(q_name)), *_fake_args_combine(q_name),
+    return cute.compile(MLACombine(_cutlass_dtype(q_name), pdl=pdl), *_fake_args_combine(q_name),
                         options=COMPILE_OPTIONS)
 
 
-def _build_combine_wide(q_name: str):
+def _build_combine_wide(q_name: str, pdl: bool = False):
     import cutlass.cute as cute
 
     from .combine import MLACombineWide
 
-    return cute.compile(MLACombineWide(_cutlass_dtype(q_name)), *_fake_args_combine(q_name),
+    return cute.compile(MLACombineWide(_cutlass_dtype(q_name), pdl=pdl), *_fake_args_combine(q_name),
                         options=COMPILE_OPTIONS)
+
+
+def _build_combine_pdl(q_name: str):
+    return _build_combine(q_name, pdl=True)
+
+
+def _build_combine_wide_pdl(q_name: str):
+    return _build_combine_wide(q_name, pdl=True)
 
 
 def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, balanced: bool = False):
@@ -164,16 +172,23 @@ def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, bal
     return kernel_cache.get_or_build("partial", (q_name, kv_name, block_m, layout), _build_partial)
 
 
-def get_combine_kernel(q_name: str, wide: bool = False):
-    """Compiled combine kernel for one q dtype (memory, disk, else compile); wide: MLACombineWide."""
+def get_combine_kernel(q_name: str, wide: bool = False, pdl: bool = True):
+    """Compiled combine kernel for one q dtype (memory, disk, else compile); wide: MLACombineWide.
+    pdl: launched with programmatic dependent launch (waits for the partial grid in the kernel; every
+    partial kernel triggers its dependents at its start), so its launch overlaps the partial kernel's run;
+    its own cache kinds, so the plain kernels' keys are unchanged."""
     if wide:
+        if pdl:
+            return kernel_cache.get_or_build("combine_wide_pdl", (q_name,), _build_combine_wide_pdl)
         return kernel_cache.get_or_build("combine_wide", (q_name,), _build_combine_wide)
+    if pdl:
+        return kernel_cache.get_or_build("combine_pdl", (q_name,), _build_combine_pdl)
     return kernel_cache.get_or_build("combine", (q_name,), _build_combine)
 
 
 def combine_kernel_for(q_name: str, schedule: Schedule):
-    """The combine kernel this step's schedule asks for (``Schedule.wide_combine``)."""
-    return get_combine_kernel(q_name, wide=schedule.wide_combine)
+    """The combine kernel this step's schedule asks for (``Schedule.wide_combine``, ``Schedule.pdl_combine``)."""
+    return get_combine_kernel(q_name, wide=schedule.wide_combine, pdl=schedule.pdl_combine)
 
 
 def _cu_stream(handle: int):

@@ -7,12 +7,18 @@ import cutlass.cute as cute
 
 
 class MLACombine:
-    """Merge split-KV partials: out = sum_i w_i o_i, lse = log sum_i exp(lse_i)."""
+    """Merge split-KV partials: out = sum_i w_i o_i, lse = log sum_i exp(lse_i).
+
+    pdl: launched with programmatic dependent launch, so that its CTAs are scheduled while the partial
+    kernel still runs (every partial kernel triggers its dependents at its start) and wait in
+    griddepcontrol.wait until the partial grid has finished and its writes are visible: the combine's
+    launch latency is hidden behind the partial kernel instead of following it."""
 
     ROWS_PER_CTA = 4
 
-    def __init__(self, q_dtype):
+    def __init__(self, q_dtype, pdl: bool = False):
         self.q_dtype = q_dtype
+        self.pdl = pdl
 
     @cute.jit
     def __call__(
@@ -30,7 +36,7 @@ class MLACombine:
             1,
         )
         self.kernel(mO, mLSE, mSplit, mOp, mLSEp).launch(
-            grid=grid, block=[32 * self.ROWS_PER_CTA, 1, 1], stream=stream
+            grid=grid, block=[32 * self.ROWS_PER_CTA, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
@@ -41,6 +47,8 @@ class MLACombine:
     ):
         """One warp per query row: lanes reduce the split LSEs in parallel, then
         every lane accumulates 16 of the 512 columns over the splits."""
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the partial grid's writes (mOp, mLSEp, mO) are visible after this
         tidx, _, _ = cute.arch.thread_idx()
         b, rb, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -98,8 +106,9 @@ class MLACombineWide:
     WARPS = 8
     COLS = 128  # columns per CTA (4 per lane)
 
-    def __init__(self, q_dtype):
+    def __init__(self, q_dtype, pdl: bool = False):
         self.q_dtype = q_dtype
+        self.pdl = pdl  # as MLACombine's
 
     @cute.jit
     def __call__(
@@ -117,7 +126,7 @@ class MLACombineWide:
 
         grid = (cute.size(mO.shape[0]), cute.size(mO.shape[1]), 512 // self.COLS)
         self.kernel(mO, mLSE, mSplit, mOp, mLSEp, SharedStorage).launch(
-            grid=grid, block=[32 * self.WARPS, 1, 1], stream=stream
+            grid=grid, block=[32 * self.WARPS, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
@@ -126,6 +135,8 @@ class MLACombineWide:
         mO: cute.Tensor, mLSE: cute.Tensor, mSplit: cute.Tensor,
         mOp: cute.Tensor, mLSEp: cute.Tensor, SharedStorage: cutlass.Constexpr,
     ):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the partial grid's writes are visible after this
         tidx, _, _ = cute.arch.thread_idx()
         b, row, chunk = cute.arch.block_idx()
         lane = tidx % 32
