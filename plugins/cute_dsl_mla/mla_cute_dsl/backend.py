@@ -100,6 +100,11 @@ WGMMA_T_MAX_ROWS = 32
 # measured 512 (a loss) and 768 (a gain). The earlier rule by batch (>= 32) lost 7% at B32 S512 and 2.2% at
 # B32 S1024 and missed +5% at B24 S4096. At <= 16 rows the two are within 2%, so auto keeps mma.sync there.
 WGMMA_T_AUTO_MIN_BLOCKS = 640
+# option pdl=auto launches the combine kernel with programmatic dependent launch up to this many packed rows
+# (s_q*H: the mma.sync, wgmma_t and fp8reg kernels). Measured on an H200 (docs/results/gpu10_pdl/, mla bench,
+# pdl on vs off, same run): H=16 s_q=1/2, 24 cells, 0.4-0.9 us faster at B=1-16 (+2..+9%), +-1% at B=128; H=128
+# (the WGMMA/seesaw kernels) mixed: s_q=1 B=16 1.4-2.2 us slower (-2.5..-7%), s_q=2 +0.2..+2%.
+PDL_AUTO_MAX_ROWS = 32
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
 SplitKV = Literal["even", "balanced"]
@@ -143,14 +148,25 @@ class CuteDslOptions(BackendOptions):
                     "it lower when other kernels hold SMs while attention runs (e.g. communication kernels on a "
                     "side stream): a schedule for all SMs then needs a second wave for the columns or items that "
                     "find no free SM. At most the GPU's SM count (an error when the decoder opens)")
-    pdl: bool = Field(
-        default=True,
+    pdl: Union[Literal["auto"], bool] = Field(
+        default="auto",
         description="launch the combine kernel with programmatic dependent launch (sm_90): its CTAs are scheduled "
                     "while the partial kernel runs and wait on the GPU (griddepcontrol.wait) until the partial "
                     "grid's writes are visible, so the combine's launch latency hides behind the partial kernel. "
-                    "false: the combine is launched after the partial kernel as an ordinary stream-ordered kernel")
+                    f"auto: on below {PDL_AUTO_MAX_ROWS + 1} rows (s_q*num_heads; the mma.sync, wgmma_t and fp8reg "
+                    "kernels: 0.4-0.9 us, 2-9% of small steps, faster on an H200), off from there (the WGMMA and "
+                    "seesaw kernels: 0-7% slower with it at H=128 s_q=1 B=16 there). true/false: on/off for every "
+                    "shape; false launches the combine after the partial kernel as an ordinary stream-ordered kernel")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
+
+    @field_validator("pdl", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, value: Any) -> Any:
+        """One message for both halves of the union (pydantic would print one error per member)."""
+        if value == "auto" or isinstance(value, bool):
+            return value
+        raise ValueError(f"expected auto, true or false, got {value!r}")
 
     @field_validator("num_sms", mode="before")
     @classmethod
@@ -324,6 +340,15 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
     return text
 
 
+def pdl_combine(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether this shape class's combine kernel is launched with programmatic dependent launch (option pdl;
+    auto: up to PDL_AUTO_MAX_ROWS packed rows). Shape class and options only, so one session's schedule keeps
+    one answer and its graphs one combine kernel."""
+    if options.pdl != "auto":
+        return options.pdl
+    return shape.seq_len_q * shape.num_heads <= PDL_AUTO_MAX_ROWS
+
+
 def ctas_per_sm(kernel: PartialKernel, options: CuteDslOptions) -> int:
     """Split-KV work items per SM for the schedule: the option, or auto's choice for the kernel."""
     if options.ctas_per_sm != "auto":
@@ -485,7 +510,7 @@ class CuteDslSession(Session):
         self.num_sms = session_sms(torch.cuda.get_device_properties(self.device).multi_processor_count, options)
         self._schedules: Dict[int, Tuple[Any, Any]] = {}  # s_q -> (schedule, workspace)
         self._lse: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._combines: set = set()  # q dtypes whose two combine kernels are built
+        self._combines: set = set()  # (q dtype, pdl) pairs whose two combine kernels are built
         self._both_partials: set = set()  # (q, kv dtype, block_m) whose two balanced partials (auto's rule) are built
         self._described: set = set()  # (shape class, kernel) pairs whose kernel was logged
         env = config.envelope
@@ -512,12 +537,12 @@ class CuteDslSession(Session):
         if found is not None and found[0].split_info.shape[0] >= B:
             make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, ctas_per_sm=ctas,
                           device=self.device, out=found[0], balanced=balanced)
-            found[0].pdl_combine = self.options.pdl
+            found[0].pdl_combine = pdl_combine(problem, self.options)
             return found
         max_batch = env.max_batch if env is not None else B
         schedule = make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, max_batch=max_batch,
                                  ctas_per_sm=ctas, device=self.device, balanced=balanced)
-        schedule.pdl_combine = self.options.pdl
+        schedule.pdl_combine = pdl_combine(problem, self.options)
         found = (schedule, alloc_workspace(schedule, device=self.device))
         self._schedules[s_q] = found
         return found
@@ -545,12 +570,13 @@ class CuteDslSession(Session):
         import torch
 
         B = problem.batch_size
-        if problem.q_dtype not in self._combines:  # both combine kernels now (a step picks one by its splits),
-            from .kernels.api import get_combine_kernel  # so that warmup builds both and no step compiles
+        pdl = pdl_combine(problem, self.options)
+        if (problem.q_dtype, pdl) not in self._combines:  # both combine kernels now (a step picks one by its
+            from .kernels.api import get_combine_kernel  # splits), so that warmup builds both and no step compiles
 
-            get_combine_kernel(problem.q_dtype, wide=False, pdl=self.options.pdl)
-            get_combine_kernel(problem.q_dtype, wide=True, pdl=self.options.pdl)
-            self._combines.add(problem.q_dtype)
+            get_combine_kernel(problem.q_dtype, wide=False, pdl=pdl)
+            get_combine_kernel(problem.q_dtype, wide=True, pdl=pdl)
+            self._combines.add((problem.q_dtype, pdl))
         if _wgmma_t_auto(problem, self.options):
             self._build_both_partials(problem)
         schedule, workspace = self._schedule(problem, step.kv_lens_host)

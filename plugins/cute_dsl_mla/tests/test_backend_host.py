@@ -273,13 +273,13 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=2, kv_dtype=kv_dtype)
     planned = session.plan(problem, StepInputs(lens, table, lens, table))
     assert made == [ctas]
-    assert built == [("bf16", False, True), ("bf16", True, True)]  # PDL by default (option pdl)
+    assert built == [("bf16", False, heads * s_q <= 32), ("bf16", True, heads * s_q <= 32)]  # pdl=auto
     runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma", "seesaw": "mla_decode_sm90_wgmma_seesaw",
             # split_kv=balanced (the default) takes the mma.sync kernel with a 16-bit cache to its balanced entry
             "mma_sync": "mla_decode_sm90" if kv_dtype == "fp8_e4m3" else "mla_decode_sm90_balanced"}
     assert planned.run_fn.__name__ == runs[kernel]
     session.plan(problem, StepInputs(lens, table, lens, table))
-    assert built == [("bf16", False, True), ("bf16", True, True)] and made == [ctas, ctas]  # once per session
+    assert len(built) == 2 and made == [ctas, ctas]  # once per session
     assert be.partial_kernel(problem, CuteDslOptions()) == kernel
 
 
@@ -719,22 +719,41 @@ def test_the_session_plans_for_num_sms_and_refuses_more_than_the_gpu_has(monkeyp
         _cpu_session(monkeypatch, CuteDslOptions(num_sms=200))
 
 
-@pytest.mark.parametrize("pdl", [True, False])
-def test_option_pdl_sets_how_the_schedule_launches_its_combine(monkeypatch, pdl):
-    """Option pdl reaches the schedule plan returns (Schedule.pdl_combine, read by api.combine_kernel_for) on the
-    first plan and on a re-plan into the same buffers, and the combine kernels built at the first plan are the
-    PDL ones exactly when it is set (so warmup builds the kernels the steps run)."""
+# 17-32 rows with an fp8 cache (fp8reg): a 16-bit cache there would build both balanced partial kernels at the
+# first plan (mma=auto's KV-block rule), i.e. compile real kernels
+@pytest.mark.parametrize("pdl,heads,s_q,kv,want", [
+    ("auto", 16, 1, "bf16", True), ("auto", 16, 2, "fp8_e4m3", True), ("auto", 32, 1, "fp8_e4m3", True),
+    ("auto", 16, 4, "bf16", False), ("auto", 128, 1, "bf16", False), (True, 128, 1, "bf16", True),
+    (False, 16, 1, "bf16", False),
+])
+def test_option_pdl_sets_how_the_schedule_launches_its_combine(monkeypatch, pdl, heads, s_q, kv, want):
+    """Option pdl (auto: on up to PDL_AUTO_MAX_ROWS = 32 packed rows) reaches the schedule plan returns
+    (Schedule.pdl_combine, read by api.combine_kernel_for) on the first plan and on a re-plan into the same
+    buffers, and the combine kernels built at the first plan are the ones the steps launch (so warmup builds
+    them); a second s_q on the other side of the rule builds its own pair."""
+    from mla_cute_dsl import backend as be
     from mla_cute_dsl.kernels import api
     from mlacore import StepInputs
 
-    session = _cpu_session(monkeypatch, CuteDslOptions(pdl=pdl))
+    session = _cpu_session(monkeypatch, CuteDslOptions(pdl=pdl), heads=heads, kv_dtype=kv)
     built = []
     monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False, pdl=True: built.append((wide, pdl)))
     lens = torch.tensor([4096, 100], dtype=torch.int32)
     table = torch.zeros(2, 64, dtype=torch.int32)
-    problem = prob(batch_size=2)
+    problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=2, kv_dtype=kv)
     first = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
     again = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
-    assert first is again and again.pdl_combine is pdl
-    assert built == [(False, pdl), (True, pdl)]
-    assert CuteDslOptions().pdl is True
+    assert first is again and again.pdl_combine is want
+    assert built == [(False, want), (True, want)]
+    assert be.pdl_combine(problem, CuteDslOptions(pdl=pdl)) is want
+    assert CuteDslOptions().pdl == "auto" and be.PDL_AUTO_MAX_ROWS == 32
+    if pdl == "auto" and heads == 16 and s_q == 1:  # s_q=4 (64 rows) in the same session: plain combines
+        other = prob(num_heads=16, seq_len_q=4, batch_size=2)
+        assert session.plan(other, StepInputs(lens, table, lens, table)).schedule.pdl_combine is False
+        assert built[2:] == [(False, False), (True, False)]
+
+
+def test_option_pdl_takes_auto_or_a_bool_with_one_message():
+    assert CuteDslOptions(pdl=True).pdl is True
+    with pytest.raises(ValueError, match="expected auto, true or false, got 'yes'"):
+        CuteDslOptions(pdl="yes")
