@@ -4,6 +4,9 @@ Why: issue 11's bf16 H=16 targets (B64 S8192 <= 146 us, B128 s_q2 S4096 <= 145 u
 cache: 4.14-4.17 TB/s, above the 4.25 TB/s copy ceiling's 97%. A decode kernel only reads; this times
 reductions that only read the same bytes (CUDA graph replay, CUDA events, median) to say how close a
 read-only stream gets on this machine, i.e. whether those targets are reachable at all.
+On the H200 (ninth session, docs/results/gpu10_session/summary.txt) torch's reductions did not settle it: the
+best, a bf16 sum over 604 MB, ran at 3.87 TB/s, below fa3's decode of the same bytes (3.97 TB/s), so they bound
+nothing; a dedicated streaming-read kernel would be needed.
     python benchmarks/read_ceiling.py [--mb 604]
 """
 
