@@ -149,14 +149,16 @@ class CuteDslOptions(BackendOptions):
                     "side stream): a schedule for all SMs then needs a second wave for the columns or items that "
                     "find no free SM. At most the GPU's SM count (an error when the decoder opens)")
     pdl: Union[Literal["auto"], bool] = Field(
-        default="auto",
+        default=False,
         description="launch the combine kernel with programmatic dependent launch (sm_90): its CTAs are scheduled "
                     "while the partial kernel runs and wait on the GPU (griddepcontrol.wait) until the partial "
                     "grid's writes are visible, so the combine's launch latency hides behind the partial kernel. "
-                    f"auto: on below {PDL_AUTO_MAX_ROWS + 1} rows (s_q*num_heads; the mma.sync, wgmma_t and fp8reg "
-                    "kernels: 0.4-0.9 us, 2-9% of small steps, faster on an H200), off from there (the WGMMA and "
-                    "seesaw kernels: 0-7% slower with it at H=128 s_q=1 B=16 there). true/false: on/off for every "
-                    "shape; false launches the combine after the partial kernel as an ordinary stream-ordered kernel")
+                    "false (default): the combine follows the partial kernel as an ordinary stream-ordered kernel. "
+                    f"auto: on up to {PDL_AUTO_MAX_ROWS} rows (s_q*num_heads; the mma.sync, wgmma_t and fp8reg "
+                    "kernels), where an A/B on an H200 saved 0.4-0.9 us (2-9%) at batches 1-16 with lengths up to "
+                    "4096, off from there (H=128 s_q=1 B=16 ran 2.5-7% slower with it). Not the default: a later "
+                    "run with auto on measured B=1 H=16 s_q=2 S=8192 1.42x (bf16) and 1.15x (fp8) slower than "
+                    "0.2.3 without it, unexplained and not yet A/B-checked. true: on for every shape")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 

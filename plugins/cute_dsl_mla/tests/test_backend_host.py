@@ -273,7 +273,7 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=2, kv_dtype=kv_dtype)
     planned = session.plan(problem, StepInputs(lens, table, lens, table))
     assert made == [ctas]
-    assert built == [("bf16", False, heads * s_q <= 32), ("bf16", True, heads * s_q <= 32)]  # pdl=auto
+    assert built == [("bf16", False, False), ("bf16", True, False)]  # option pdl: false by default
     runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma", "seesaw": "mla_decode_sm90_wgmma_seesaw",
             # split_kv=balanced (the default) takes the mma.sync kernel with a 16-bit cache to its balanced entry
             "mma_sync": "mla_decode_sm90" if kv_dtype == "fp8_e4m3" else "mla_decode_sm90_balanced"}
@@ -746,7 +746,7 @@ def test_option_pdl_sets_how_the_schedule_launches_its_combine(monkeypatch, pdl,
     assert first is again and again.pdl_combine is want
     assert built == [(False, want), (True, want)]
     assert be.pdl_combine(problem, CuteDslOptions(pdl=pdl)) is want
-    assert CuteDslOptions().pdl == "auto" and be.PDL_AUTO_MAX_ROWS == 32
+    assert CuteDslOptions().pdl is False and be.PDL_AUTO_MAX_ROWS == 32
     if pdl == "auto" and heads == 16 and s_q == 1:  # s_q=4 (64 rows) in the same session: plain combines
         other = prob(num_heads=16, seq_len_q=4, batch_size=2)
         assert session.plan(other, StepInputs(lens, table, lens, table)).schedule.pdl_combine is False
