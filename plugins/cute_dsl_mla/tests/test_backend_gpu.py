@@ -33,6 +33,15 @@ class TestCuteDslConformance(BackendConformance):
         _sm90()
 
 
+class TestCuteDslPdlConformance(TestCuteDslConformance):
+    """Option pdl=true: every shape's combine kernel launched with programmatic dependent launch (griddepcontrol
+    .wait before its loads; the partial kernels trigger at their start), bf16 and fp8 caches, every kernel
+    family auto picks over these heads. The ninth session ran the whole file with PDL on by default (138 passed)
+    before the default went back to off."""
+
+    options = {"pdl": True}
+
+
 class TestCuteDslWgmmaConformance(TestCuteDslConformance):
     """The WGMMA partial kernel forced through the backend option (auto takes it from s_q*H >= 64),
     bf16 and fp8 KV; shapes it refuses (s_q*H <= 32) are skipped with the backend's reason."""

@@ -61,7 +61,7 @@ def test_the_wide_combine_is_chosen_when_the_per_row_one_would_not_fill_the_gpu(
     picked = []
     real = api.get_combine_kernel
     try:
-        api.get_combine_kernel = lambda q, wide=False: picked.append(wide)
+        api.get_combine_kernel = lambda q, wide=False, pdl=False: picked.append(wide)
         for lens, s_q, H in (([4096], 1, 16), ([4096] * 64, 1, 16), ([16384] * 4, 1, 16), ([0, 0, 70], 1, 16),
                              ([4096] * 4, 2, 128), ([4096], 2, 128), ([64], 1, 16)):
             sched = make_schedule(torch.tensor(lens, dtype=torch.int32), s_q, H, 132, device="cpu")

@@ -50,7 +50,9 @@ def test_combine_kernel_for_follows_the_schedule_and_keeps_pdl_kinds_apart(monke
     asked = []
     monkeypatch.setattr(kernel_cache, "get_or_build", lambda kind, key, build: asked.append((kind, key)) or kind)
     sched = Schedule(work_info=None, split_info=None, s_q=1, num_heads=16, block_m=16, capacity=1, num_slots=1)
-    assert sched.pdl_combine is True  # the default
+    assert sched.pdl_combine is False  # the default, as the backend's option pdl
+    assert api.combine_kernel_for("bf16", sched) == "combine"
+    sched.pdl_combine = True
     assert api.combine_kernel_for("bf16", sched) == "combine_pdl"
     sched.wide_combine = True
     assert api.combine_kernel_for("bf16", sched) == "combine_wide_pdl"

@@ -172,7 +172,7 @@ def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, bal
     return kernel_cache.get_or_build("partial", (q_name, kv_name, block_m, layout), _build_partial)
 
 
-def get_combine_kernel(q_name: str, wide: bool = False, pdl: bool = True):
+def get_combine_kernel(q_name: str, wide: bool = False, pdl: bool = False):
     """Compiled combine kernel for one q dtype (memory, disk, else compile); wide: MLACombineWide.
     pdl: launched with programmatic dependent launch (waits for the partial grid in the kernel; every
     partial kernel triggers its dependents at its start), so its launch overlaps the partial kernel's run;

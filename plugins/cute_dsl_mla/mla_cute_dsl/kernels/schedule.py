@@ -104,7 +104,7 @@ class Schedule:
     wide_combine: bool = False  # run MLACombineWide for this step (wide_combine_for)
     # launch the combine kernel with programmatic dependent launch (its CTAs scheduled while the partial
     # kernel runs, waiting in griddepcontrol.wait): a session setting (backend option pdl), kept per schedule
-    pdl_combine: bool = True
+    pdl_combine: bool = False
     # balanced split-KV (make_schedule(balanced=True)): int32 [num_cols + 1] item offsets per CTA
     # column (device, fixed size per decoder), else None
     cta_ranges: torch.Tensor | None = None
