@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On the H200 (devpack set up, env.sh sourced): mla-cute-dsl's PDL combine launch (every partial kernel triggers
 # its dependents at its start; the combine waits in griddepcontrol.wait) checked and timed.
-#   1. GPU tests of every partial kernel and the combine through the backend and the kernel entries (the default
-#      is now pdl=True): test_backend_gpu.py, test_split_kv_gpu.py,
+#   1. GPU tests through the backend (test_backend_gpu.py includes TestCuteDslPdlConformance, pdl=true; in the
+#      ninth session's run, 0.2.5 had PDL on by default): test_backend_gpu.py, test_split_kv_gpu.py,
 #      tests/test_engine_interface_gpu.py, under timeout ${TT:-240} -> $OUT/pdl_gpu_tests.log
-#   2. mla bench on benchmarks/grids/pdl_ab.toml (48 cells) with cute_dsl_mla (pdl=true) and cute_dsl_mla:pdl=false,
+#   2. mla bench on benchmarks/grids/pdl_ab.toml (72 cells) with cute_dsl_mla:pdl=auto and cute_dsl_mla (pdl off, the default since 0.2.6),
 #      budget ${BUDGET:-0.05}, under timeout ${BT:-150} -> $OUT/pdl_ab_bench.{txt,json}
 source "$(dirname "$0")/project_env.sh"
 export PYTHONPATH=plugins/cute_dsl_mla:.:$PYTHONPATH PYTHONUNBUFFERED=1
@@ -15,7 +15,7 @@ timeout ${TT:-240} python -m pytest -q -p no:cacheprovider -rfs $T/test_backend_
   tests/test_engine_interface_gpu.py > "$OUT/pdl_gpu_tests.log" 2>&1
 echo "pdl GPU tests rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/pdl_gpu_tests.log"
 start=$(date +%s)
-timeout ${BT:-150} python -m mlacore bench --device cuda --grid benchmarks/grids/pdl_ab.toml --backend cute_dsl_mla \
-  --backend cute_dsl_mla:pdl=false --budget ${BUDGET:-0.05} --no-progress -o "$OUT/pdl_ab_bench.json" \
+timeout ${BT:-150} python -m mlacore bench --device cuda --grid benchmarks/grids/pdl_ab.toml --backend cute_dsl_mla:pdl=auto \
+  --backend cute_dsl_mla --budget ${BUDGET:-0.05} --no-progress -o "$OUT/pdl_ab_bench.json" \
   > "$OUT/pdl_ab_bench.txt" 2>&1
 echo "pdl A/B bench rc=$? in $(( $(date +%s) - start )) s"
