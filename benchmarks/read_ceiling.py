@@ -50,7 +50,7 @@ def main() -> None:
         x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
         dst = torch.empty_like(x)
         ways = {
-            "copy (read+write, / 2)": lambda: dst.copy_(x),
+            "copy (read+write bytes)": lambda: dst.copy_(x),
             "sum bf16 -> fp32": lambda: torch.sum(x, dtype=torch.float32),
             "amax bf16": lambda: torch.amax(x),
             "sum fp32 view": lambda: torch.sum(x.view(torch.float32)),

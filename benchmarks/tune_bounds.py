@@ -39,7 +39,10 @@ import math
 import os
 import pathlib
 import statistics
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10, as mlacore.policy
+    import tomli as tomllib
 from collections import defaultdict
 from typing import Callable, Dict, List, Set, Tuple
 

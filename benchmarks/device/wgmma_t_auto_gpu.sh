@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the H200 (devpack set up, env.sh sourced), from a checkout of branch wgmma-t-auto (mla-cute-dsl 0.2.5):
+# On the H200 (devpack set up, env.sh sourced), from the repository root (mla-cute-dsl 0.2.5 and later; run in the ninth session, docs/results/gpu10_auto/):
 # mma=auto's per-step KV-block rule (the balanced wgmma_t kernel at 17-32 rows with a 16-bit cache when the
 # step has >= 640 KV blocks, WGMMA_T_AUTO_MIN_BLOCKS; the mma.sync balanced kernel below). One device call of
 # ~200 s (timeouts below, each overridable):

@@ -15,7 +15,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple, Union
 
 import torch
 
@@ -52,9 +52,9 @@ class BackendSpec:
         return cls(name.strip(), tuple(opts))
 
 
-def _option_value(text: str) -> object:
-    """A command-line option value as TOML would type it: digits an int, true/false a bool, else the text
-    (backend options are strict, so "false" must arrive as False)."""
+def _option_value(text: str) -> Union[int, bool, str]:
+    """A command-line option value typed as the policy file would type it: digits an int, true/false (any case)
+    a bool, else the text (backend options are strict, so "false" must arrive as False)."""
     if text.isdigit():
         return int(text)
     if text.lower() in ("true", "false"):
@@ -62,7 +62,7 @@ def _option_value(text: str) -> object:
     return text
 
 
-def _option_text(value: object) -> str:
+def _option_text(value: Union[int, bool, str]) -> str:
     """The inverse of _option_value for labels (true/false, as typed on the command line and in TOML)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
 

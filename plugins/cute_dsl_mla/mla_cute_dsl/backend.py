@@ -34,7 +34,7 @@ plan's choice, not necessarily the newest plan's) correctly after any later plan
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 from pydantic import Field, field_validator
 
@@ -102,8 +102,9 @@ WGMMA_T_MAX_ROWS = 32
 WGMMA_T_AUTO_MIN_BLOCKS = 640
 # option pdl=auto launches the combine kernel with programmatic dependent launch up to this many packed rows
 # (s_q*H: the mma.sync, wgmma_t and fp8reg kernels). Measured on an H200 (docs/results/gpu10_pdl/, mla bench,
-# pdl on vs off, same run): H=16 s_q=1/2, 24 cells, 0.4-0.9 us faster at B=1-16 (+2..+9%), +-1% at B=128; H=128
-# (the WGMMA/seesaw kernels) mixed: s_q=1 B=16 1.4-2.2 us slower (-2.5..-7%), s_q=2 +0.2..+2%.
+# pdl on vs off, one run, budget 0.05, lengths 1024/4096): H=16 s_q=1/2, 0.0-0.9 us faster at B=1-16 (up to
+# 8.6%), within 1% at B=128; H=128 (the WGMMA/seesaw kernels) mixed: s_q=1 B=16 1.4-2.2 us slower at three of
+# four cells (-2.5..-7%), B=1 S4096 fp8 0.9 us slower, s_q=2 0-2% faster.
 PDL_AUTO_MAX_ROWS = 32
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
@@ -126,9 +127,11 @@ class CuteDslOptions(BackendOptions):
                     f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows, wgmma from "
                     f"s_q*num_heads >= {WGMMA_MIN_ROWS}, wgmma_t for a bf16/fp16 cache at 17-"
                     f"{WGMMA_T_MAX_ROWS} rows when the step has >= {WGMMA_T_AUTO_MIN_BLOCKS} KV blocks (sum over "
-                    "its requests of ceil(kv_len/64); split_kv=balanced, ctas_per_sm auto/1; decided per plan, "
-                    "both kernels read the same schedule buffers, so CUDA graphs replay correctly after any "
-                    "plan), else mma_sync")
+                    "its requests of ceil(kv_len/64); split_kv=balanced, ctas_per_sm auto/1; measured at H=16 "
+                    "s_q=2 on 132 SMs; decided per plan: both kernels read the same schedule buffers, so a CUDA "
+                    "graph replays correctly after any plan, but it keeps the kernel of the plan it was captured "
+                    "after: capture with representative lengths, or force mma per batch size in the policy), "
+                    "else mma_sync")
     split_kv: SplitKV = Field(
         default="balanced",
         description="how the mma.sync kernel (and mma=wgmma_t) with a bf16/fp16 cache splits the KV work (sm_90). "
@@ -152,13 +155,15 @@ class CuteDslOptions(BackendOptions):
         default=False,
         description="launch the combine kernel with programmatic dependent launch (sm_90): its CTAs are scheduled "
                     "while the partial kernel runs and wait on the GPU (griddepcontrol.wait) until the partial "
-                    "grid's writes are visible, so the combine's launch latency hides behind the partial kernel. "
-                    "false (default): the combine follows the partial kernel as an ordinary stream-ordered kernel. "
-                    f"auto: on up to {PDL_AUTO_MAX_ROWS} rows (s_q*num_heads; the mma.sync, wgmma_t and fp8reg "
-                    "kernels), where an A/B on an H200 saved 0.4-0.9 us (2-9%) at batches 1-16 with lengths up to "
-                    "4096, off from there (H=128 s_q=1 B=16 ran 2.5-7% slower with it). Not the default: a later "
-                    "run with auto on measured B=1 H=16 s_q=2 S=8192 1.42x (bf16) and 1.15x (fp8) slower than "
-                    "0.2.3 without it, unexplained and not yet A/B-checked. true: on for every shape")
+                    "grid's writes are visible, so the combine's launch latency hides behind the partial kernel "
+                    "(every partial kernel triggers its dependents at its start either way; without a PDL "
+                    "combine the trigger does nothing). false (default): the combine follows the partial kernel "
+                    f"as an ordinary stream-ordered kernel. auto: on up to {PDL_AUTO_MAX_ROWS} rows (s_q*num_heads; "
+                    "the mma.sync, wgmma_t and fp8reg kernels), off from there. true: on for every shape. One A/B "
+                    "on an H200 (lengths <= 4096): 0.0-0.9 us (up to 8.6%) faster at H=16 batches 1-16, within "
+                    "1% at B=128, mixed at H=128 (s_q=1 B=16 1.4-2.2 us slower). Off by default: a later run with "
+                    "auto on measured B=1 H=16 s_q=2 S=8192 1.42x (bf16) and 1.16x (fp8) slower than 0.2.3, "
+                    "unexplained and not A/B-checked")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
@@ -250,9 +255,10 @@ def _wgmma_t_auto(shape: DecodeShape, options: CuteDslOptions) -> bool:
             and options.split_kv == "balanced" and options.ctas_per_sm in ("auto", 1))
 
 
-def step_kv_blocks(kv_lens: Any) -> int:
+def step_kv_blocks(kv_lens: Union["torch.Tensor", Sequence[int]]) -> int:
     """The step's KV blocks: the sum over its requests of ceil(kv_len / 64) (kv_len <= 0 counts 0), kv_len
-    being the request's whole KV length including this step's new tokens (the host lengths plan receives).
+    being the request's whole KV length including this step's new tokens (the host lengths plan receives: a
+    CPU tensor or ints; a CUDA tensor would synchronise in .tolist()).
     The same count as the split-KV schedule's blocks (kernels/schedule.py _nblocks); mma=auto's wgmma_t rule
     compares it with WGMMA_T_AUTO_MIN_BLOCKS. A host tensor or a sequence of ints."""
     if hasattr(kv_lens, "tolist"):
@@ -282,7 +288,8 @@ def partial_kernel(shape: DecodeShape, options: CuteDslOptions,
     return "mma_sync"
 
 
-def partial_kernel_for(problem: DecodeShape, options: CuteDslOptions, kv_lens: Any) -> PartialKernel:
+def partial_kernel_for(problem: DecodeShape, options: CuteDslOptions,
+                       kv_lens: Union["torch.Tensor", Sequence[int]]) -> PartialKernel:
     """The partial kernel a plan with these host lengths runs: partial_kernel with step_kv_blocks(kv_lens)
     (counted only where mma=auto's rule applies). It may differ between two plans of one batch size; that is
     graph-safe because the two kernels it chooses between (mma.sync and wgmma_t, both balanced) read exactly
@@ -347,7 +354,7 @@ def pdl_combine(shape: DecodeShape, options: CuteDslOptions) -> bool:
     auto: up to PDL_AUTO_MAX_ROWS packed rows). Shape class and options only, so one session's schedule keeps
     one answer and its graphs one combine kernel."""
     if options.pdl != "auto":
-        return options.pdl
+        return bool(options.pdl)
     return shape.seq_len_q * shape.num_heads <= PDL_AUTO_MAX_ROWS
 
 
@@ -377,8 +384,10 @@ class CuteDslBackend(Backend):
                    f"mma=auto with a bf16/fp16 cache at 17-{WGMMA_T_MAX_ROWS} rows (s_q*H), split_kv=balanced: "
                    f"per step the wgmma_t kernel when the step has >= {WGMMA_T_AUTO_MIN_BLOCKS} KV blocks (sum "
                    "over its requests of ceil(kv_len/64)), the mma.sync kernel below (on an H200 wgmma_t "
-                   "-0.6..+14% from 768 blocks, mostly 4-7% slower at <= 384); both read the same schedule "
-                   "buffers, so a CUDA graph replays its captured kernel correctly after any later plan",
+                   "-0.6..+14% from 768 blocks, mostly 4-7% slower at <= 384; measured at H=16 s_q=2); both read "
+                   "the same schedule buffers, so a CUDA graph replays its captured kernel correctly after any "
+                   "later plan, and keeps that kernel whatever the later steps' blocks (capture with "
+                   "representative lengths)",
                    "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
                    "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA, "
                    "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly"),

@@ -42,6 +42,14 @@ class TestCuteDslPdlConformance(TestCuteDslConformance):
     options = {"pdl": True}
 
 
+class TestCuteDslWgmmaTPdlConformance(TestCuteDslPdlConformance):
+    """pdl=true with the transposed WGMMA kernel forced (auto runs it only on steps of >= 640 KV blocks, which the
+    suite's steps do not reach), so the PDL combine also runs after wgmma_t's balanced and even entries."""
+
+    options = {"pdl": True, "mma": "wgmma_t"}
+    num_heads = (1, 3, 8, 16, 32)
+
+
 class TestCuteDslWgmmaConformance(TestCuteDslConformance):
     """The WGMMA partial kernel forced through the backend option (auto takes it from s_q*H >= 64),
     bf16 and fp8 KV; shapes it refuses (s_q*H <= 32) are skipped with the backend's reason."""

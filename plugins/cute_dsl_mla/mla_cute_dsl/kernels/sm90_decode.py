@@ -302,10 +302,7 @@ class MLADecodePartial:
         mma_s: cute.TiledMma, mma_o: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        # let a dependent grid launched with programmatic dependent launch (the combine kernel,
-        # api.launch pdl=True) be scheduled now; it waits (griddepcontrol.wait) for this grid to
-        # finish before it reads anything, so this only hides its launch latency
-        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_launch_dependents()  # PDL trigger for the combine (combine.MLACombine)
         tidx, _, _ = cute.arch.thread_idx()
         m_block, wi, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -342,10 +339,7 @@ class MLADecodePartial:
         groups drained (wait_group 0) and its last shared-memory reads behind the epilogue's
         barriers; the barrier at each item start orders them once more before the next item's
         Q/K cp.asyncs are issued."""
-        # let a dependent grid launched with programmatic dependent launch (the combine kernel,
-        # api.launch pdl=True) be scheduled now; it waits (griddepcontrol.wait) for this grid to
-        # finish before it reads anything, so this only hides its launch latency
-        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_launch_dependents()  # PDL trigger for the combine (combine.MLACombine)
         tidx, _, _ = cute.arch.thread_idx()
         m_block, col, _ = cute.arch.block_idx()
         lane = tidx % 32

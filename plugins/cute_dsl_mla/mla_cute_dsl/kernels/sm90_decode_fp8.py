@@ -281,10 +281,7 @@ class MLADecodePartialFP8Reg:
     ):
         mt = self.mma_dtype
         bm = self.block_m
-        # let a dependent grid launched with programmatic dependent launch (the combine kernel,
-        # api.launch pdl=True) be scheduled now; it waits (griddepcontrol.wait) for this grid to
-        # finish before it reads anything, so this only hides its launch latency
-        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_launch_dependents()  # PDL trigger for the combine (combine.MLACombine)
         tidx, _, _ = cute.arch.thread_idx()
         m_block, wi, _ = cute.arch.block_idx()
         lane = tidx % 32

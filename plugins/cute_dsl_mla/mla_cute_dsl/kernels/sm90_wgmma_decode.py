@@ -434,10 +434,7 @@ class MLADecodePartialWGMMA:
         mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        # let a dependent grid launched with programmatic dependent launch (the combine kernel,
-        # api.launch pdl=True) be scheduled now; it waits (griddepcontrol.wait) for this grid to
-        # finish before it reads anything, so this only hides its launch latency
-        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_launch_dependents()  # PDL trigger for the combine (combine.MLACombine)
         tidx, _, _ = cute.arch.thread_idx()
         m_block, wi, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -1088,10 +1085,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         SharedStorage: cutlass.Constexpr,
     ):
         mt = self.mma_dtype
-        # let a dependent grid launched with programmatic dependent launch (the combine kernel,
-        # api.launch pdl=True) be scheduled now; it waits (griddepcontrol.wait) for this grid to
-        # finish before it reads anything, so this only hides its launch latency
-        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_launch_dependents()  # PDL trigger for the combine (combine.MLACombine)
         tidx, _, _ = cute.arch.thread_idx()
         m_block, wi, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)

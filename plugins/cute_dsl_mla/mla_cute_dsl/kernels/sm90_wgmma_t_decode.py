@@ -508,10 +508,7 @@ class MLADecodePartialWGMMAT:
         SharedStorage: cutlass.Constexpr,
     ):
         bm = self.block_m
-        # let a dependent grid launched with programmatic dependent launch (the combine kernel,
-        # api.launch pdl=True) be scheduled now; it waits (griddepcontrol.wait) for this grid to
-        # finish before it reads anything, so this only hides its launch latency
-        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_launch_dependents()  # PDL trigger for the combine (combine.MLACombine)
         tidx, _, _ = cute.arch.thread_idx()
         m_block, wi, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -618,10 +615,7 @@ class MLADecodePartialWGMMAT:
         producers and the consumer walk the same rows (read independently from mWork) and count
         the tiles they have passed (g), so the ring's stages and phases continue across items,
         also past items of one tile and columns with no item (both loops then do nothing)."""
-        # let a dependent grid launched with programmatic dependent launch (the combine kernel,
-        # api.launch pdl=True) be scheduled now; it waits (griddepcontrol.wait) for this grid to
-        # finish before it reads anything, so this only hides its launch latency
-        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_launch_dependents()  # PDL trigger for the combine (combine.MLACombine)
         tidx, _, _ = cute.arch.thread_idx()
         m_block, col, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
