@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mlacore.tools.bench import (BackendSpec, BenchReport, BenchRow, Ceilings, CSV_COLUMNS, bench_cell, report_from_json,
-                           report_json, traffic, write_csv)
+                           report_json, run_bench, traffic, write_csv)
 from mlacore.tools.grid import PRESETS, load_grid
 from mlacore.policy import PolicyError, parse_policy_text
 from mlacore.problem import DecodeProblem, DeviceSpec
@@ -730,3 +730,39 @@ def test_backend_spec_types_option_values_as_toml_does_and_labels_round_trip():
     assert BackendSpec.parse(spec.label) == spec
     with pytest.raises(ValueError, match="key=value"):
         BackendSpec.parse("cute_dsl_mla:pdl")
+
+
+def test_run_bench_hands_each_cell_but_the_last_to_on_cell_marked_partial():
+    grid = load_grid("quick")
+    problems = grid.problems(DeviceSpec.of("cpu"))[:3]
+    seen = []
+    report = run_bench(problems, [BackendSpec("reference")], "cpu", False, "g", progress=False, budget_s=0.001,
+                       on_cell=lambda rep: seen.append((rep.grid, len(rep.rows))))
+    assert seen == [("g (partial: 1 of 3 cells)", 1), ("g (partial: 2 of 3 cells)", 2)]
+    assert report.grid == "g" and len(report.rows) == 3
+
+
+def test_bench_output_file_holds_the_cells_so_far_while_it_runs(tmp_path, monkeypatch):
+    """mla bench -o FILE rewrites FILE (whole, by rename) after each cell: a run killed by a time limit keeps
+    what it measured, its grid marked partial; the finished run's file is the whole report."""
+    from mlacore.tools import bench as bench_mod, cli
+
+    out = tmp_path / "m.json"
+    snapshots = []
+    real = bench_mod.bench_cell
+
+    def cell_then_look(*a, **k):
+        if out.exists():
+            snapshots.append(json.loads(out.read_text()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench_mod, "bench_cell", cell_then_look)
+    grid = tmp_path / "g.toml"
+    grid.write_text("[grid]\nnum_heads=[16]\nbatch=[1, 2]\nkv_len=[64, 128]\npage_size=[64]\n")
+    assert cli.main(["bench", "--grid", str(grid), "--backend", "reference", "--device", "cpu", "--budget", "0.001",
+                     "--no-progress", "-o", str(out), "--json"]) == 0
+    assert [len(s["rows"]) for s in snapshots] == [1, 2, 3]
+    assert all("(partial: " in s["grid"] for s in snapshots)
+    final = json.loads(out.read_text())
+    assert len(final["rows"]) == 4 and "partial" not in final["grid"]
+    assert not list(tmp_path.glob("*.tmp"))

@@ -4,6 +4,8 @@
 #   PART=measure: `mla bench` GRIDS (default: the three tuning grids, 208 cells, ~360 s on a fresh
 #                 machine) into /tmp/retune (and $OUT). Needed only when a backend's version changed since
 #                 the runs in docs/results/ (h200_tune.md says which versions they measured).
+#                 mla bench -o rewrites its JSON after every cell, so a grid cut by BENCH_TIMEOUT keeps its
+#                 cells (grid marked partial); on a cold kernel cache give each grid ~250 s (ninth session).
 #   PART=tune:    `mla tune --from` FROM (default: the five stored runs of docs/results/, 376 cells) with
 #                 REFINE rounds of at most REFINE_CELLS midpoint cells, the rules written into a copy of the
 #                 default policy, then validated on VALIDATE (default h200_offgrid7, 96 cells none of those

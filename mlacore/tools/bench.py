@@ -15,7 +15,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable, Dict, List, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -285,23 +285,35 @@ def bench_cell(problem: DecodeProblem, specs: Sequence[BackendSpec], device: str
 
 
 def run_bench(problems: Sequence[DecodeProblem], specs: Sequence[BackendSpec], device: str, graph: bool,
-              grid_name: str, registry=None, progress: bool = True, budget_s: float = 0.3) -> BenchReport:
+              grid_name: str, registry=None, progress: bool = True, budget_s: float = 0.3,
+              on_cell: Optional[Callable[[BenchReport], None]] = None) -> BenchReport:
+    """Every cell of `problems` with every backend of `specs`. on_cell: called after each cell but the last with
+    the report so far, its grid named "... (partial: k of n cells)", so that a caller can save it (`mla bench -o`
+    does): a run cut by a time limit then keeps what it measured, marked as incomplete."""
     from .fingerprint import current_fingerprint
 
     ceilings = measure_ceilings(device)
+    fingerprint = current_fingerprint()
     rows: List[BenchRow] = []
+
+    def cell(i: int, p: DecodeProblem) -> None:
+        rows.extend(bench_cell(p, specs, device, graph, ceilings, seed=i, registry=registry, budget_s=budget_s))
+        if on_cell is not None and i + 1 < len(problems):
+            on_cell(BenchReport(list(rows), ceilings, f"{grid_name} (partial: {i + 1} of {len(problems)} cells)",
+                                fingerprint, time.strftime("%Y-%m-%d")))
+
     if progress:
         from rich.progress import Progress
 
         with Progress(transient=True) as bar:
             task = bar.add_task("mla bench", total=len(problems))
             for i, p in enumerate(problems):
-                rows += bench_cell(p, specs, device, graph, ceilings, seed=i, registry=registry, budget_s=budget_s)
+                cell(i, p)
                 bar.advance(task)
     else:
         for i, p in enumerate(problems):
-            rows += bench_cell(p, specs, device, graph, ceilings, seed=i, registry=registry, budget_s=budget_s)
-    return BenchReport(rows, ceilings, grid_name, current_fingerprint(), time.strftime("%Y-%m-%d"))
+            cell(i, p)
+    return BenchReport(rows, ceilings, grid_name, fingerprint, time.strftime("%Y-%m-%d"))
 
 
 # -- output ------------------------------------------------------------------------------

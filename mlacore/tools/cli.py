@@ -516,7 +516,7 @@ def _bench_specs(args: argparse.Namespace):
     return [BackendSpec(b.name) for b in registry.backends() if b.status == BackendStatus.AVAILABLE]
 
 
-def _run_bench(args: argparse.Namespace, grid_spec: str, specs=None):
+def _run_bench(args: argparse.Namespace, grid_spec: str, specs=None, save_partial: bool = False):
     from ..problem import DeviceSpec
     from .bench import run_bench
     from .grid import load_grid
@@ -527,7 +527,21 @@ def _run_bench(args: argparse.Namespace, grid_spec: str, specs=None):
     specs = _bench_specs(args) if specs is None else specs
     graph = device == "cuda" and not args.no_graph
     progress = not args.no_progress and not args.json and _has_rich() and sys.stderr.isatty()
-    return run_bench(problems, specs, device, graph, grid.describe(), progress=progress, budget_s=args.budget)
+    save = _partial_saver(args.output) if save_partial and getattr(args, "output", None) else None
+    return run_bench(problems, specs, device, graph, grid.describe(), progress=progress, budget_s=args.budget,
+                     on_cell=save)
+
+
+def _partial_saver(path: str):
+    """run_bench's on_cell for -o FILE: the report so far (grid marked partial) replaces FILE after each cell, via
+    a temporary file and a rename, so a run killed by a time limit leaves a whole JSON file of what it measured."""
+    from .bench import report_json
+
+    def save(report) -> None:
+        tmp = f"{path}.partial.tmp"
+        write_json_file(tmp, report_json(report))
+        os.replace(tmp, path)
+    return save
 
 
 def _has_rich() -> bool:
@@ -570,7 +584,7 @@ def _write_outputs(report, args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import report_json
 
-    report = _run_bench(args, args.grid)
+    report = _run_bench(args, args.grid, save_partial=True)
     _write_outputs(report, args)
     if args.json:
         print_json(report_json(report))
