@@ -294,9 +294,14 @@ def partial_kernel_for(problem: DecodeShape, options: CuteDslOptions,
     (counted only where mma=auto's rule applies). It may differ between two plans of one batch size; that is
     graph-safe because the two kernels it chooses between (mma.sync and wgmma_t, both balanced) read exactly
     the same schedule, workspace and scratch from plan (module docstring; CuteDslSession._schedule)."""
-    if not _wgmma_t_auto(problem, options):
-        return partial_kernel(problem, options)
-    return partial_kernel(problem, options, step_kv_blocks(kv_lens))
+    return partial_kernel(problem, options, rule_kv_blocks(problem, options, kv_lens))
+
+
+def rule_kv_blocks(shape: DecodeShape, options: CuteDslOptions,
+                   kv_lens: Union["torch.Tensor", Sequence[int]]) -> Optional[int]:
+    """step_kv_blocks(kv_lens) where mma=auto's KV-block rule applies to this shape class and options, else None
+    (the lengths are then not read): what partial_kernel and kernel_summary take as `kv_blocks`."""
+    return step_kv_blocks(kv_lens) if _wgmma_t_auto(shape, options) else None
 
 
 # partial kernels with a balanced mode (a column loop over the hybrid schedule), 16-bit caches only
@@ -606,10 +611,10 @@ class CuteDslSession(Session):
                                                        dtype=torch.float32, device=self.device)
         # mma=auto's rule may pick another kernel than the previous plan of this batch size did: graph-safe, the
         # schedule, workspace and scratch above are the same whichever runs (see the module docstring)
-        kernel = partial_kernel_for(problem, self.options, step.kv_lens_host)
+        blocks = rule_kv_blocks(problem, self.options, step.kv_lens_host)  # counted once per plan
+        kernel = partial_kernel(problem, self.options, blocks)  # = partial_kernel_for(problem, options, lengths)
         if (problem.shape, kernel) not in self._described:  # once per shape class and kernel: which, how it splits
             self._described.add((problem.shape, kernel))
-            blocks = step_kv_blocks(step.kv_lens_host) if _wgmma_t_auto(problem, self.options) else None
             log.debug("cute_dsl_mla: %s runs the %s", problem.describe(),
                       kernel_summary(problem, self.options, blocks))
         return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
