@@ -229,11 +229,17 @@ def _emulate(q, kv, lens, s_q, H, sched_items, split, ranges, num_slots, sm_scal
                         out[b, r], lse[b, r] = o_r, l_r
                     else:
                         o_p[slot, r], l_p[slot, r] = o_r, l_r
-    for b in range(B):  # combine.py: every request whose count != 1
+    return emulate_combine(out, lse, o_p, l_p, split)
+
+
+def emulate_combine(out, lse, o_p, l_p, split):
+    """combine.py in float64, in place: every request b whose split count != 1 gets the LSE-weighted sum of its
+    partials o_p / l_p [first:first + count] (split[b] = (first, count)); count 0 gives out 0 and lse -inf."""
+    for b in range(out.shape[0]):
         first, cnt = split[b]
         if cnt == 1:
             continue
-        for r in range(R):
+        for r in range(out.shape[1]):
             ls = l_p[first:first + cnt, r]
             mx = float(ls.max()) if cnt else -math.inf
             m_use = 0.0 if mx == -math.inf else mx

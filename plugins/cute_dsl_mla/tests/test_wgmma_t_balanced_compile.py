@@ -26,7 +26,7 @@ import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from test_balanced_schedule import _reference  # noqa: E402  (same directory)
+from test_balanced_schedule import _reference, emulate_combine  # noqa: E402  (same directory)
 from test_kernel_compile import _has_cutlass  # noqa: E402
 
 from mla_cute_dsl.kernels import schedule as S  # noqa: E402
@@ -213,19 +213,7 @@ def _emulate_columns(q, kv, lens, s_q, H, sched, sm_scale, reload_q=True):
             else:
                 o_p[slot], l_p[slot] = o_r, l_r
             g += n_t
-    for b in range(B):  # combine.py: every request whose count != 1
-        first, cnt = split[b]
-        if cnt == 1:
-            continue
-        for r in range(R):
-            ls = l_p[first:first + cnt, r]
-            m = float(ls.max()) if cnt else -math.inf
-            m_use = 0.0 if m == -math.inf else m
-            w = torch.exp(ls - m_use)
-            tot = float(w.sum())
-            out[b, r] = (w[:, None] * o_p[first:first + cnt, r]).sum(0) / tot if tot > 0 else 0.0
-            lse[b, r] = m_use + math.log(tot) if tot > 0 else -math.inf
-    return out, lse
+    return emulate_combine(out, lse, o_p, l_p, split)
 
 
 def _random_case(seed):
