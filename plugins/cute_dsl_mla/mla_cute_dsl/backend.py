@@ -552,8 +552,7 @@ class CuteDslSession(Session):
         env = self.config.envelope
         if found is not None and found[0].split_info.shape[0] >= B:
             make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, ctas_per_sm=ctas,
-                          device=self.device, out=found[0], balanced=balanced)
-            found[0].pdl_combine = pdl_combine(problem, self.options)
+                          device=self.device, out=found[0], balanced=balanced)  # keeps pdl_combine
             return found
         max_batch = env.max_batch if env is not None else B
         schedule = make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, max_batch=max_batch,
