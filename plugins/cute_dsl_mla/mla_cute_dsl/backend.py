@@ -164,6 +164,25 @@ class CuteDslOptions(BackendOptions):
                     "1% at B=128, mixed at H=128 (s_q=1 B=16 1.4-2.2 us slower). Off by default: a later run with "
                     "auto on measured B=1 H=16 s_q=2 S=8192 1.42x (bf16) and 1.16x (fp8) slower than 0.2.3, "
                     "unexplained and not A/B-checked")
+    partials: Literal["auto", "fp32", "q"] = Field(
+        default="auto",
+        description="dtype of the split-KV partial outputs (sm_90): each split's O, normalised, written by the "
+                    "partial kernel and read back by the combine kernel (the combine sums in fp32 and the LSE "
+                    "partials stay fp32 either way). fp32: 4 bytes per value. q: q's dtype (bf16/fp16), half the "
+                    "bytes a split step adds, for one more rounding of each split's O. auto (default): q for the "
+                    "fp8reg kernel (an fp8 cache up to 32 rows), fp32 for the others. On an H200 (one A/B, "
+                    "docs/results/gpu11_partials/) q was 2.5-31% faster with fp8reg at H=16 (every cell of 36), "
+                    "-3..+9% at H=16 with a bf16 cache (slower on steps of 1-8 requests) and up to 32% slower "
+                    "with the WGMMA/seesaw kernels at H=128 on split steps (B=1-16)")
+    combine: Literal["auto", "row", "chunked", "wide"] = Field(
+        default="auto",
+        description="the kernel that merges split-KV partials (sm_90). row: one warp per query row walks every "
+                    "split; chunked: four warps per row, 128 columns each (4x the warps in flight for steps of few "
+                    "requests); wide: one CTA per row and 128-column chunk, its warps sharing out the splits (for "
+                    "rows split many ways). auto: up to 32 rows (s_q*num_heads) wide below num_sms/2 row-kernel "
+                    "CTAs (batch * ceil(rows/4)), chunked below 4*num_sms, row above; from 33 rows wide below "
+                    "num_sms, else row (kernels/schedule.py combine_kind_for, with the H200 numbers). Decided by "
+                    "batch size and rows, so a CUDA graph keeps one combine kernel")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
@@ -459,6 +478,36 @@ class CuteDslBackend(Backend):
         return CuteDslSession(config, options)
 
 
+def set_combine(schedule: Any, options: CuteDslOptions) -> None:
+    """Apply option combine to a schedule (after every make_schedule: an in-place re-plan recomputes the combine
+    kind by batch and rows). auto keeps make_schedule's choice (kernels/schedule.py combine_kind_for)."""
+    if options.combine == "auto":
+        return
+    schedule.wide_combine = options.combine == "wide"
+    schedule.combine_cols = 128 if options.combine == "chunked" else 512
+
+
+def combine_variants(shape: DecodeShape, options: CuteDslOptions) -> List[Tuple[bool, int]]:
+    """The (wide, cols) combine kernels steps of this shape class may run under option combine: a session builds
+    them all at its first plan (auto picks by batch, which may change between eager steps)."""
+    if options.combine == "wide":
+        return [(True, 512)]
+    if options.combine != "auto":
+        return [(False, 128 if options.combine == "chunked" else 512)]
+    rows = shape.seq_len_q * shape.num_heads
+    return [(True, 512), (False, 512)] + ([(False, 128)] if rows <= 32 else [])
+
+
+def partial_dtype_name(shape: DecodeShape, options: CuteDslOptions) -> str:
+    """The partial-O buffer's dtype name for option partials: "fp32", or q's dtype ("bf16"/"fp16"). auto: q's
+    dtype where the fp8reg kernel runs, fp32 elsewhere. A function of the shape class and options only (the
+    session's workspace, and a CUDA graph's buffers, never change dtype between steps; mma=auto's per-step
+    rule only swaps mma_sync and wgmma_t, both fp32 under auto)."""
+    if options.partials == "auto":
+        return shape.q_dtype if partial_kernel(shape, options) == "fp8reg" else "fp32"
+    return "fp32" if options.partials == "fp32" else shape.q_dtype
+
+
 def session_sms(device_sms: int, options: CuteDslOptions) -> int:
     """The SM count a session's schedules are made for: option num_sms, or every SM of the GPU (auto)."""
     if options.num_sms == "auto":
@@ -526,8 +575,8 @@ class CuteDslSession(Session):
         self.num_sms = session_sms(torch.cuda.get_device_properties(self.device).multi_processor_count, options)
         self._schedules: Dict[int, Tuple[Any, Any]] = {}  # s_q -> (schedule, workspace)
         self._lse: Dict[Tuple[int, int], torch.Tensor] = {}
-        self._combines: set = set()  # (q dtype, pdl) pairs whose two combine kernels are built
-        self._both_partials: set = set()  # (q, kv dtype, block_m) whose two balanced partials (auto's rule) are built
+        self._combines: set = set()  # (q dtype, pdl, partial dtype, combine_variants) whose kernels are built
+        self._both_partials: set = set()  # (q, kv dtype, block_m, partial) whose two balanced partials (auto's rule) are built
         self._described: set = set()  # (shape class, kernel) pairs whose kernel was logged
         env = config.envelope
         self._lens_buf = self._table_buf = None
@@ -553,12 +602,17 @@ class CuteDslSession(Session):
         if found is not None and found[0].split_info.shape[0] >= B:
             make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, ctas_per_sm=ctas,
                           device=self.device, out=found[0], balanced=balanced)  # keeps pdl_combine
+            set_combine(found[0], self.options)
             return found
         max_batch = env.max_batch if env is not None else B
         schedule = make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, max_batch=max_batch,
                                  ctas_per_sm=ctas, device=self.device, balanced=balanced)
         schedule.pdl_combine = pdl_combine(problem, self.options)
-        found = (schedule, alloc_workspace(schedule, device=self.device))
+        set_combine(schedule, self.options)
+        from .kernels.api import PARTIAL_DTYPES
+
+        partial = PARTIAL_DTYPES[partial_dtype_name(problem, self.options)]
+        found = (schedule, alloc_workspace(schedule, device=self.device, partial_dtype=partial))
         self._schedules[s_q] = found
         return found
 
@@ -571,14 +625,15 @@ class CuteDslSession(Session):
         from .kernels.schedule import block_m_for
 
         rows = problem.seq_len_q * problem.num_heads
-        key = (problem.q_dtype, problem.kv_dtype, block_m_for(rows))
+        key = (problem.q_dtype, problem.kv_dtype, block_m_for(rows), partial_dtype_name(problem, self.options))
         if key in self._both_partials:
             return
         from .kernels.api import get_partial_kernel
         from .kernels.sm90_wgmma_t_decode import get_partial_kernel_wgmma_t_balanced
 
-        get_partial_kernel(key[0], key[1], key[2], None, balanced=True)
-        get_partial_kernel_wgmma_t_balanced(key[0], key[1], key[2])
+        partial = partial_dtype_name(problem, self.options)
+        get_partial_kernel(key[0], key[1], key[2], None, balanced=True, partial=partial)
+        get_partial_kernel_wgmma_t_balanced(key[0], key[1], key[2], partial=partial)
         self._both_partials.add(key)
 
     def plan(self, problem: DecodeProblem, step: StepInputs) -> CuteDslPlanned:
@@ -586,12 +641,16 @@ class CuteDslSession(Session):
 
         B = problem.batch_size
         pdl = pdl_combine(problem, self.options)
-        if (problem.q_dtype, pdl) not in self._combines:  # both combine kernels now (a step picks one by its
-            from .kernels.api import get_combine_kernel  # splits), so that warmup builds both and no step compiles
+        partial = partial_dtype_name(problem, self.options)
+        variants = combine_variants(problem, self.options)
+        if (problem.q_dtype, pdl, partial, tuple(variants)) not in self._combines:
+            # every combine kernel a step of this shape class may pick (by its batch) now, so that warmup builds
+            # them and no step compiles
+            from .kernels.api import get_combine_kernel
 
-            get_combine_kernel(problem.q_dtype, wide=False, pdl=pdl)
-            get_combine_kernel(problem.q_dtype, wide=True, pdl=pdl)
-            self._combines.add((problem.q_dtype, pdl))
+            for wide, cols in variants:
+                get_combine_kernel(problem.q_dtype, wide=wide, pdl=pdl, partial=partial, cols=cols)
+            self._combines.add((problem.q_dtype, pdl, partial, tuple(variants)))
         if _wgmma_t_auto(problem, self.options):
             self._build_both_partials(problem)
         schedule, workspace = self._schedule(problem, step.kv_lens_host)

@@ -50,6 +50,41 @@ class TestCuteDslWgmmaTPdlConformance(TestCuteDslPdlConformance):
     num_heads = (1, 3, 8, 16, 32)
 
 
+class TestCuteDslQPartialsConformance(TestCuteDslConformance):
+    """Option partials=q: split-KV partial outputs in q's dtype (bf16 here) instead of fp32, bf16 and fp8 caches,
+    every kernel family auto picks over these heads (mma.sync balanced, fp8reg, WGMMA, seesaw) and both combine
+    kernels reading 16-bit partials."""
+
+    options = {"partials": "q"}
+
+
+class TestCuteDslQPartialsFp16Conformance(TestCuteDslQPartialsConformance):
+    q_dtype = "fp16"
+    kv_dtypes = ("fp16", "fp8_e4m3")
+
+
+class TestCuteDslWgmmaTQPartialsConformance(TestCuteDslQPartialsConformance):
+    """partials=q with the transposed WGMMA kernel forced (its balanced entry with a 16-bit cache, its even entry
+    with fp8), which auto runs only on steps of >= 640 KV blocks."""
+
+    options = {"partials": "q", "mma": "wgmma_t"}
+    num_heads = (1, 3, 8, 16, 32)
+
+
+class TestCuteDslChunkedCombineConformance(TestCuteDslConformance):
+    """Option combine=chunked: the row combine with four warps per row (128 columns each) on every split step,
+    bf16 and fp8 caches (fp8reg with its 16-bit partials), every kernel family auto picks."""
+
+    options = {"combine": "chunked"}
+
+
+class TestCuteDslWideCombineConformance(TestCuteDslConformance):
+    """Option combine=wide: the wide combine on every split step (auto runs it for small batches only)."""
+
+    options = {"combine": "wide"}
+    num_heads = (1, 3, 16, 128)
+
+
 class TestCuteDslWgmmaConformance(TestCuteDslConformance):
     """The WGMMA partial kernel forced through the backend option (auto takes it from s_q*H >= 64),
     bf16 and fp8 KV; shapes it refuses (s_q*H <= 32) are skipped with the backend's reason."""

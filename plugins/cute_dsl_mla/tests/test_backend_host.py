@@ -262,8 +262,10 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     real_make, real_alloc = schedule.make_schedule, schedule.alloc_workspace
     monkeypatch.setattr(schedule, "make_schedule", lambda *a, **k: made.append(k["ctas_per_sm"]) or real_make(
         *a, **{**k, "device": "cpu"}))
-    monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None: real_alloc(sched, device="cpu"))
-    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False, pdl=True: built.append((q, wide, pdl)))
+    monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None, partial_dtype=torch.float32:
+                        real_alloc(sched, device="cpu", partial_dtype=partial_dtype))
+    monkeypatch.setattr(api, "get_combine_kernel",
+                        lambda q, wide=False, pdl=True, partial="fp32", cols=512: built.append((q, wide, pdl, cols)))
     config = SessionConfig(num_heads=heads, page_size=64, q_dtype="bf16", kv_dtype=kv_dtype, out_dtype="bf16",
                            kv_lora_rank=512, qk_rope_head_dim=64, causal=True, return_lse=True, sm_scale=0.1,
                            kv_scale=1.0, q_scale=1.0, device=H200)
@@ -273,13 +275,16 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=2, kv_dtype=kv_dtype)
     planned = session.plan(problem, StepInputs(lens, table, lens, table))
     assert made == [ctas]
-    assert built == [("bf16", False, False), ("bf16", True, False)]  # option pdl: false by default
+    # every combine a step may pick by its batch (combine_kind_for): up to 32 rows wide, row and chunked
+    want = {("bf16", True, False, 512), ("bf16", False, False, 512)} | (
+        {("bf16", False, False, 128)} if heads * s_q <= 32 else set())
+    assert set(built) == want and len(built) == len(want)  # option pdl: false by default
     runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma", "seesaw": "mla_decode_sm90_wgmma_seesaw",
             # split_kv=balanced (the default) takes the mma.sync kernel with a 16-bit cache to its balanced entry
             "mma_sync": "mla_decode_sm90" if kv_dtype == "fp8_e4m3" else "mla_decode_sm90_balanced"}
     assert planned.run_fn.__name__ == runs[kernel]
     session.plan(problem, StepInputs(lens, table, lens, table))
-    assert len(built) == 2 and made == [ctas, ctas]  # once per session
+    assert len(built) == len(want) and made == [ctas, ctas]  # once per session
     assert be.partial_kernel(problem, CuteDslOptions()) == kernel
 
 
@@ -441,8 +446,8 @@ def test_a_session_picks_the_kernel_per_plan_by_kv_blocks_on_the_same_buffers(mo
     assert combos == {(k, f) for k in ("mma_sync", "wgmma_t") for f in ("even", "balanced")}
     assert len(seen) == 1  # one schedule, one workspace, one lse scratch for both kernels
     assert rec.made == [(1, True)] and rec.filled == [(1, True)] * (len(steps) - 1)
-    assert rec.partials == [("mma_sync", ("bf16", "bf16", 32, None), {"balanced": True}),
-                            ("wgmma_t", ("bf16", "bf16", 32), {})]  # once per session, at the first plan
+    assert rec.partials == [("mma_sync", ("bf16", "bf16", 32, None), {"balanced": True, "partial": "fp32"}),
+                            ("wgmma_t", ("bf16", "bf16", 32), {"partial": "fp32"})]  # once per session, first plan
     # where the rule does not apply (16 rows here) the session builds nothing extra at plan
     big = _lens([64] * 64)
     planned = session.plan(prob(num_heads=16, seq_len_q=1, batch_size=64), StepInputs(big, table, big, table))
@@ -561,8 +566,10 @@ def _cpu_session(monkeypatch, options, heads=16, kv_dtype="bf16", return_lse=Tru
         return real_make(*a, **{**k, "device": "cpu"})
 
     monkeypatch.setattr(schedule, "make_schedule", make)
-    monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None: real_alloc(sched, device="cpu"))
-    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False, pdl=False: None)
+    monkeypatch.setattr(schedule, "alloc_workspace", lambda sched, device=None, partial_dtype=torch.float32:
+                        real_alloc(sched, device="cpu", partial_dtype=partial_dtype))
+    monkeypatch.setattr(api, "get_combine_kernel", 
+                        lambda q, wide=False, pdl=False, partial="fp32", cols=512: None)
     monkeypatch.setattr(api, "get_partial_kernel", lambda *a, **k: rec.partials.append(("mma_sync", a, k)))
     monkeypatch.setattr(sm90_wgmma_t_decode, "get_partial_kernel_wgmma_t_balanced",
                         lambda *a, **k: rec.partials.append(("wgmma_t", a, k)))
@@ -729,20 +736,22 @@ def test_option_pdl_sets_how_the_schedule_launches_its_combine(monkeypatch, pdl,
 
     session = _cpu_session(monkeypatch, CuteDslOptions(pdl=pdl), heads=heads, kv_dtype=kv)
     built = []
-    monkeypatch.setattr(api, "get_combine_kernel", lambda q, wide=False, pdl=True: built.append((wide, pdl)))
+    monkeypatch.setattr(api, "get_combine_kernel",
+                        lambda q, wide=False, pdl=True, partial="fp32", cols=512: built.append((wide, pdl, cols)))
     lens = torch.tensor([4096, 100], dtype=torch.int32)
     table = torch.zeros(2, 64, dtype=torch.int32)
     problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=2, kv_dtype=kv)
     first = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
     again = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
     assert first is again and again.pdl_combine is want
-    assert built == [(False, want), (True, want)]
+    chunked = [(False, want, 128)] if heads * s_q <= 32 else []  # combine_kind_for's third kernel
+    assert built == [(True, want, 512), (False, want, 512)] + chunked
     assert be.pdl_combine(problem, CuteDslOptions(pdl=pdl)) is want
     assert CuteDslOptions().pdl is False and be.PDL_AUTO_MAX_ROWS == 32
     if pdl == "auto" and heads == 16 and s_q == 1:  # s_q=4 (64 rows) in the same session: plain combines
         other = prob(num_heads=16, seq_len_q=4, batch_size=2)
         assert session.plan(other, StepInputs(lens, table, lens, table)).schedule.pdl_combine is False
-        assert built[2:] == [(False, False), (True, False)]
+        assert built[3:] == [(True, False, 512), (False, False, 512)]
 
 
 def test_option_pdl_takes_auto_or_a_bool_with_one_message():

@@ -61,7 +61,8 @@ def test_the_wide_combine_is_chosen_when_the_per_row_one_would_not_fill_the_gpu(
     picked = []
     real = api.get_combine_kernel
     try:
-        api.get_combine_kernel = lambda q, wide=False, pdl=False: picked.append(wide)
+        api.get_combine_kernel = lambda q, wide=False, pdl=False, partial="fp32", cols=512: (
+            picked.append(wide))
         for lens, s_q, H in (([4096], 1, 16), ([4096] * 64, 1, 16), ([16384] * 4, 1, 16), ([0, 0, 70], 1, 16),
                              ([4096] * 4, 2, 128), ([4096], 2, 128), ([64], 1, 16)):
             sched = make_schedule(torch.tensor(lens, dtype=torch.int32), s_q, H, 132, device="cpu")
@@ -71,7 +72,8 @@ def test_the_wide_combine_is_chosen_when_the_per_row_one_would_not_fill_the_gpu(
         api.get_combine_kernel = real
     # B=64 H=16: 256 per-row CTAs; B=4 H=128 s_q=2: 256 (measured slower with the wide kernel)
     assert picked == [True, False, True, True, False, True, True]
-    assert wide_combine_for(1, 16, 132) and wide_combine_for(32, 16, 132) and not wide_combine_for(33, 16, 132)
+    # up to 32 rows wide below num_sms // 2 row CTAs (combine_kind_for; chunked above), from 33 rows below num_sms
+    assert wide_combine_for(1, 16, 132) and wide_combine_for(16, 16, 132) and not wide_combine_for(17, 16, 132)
     assert wide_combine_for(1, 4 * 131, 132) and not wide_combine_for(1, 4 * 132, 132)
     # the choice follows batch and rows only: the same for every length of one batch size (graph replay)
     for lens in ([1], [64], [100000]):

@@ -91,8 +91,9 @@ def reference(q, kv, page_table, lens, sm_scale, kv_scale):
     return out, lse
 
 
-def run_kernel(case, out, lse, sched=None, ws=None, decode=None):
-    """One decode of `case` with `decode` (default: mla_decode_sm90; the WGMMA tests pass theirs)."""
+def run_kernel(case, out, lse, sched=None, ws=None, decode=None, partial_dtype=torch.float32):
+    """One decode of `case` with `decode` (default: mla_decode_sm90; the WGMMA tests pass theirs); a workspace of
+    `partial_dtype` partials when none is given."""
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule, mla_decode_sm90
 
     decode = decode or mla_decode_sm90
@@ -101,7 +102,7 @@ def run_kernel(case, out, lse, sched=None, ws=None, decode=None):
     if sched is None:
         n_sm = torch.cuda.get_device_properties(0).multi_processor_count
         sched = make_schedule(case["lens_cpu"], s_q, H, n_sm)
-        ws = alloc_workspace(sched)
+        ws = alloc_workspace(sched, partial_dtype=partial_dtype)
         for part in ws:  # split partials the kernel fails to write must not pass as old memory
             part.fill_(float("nan"))
     decode(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"], case["kv_scale"], out, lse, sched, ws)
@@ -201,27 +202,30 @@ def test_graph_replay_equals_eager(kv):
 
 
 @needs_sm90
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("partial", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["row", "wide", "chunked"])
 @pytest.mark.parametrize("B,s_q,S,H,kv,varlen,q_std", [
     (1, 1, 16384, 16, "fp8", False, 1.0), (1, 2, 4096, 128, "bf16", False, 1.0),
     (2, 4, 4096, 3, "bf16", True, 1.0), (6, 1, 140, 63, "fp8", True, 1.0),
     (1, 1, 4096, 16, "bf16", False, 100.0), (64, 1, 4096, 16, "fp8", True, 1.0),
 ])
-def test_each_combine_kernel_against_fp64_reference(monkeypatch, wide, B, s_q, S, H, kv, varlen, q_std):
-    """Both combine kernels on the same kinds of input, whatever the schedule would pick: the wide one
-    (warps share out the splits) and the per-row one, with lengths 0 and < s_q, NaN-poisoned split buffers."""
+def test_each_combine_kernel_against_fp64_reference(monkeypatch, partial, kind, B, s_q, S, H, kv, varlen, q_std):
+    """Every combine kernel on the same kinds of input, whatever the schedule would pick: the wide one (warps
+    share out the splits), the per-row one and the chunked per-row one (four warps per row), with lengths 0 and
+    < s_q, NaN-poisoned split buffers; fp32 and bf16 partials (alloc_workspace partial_dtype)."""
     from mla_cute_dsl.kernels import api, schedule
 
-    monkeypatch.setattr(schedule, "wide_combine_for", lambda *args: wide)
+    monkeypatch.setattr(schedule, "combine_kind_for", lambda *args: kind)
     picked = []
     real = api.get_combine_kernel
     monkeypatch.setattr(api, "get_combine_kernel",
-                        lambda q, wide=False, pdl=False: picked.append(wide) or real(q, wide, pdl))
+                        lambda q, wide=False, pdl=False, partial="fp32", cols=512:
+                        picked.append((wide, cols)) or real(q, wide, pdl, partial, cols))
     kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     case = make_case(B, s_q, H, S, kv_dtype, varlen, q_std=q_std, seed=random.randrange(1 << 30))
     out = torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
-    run_kernel(case, out, lse)
+    run_kernel(case, out, lse, partial_dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[partial]))
     torch.cuda.synchronize()
-    assert picked == [wide]
+    assert picked == [{"row": (False, 512), "wide": (True, 512), "chunked": (False, 128)}[kind]]
     check(case, out, lse, tol=2e-2 if q_std > 1 else 1e-2)

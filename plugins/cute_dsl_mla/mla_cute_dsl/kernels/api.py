@@ -47,7 +47,36 @@ def _cutlass_dtype(name):
         "bf16": cutlass.BFloat16,
         "fp16": cutlass.Float16,
         "fp8_e4m3": cutlass.Float8E4M3FN,
+        "fp32": cutlass.Float32,
     }[name]
+
+
+# dtypes of the partial O buffer (workspace[0]); the LSE partials stay fp32
+PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def partial_name(workspace) -> str:
+    """Name of the workspace's partial-O dtype ("fp32", "bf16" or "fp16"): the compiled partial and combine
+    kernels a launch needs are the ones built for it (alloc_workspace(..., partial_dtype=...))."""
+    dtype = workspace[0].dtype
+    for name, dt in PARTIAL_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"workspace: o_partial must be float32, bfloat16 or float16, got {dtype}")
+
+
+def partial_spec(partial: str) -> tuple:
+    """Kernel-cache key suffix for a partial-O dtype: () for fp32, so every kernel keeps the key (and symbol)
+    it always had, else ("partial_<name>",)."""
+    if partial not in PARTIAL_DTYPES:
+        raise ValueError(f"partial dtype must be one of {sorted(PARTIAL_DTYPES)}, got {partial!r}")
+    return () if partial == "fp32" else ("partial_" + partial,)
+
+
+def partial_from_tags(tags) -> str:
+    """The partial-O dtype named by a kernel-cache key's trailing tags (partial_spec), fp32 without one."""
+    names = [t[len("partial_"):] for t in tags if isinstance(t, str) and t.startswith("partial_")]
+    return names[-1] if names else "fp32"
 
 
 def specializations():
@@ -60,7 +89,8 @@ def specializations():
     return out
 
 
-def _fake_args_partial(q_name, kv_name):
+def _fake_args_partial(q_name, kv_name, partial: str = "fp32"):
+    """Fake arguments of a partial kernel; `partial`: the dtype of the partial O buffer (mOp)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -75,26 +105,26 @@ def _fake_args_partial(q_name, kv_name):
         make_fake_compact_tensor(qt, (B, R, D_V), stride_order=(2, 1, 0), assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (B, R), stride_order=(1, 0), assumed_align=4),
         make_fake_compact_tensor(cutlass.Int32, (CAP, 4), stride_order=(1, 0), assumed_align=16),
-        make_fake_compact_tensor(cutlass.Float32, (SL, R, D_V), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(_cutlass_dtype(partial), (SL, R, D_V), stride_order=(2, 1, 0), assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (SL, R), stride_order=(1, 0), assumed_align=4),
         1.0, 1.0, 1.0, 1, 1,
         make_fake_stream(),
     )
 
 
-def _fake_args_partial_balanced(q_name, kv_name):
+def _fake_args_partial_balanced(q_name, kv_name, partial: str = "fp32"):
     """MLADecodePartial.call_balanced's arguments: the partial kernel's plus the per-column item ranges
     (int32 [num_cols + 1]) after the work rows."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
-    args = _fake_args_partial(q_name, kv_name)
+    args = _fake_args_partial(q_name, kv_name, partial)
     ranges = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
     return args[:7] + (ranges,) + args[7:]
 
 
-def _fake_args_combine(q_name):
+def _fake_args_combine(q_name, partial: str = "fp32"):
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -105,90 +135,104 @@ def _fake_args_combine(q_name):
         make_fake_compact_tensor(qt, (B, R, D_V), stride_order=(2, 1, 0), assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (B, R), stride_order=(1, 0), assumed_align=4),
         make_fake_compact_tensor(cutlass.Int32, (MB, 2), stride_order=(1, 0), assumed_align=8),
-        make_fake_compact_tensor(cutlass.Float32, (SL, R, D_V), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(_cutlass_dtype(partial), (SL, R, D_V), stride_order=(2, 1, 0), assumed_align=16),
         make_fake_compact_tensor(cutlass.Float32, (SL, R), stride_order=(1, 0), assumed_align=4),
         make_fake_stream(),
     )
 
 
-def _build_partial(q_name: str, kv_name: str, block_m: int, layout):
+def _build_partial(q_name: str, kv_name: str, block_m: int, layout, *tags: str):
     import cutlass.cute as cute
 
     from .sm90_decode import MLADecodePartial
 
     k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout)
-    return cute.compile(k, *_fake_args_partial(q_name, kv_name), options=COMPILE_OPTIONS)
+    return cute.compile(k, *_fake_args_partial(q_name, kv_name, partial_from_tags(tags)), options=COMPILE_OPTIONS)
 
 
-def _build_partial_balanced(q_name: str, kv_name: str, block_m: int, layout):
+def _build_partial_balanced(q_name: str, kv_name: str, block_m: int, layout, *tags: str):
     import cutlass.cute as cute
 
     from .sm90_decode import MLADecodePartial
 
     k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True)
-    return cute.compile(k.call_balanced, *_fake_args_partial_balanced(q_name, kv_name), options=COMPILE_OPTIONS)
+    return cute.compile(k.call_balanced, *_fake_args_partial_balanced(q_name, kv_name, partial_from_tags(tags)),
+                        options=COMPILE_OPTIONS)
 
 
-def _build_combine(q_name: str, pdl: bool = False):
+def _build_combine(q_name: str, *tags: str, pdl: bool = False):
     import cutlass.cute as cute
 
     from .combine import MLACombine
 
-    return cute.compile(MLACombine(_cutlass_dtype(q_name), pdl=pdl), *_fake_args_combine(q_name),
-                        options=COMPILE_OPTIONS)
+    cols = next((int(t[4:]) for t in tags if t.startswith("cols")), 512)
+    return cute.compile(MLACombine(_cutlass_dtype(q_name), pdl=pdl, cols=cols),
+                        *_fake_args_combine(q_name, partial_from_tags(tags)), options=COMPILE_OPTIONS)
 
 
-def _build_combine_wide(q_name: str, pdl: bool = False):
+def _build_combine_wide(q_name: str, *tags: str, pdl: bool = False):
     import cutlass.cute as cute
 
     from .combine import MLACombineWide
 
-    return cute.compile(MLACombineWide(_cutlass_dtype(q_name), pdl=pdl), *_fake_args_combine(q_name),
-                        options=COMPILE_OPTIONS)
+    return cute.compile(MLACombineWide(_cutlass_dtype(q_name), pdl=pdl),
+                        *_fake_args_combine(q_name, partial_from_tags(tags)), options=COMPILE_OPTIONS)
 
 
-def _build_combine_pdl(q_name: str):
-    return _build_combine(q_name, pdl=True)
+def _build_combine_pdl(q_name: str, *tags: str):
+    return _build_combine(q_name, *tags, pdl=True)
 
 
-def _build_combine_wide_pdl(q_name: str):
-    return _build_combine_wide(q_name, pdl=True)
+def _build_combine_wide_pdl(q_name: str, *tags: str):
+    return _build_combine_wide(q_name, *tags, pdl=True)
 
 
-def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, balanced: bool = False):
+def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, balanced: bool = False,
+                       partial: str = "fp32"):
     """Compiled partial kernel for one specialization (memory, disk, else compile).
 
     layout: optional (m_warps, m_atoms_per_warp, n_acc) override, for tuning.
     balanced: MLADecodePartial(balanced=True).call_balanced (16-bit KV only; its own cache kind, so the
     default kernels' cache keys and symbols are unchanged).
+    partial: dtype of the partial O buffer it writes (partial_name of the workspace; fp32 keeps the old keys).
     """
     if layout is not None:
         layout = tuple(layout)
+    tags = partial_spec(partial)
     if balanced:
         if kv_name == "fp8_e4m3":
             raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only")
-        return kernel_cache.get_or_build("partial_balanced", (q_name, kv_name, block_m, layout),
+        return kernel_cache.get_or_build("partial_balanced", (q_name, kv_name, block_m, layout) + tags,
                                          _build_partial_balanced)
-    return kernel_cache.get_or_build("partial", (q_name, kv_name, block_m, layout), _build_partial)
+    return kernel_cache.get_or_build("partial", (q_name, kv_name, block_m, layout) + tags, _build_partial)
 
 
-def get_combine_kernel(q_name: str, wide: bool = False, pdl: bool = False):
+def get_combine_kernel(q_name: str, wide: bool = False, pdl: bool = False, partial: str = "fp32", cols: int = 512):
     """Compiled combine kernel for one q dtype (memory, disk, else compile); wide: MLACombineWide.
     pdl: launched with programmatic dependent launch (waits for the partial grid in the kernel; every
     partial kernel triggers its dependents at its start), so its launch overlaps the partial kernel's run;
-    its own cache kinds, so the plain kernels' keys are unchanged."""
+    its own cache kinds, so the plain kernels' keys are unchanged. partial: the partial O buffer's dtype
+    (fp32 keeps the old keys). cols: MLACombine's columns per warp (512: a row per warp, the old key; 128:
+    four warps per row, key tag "cols128"); ignored with wide."""
+    spec = (q_name,) + partial_spec(partial)
+    if not wide and cols != 512:
+        if cols not in (128, 256):
+            raise ValueError(f"cols must be 128, 256 or 512, got {cols}")
+        spec += (f"cols{cols}",)
     if wide:
         if pdl:
-            return kernel_cache.get_or_build("combine_wide_pdl", (q_name,), _build_combine_wide_pdl)
-        return kernel_cache.get_or_build("combine_wide", (q_name,), _build_combine_wide)
+            return kernel_cache.get_or_build("combine_wide_pdl", spec, _build_combine_wide_pdl)
+        return kernel_cache.get_or_build("combine_wide", spec, _build_combine_wide)
     if pdl:
-        return kernel_cache.get_or_build("combine_pdl", (q_name,), _build_combine_pdl)
-    return kernel_cache.get_or_build("combine", (q_name,), _build_combine)
+        return kernel_cache.get_or_build("combine_pdl", spec, _build_combine_pdl)
+    return kernel_cache.get_or_build("combine", spec, _build_combine)
 
 
-def combine_kernel_for(q_name: str, schedule: Schedule):
-    """The combine kernel this step's schedule asks for (``Schedule.wide_combine``, ``Schedule.pdl_combine``)."""
-    return get_combine_kernel(q_name, wide=schedule.wide_combine, pdl=schedule.pdl_combine)
+def combine_kernel_for(q_name: str, schedule: Schedule, partial: str = "fp32"):
+    """The combine kernel this step's schedule asks for (``Schedule.wide_combine``, ``Schedule.pdl_combine``,
+    ``Schedule.combine_cols``), reading partials of dtype `partial` (partial_name of the workspace)."""
+    return get_combine_kernel(q_name, wide=schedule.wide_combine, pdl=schedule.pdl_combine, partial=partial,
+                              cols=schedule.combine_cols)
 
 
 def _cu_stream(handle: int):
@@ -237,7 +281,7 @@ def launch(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     kernel on the current stream; no checks, no host work beyond argument packing."""
     B, s_q, H, _ = q.shape
     R = s_q * H
-    combine = combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule)
+    combine = combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule, partial_name(workspace))
     o_part, lse_part = workspace
     o3 = out.view(B, R, D_V)
     l2 = lse.view(B, R)
@@ -258,7 +302,7 @@ def launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, 
     because both launch from here with the same arguments and combine."""
     B, s_q, H, _ = q.shape
     R = s_q * H
-    combine = combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule)
+    combine = combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule, partial_name(workspace))
     o_part, lse_part = workspace
     o3 = out.view(B, R, D_V)
     l2 = lse.view(B, R)
@@ -289,7 +333,8 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     (k = kv * kv_scale); page_table [B, max_pages] int32; kv_lens [B] int32 (device);
     out [B, s_q, H, 512] q dtype; lse [B, s_q, H] fp32 (natural log).
     schedule from make_schedule(kv_lens_cpu, s_q, H, num_sms) for this step;
-    workspace = alloc_workspace(schedule).
+    workspace = alloc_workspace(schedule) (partial O in fp32; partial_dtype=torch.bfloat16/float16 for a 16-bit
+    buffer: the kernels built for its dtype run).
     balanced=True (the backend's split_kv="balanced"): the balanced split-KV kernel, a fixed grid of CTA
     columns each walking its range of the schedule's items; needs a schedule from
     make_schedule(..., balanced=True) and a bf16/fp16 cache (ValueError otherwise, also with check=False).
@@ -300,12 +345,13 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
         if check:
             check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
         partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m,
-                                     layout, balanced=True)
+                                     layout, balanced=True, partial=partial_name(workspace))
         return launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse,
                                schedule, workspace)
     if check:
         check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
-    partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m, layout)
+    partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m, layout,
+                                 partial=partial_name(workspace))
     return launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule, workspace)
 
 

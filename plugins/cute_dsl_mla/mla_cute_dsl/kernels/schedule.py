@@ -77,15 +77,30 @@ def slots_for(rows: int, num_sms: int, ctas_per_sm: int = 1) -> int:
 COMBINE_ROWS_PER_CTA = 4
 
 
+def combine_kind_for(batch: int, rows: int, num_sms: int) -> str:
+    """Which kernel merges a step's split-KV partials: "wide" (MLACombineWide: one CTA per row and 128-column
+    chunk, warps share out the splits), "chunked" (MLACombine with 128 columns per warp: four warps per row) or
+    "row" (MLACombine, one warp per row). By the row kernel's CTA count, batch * ceil(rows / 4).
+
+    Up to 32 rows (measured on an H200, docs/results/gpu11_combine/, H=16 s_q=1/2, batches 1-64, lengths
+    512-4096, bf16 and fp8 caches): wide below num_sms // 2 row CTAs (the chunked kernel was 4-85% slower at
+    batches 1-8: rows split many ways need the warps of a CTA to share the splits), chunked below 4 * num_sms
+    (4-16% faster than the kernel the old rule picked at B=16-32, e.g. B=16 s_q=2 S=512 16.8 -> 14.4 us), row
+    from there (equal within 3% at B=64). Above 32 rows the earlier rule: wide when the row kernel would have
+    fewer CTAs than the GPU has SMs (B=1 H=16 S=4096: 35.5 -> 11.8 us; with 256 per-row CTAs it was slower,
+    H=128 s_q=2 B=4: 19.4 -> 24.4 us). Batch and rows only, never the lengths: a CUDA graph captured at one step
+    replays the same combine at every later step of its batch size."""
+    row_ctas = batch * -(-rows // COMBINE_ROWS_PER_CTA)
+    if rows <= 32:
+        if row_ctas < num_sms // 2:
+            return "wide"
+        return "chunked" if row_ctas < 4 * num_sms else "row"
+    return "wide" if row_ctas < num_sms else "row"
+
+
 def wide_combine_for(batch: int, rows: int, num_sms: int) -> bool:
-    """Whether MLACombineWide (one CTA per row and 128-column chunk, warps share out the splits) merges a
-    step: when MLACombine would have fewer CTAs than the GPU has SMs. Small batches are split many ways
-    (the schedule fills every SM), so each of those few warps walks a long list. On an H200 the wide kernel
-    took B=1 H=16 S=4096 from 35.5 to 11.8 us; with 256 per-row CTAs it was slower (H=128 s_q=2 B=4:
-    19.4 -> 24.4 us) and with 128 mixed (S=512: 4-6% slower, S=4096-16384: 2-4% faster). Batch and
-    rows only, never the lengths: a CUDA graph captured at one step replays the same combine at every
-    later step of its batch size."""
-    return batch * -(-rows // COMBINE_ROWS_PER_CTA) < num_sms
+    """Whether MLACombineWide merges a step (combine_kind_for)."""
+    return combine_kind_for(batch, rows, num_sms) == "wide"
 
 
 @dataclass
@@ -105,6 +120,9 @@ class Schedule:
     # launch the combine kernel with programmatic dependent launch (its CTAs scheduled while the partial
     # kernel runs, waiting in griddepcontrol.wait): a session setting (backend option pdl), kept per schedule
     pdl_combine: bool = False
+    # MLACombine's columns per warp when wide_combine is false: 512 (one warp per query row) or 128 (four warps
+    # per row); a session setting (backend option combine), kept per schedule
+    combine_cols: int = 512
     # balanced split-KV (make_schedule(balanced=True)): int32 [num_cols + 1] item offsets per CTA
     # column (device, fixed size per decoder), else None
     cta_ranges: torch.Tensor | None = None
@@ -864,18 +882,29 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     out.cost_even, out.cost_balanced = costs
     out.num_items = n_items
     out.blocks_per_split = bps
-    out.wide_combine = wide_combine_for(batch, rows, num_sms)
+    kind = combine_kind_for(batch, rows, num_sms)
+    out.wide_combine = kind == "wide"
+    out.combine_cols = 128 if kind == "chunked" else 512
     return out
 
 
-def workspace_bytes(schedule: Schedule) -> int:
-    """Bytes of the fp32 partial buffers (o_partial + lse_partial)."""
-    return schedule.num_slots * schedule.rows * (D_V + 1) * 4
+def workspace_bytes(schedule: Schedule, partial_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the partial buffers (o_partial in partial_dtype + lse_partial in fp32)."""
+    o_bytes = torch.empty((), dtype=partial_dtype).element_size()
+    return schedule.num_slots * schedule.rows * (D_V * o_bytes + 4)
 
 
-def alloc_workspace(schedule: Schedule, device="cuda"):
-    """(o_partial [slots, rows, 512] fp32, lse_partial [slots, rows] fp32)."""
+def alloc_workspace(schedule: Schedule, device="cuda", partial_dtype: torch.dtype = torch.float32):
+    """(o_partial [slots, rows, 512] partial_dtype, lse_partial [slots, rows] fp32).
+
+    partial_dtype: float32 (default), bfloat16 or float16. Each split's O is written normalised (divided by its
+    own softmax sum), so its values lie within the range of V, as the output's do; a 16-bit buffer halves the
+    traffic a split step adds (every slot written by the partial kernel and read back by the combine) for
+    one more rounding of each split's O (the combine still sums in fp32). The launch entries pick the partial
+    and combine kernels built for this buffer's dtype (api.partial_name)."""
+    if partial_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {partial_dtype}")
     return (
-        torch.empty((schedule.num_slots, schedule.rows, D_V), dtype=torch.float32, device=device),
+        torch.empty((schedule.num_slots, schedule.rows, D_V), dtype=partial_dtype, device=device),
         torch.empty((schedule.num_slots, schedule.rows), dtype=torch.float32, device=device),
     )

@@ -119,7 +119,7 @@ class MLADecodePartial:
         mO: cute.Tensor,  # (B, R, 512) q dtype
         mLSE: cute.Tensor,  # (B, R) fp32
         mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot
-        mOp: cute.Tensor,  # (slots, R, 512) fp32
+        mOp: cute.Tensor,  # (slots, R, 512) fp32, bf16 or fp16 (alloc_workspace partial_dtype)
         mLSEp: cute.Tensor,  # (slots, R) fp32
         scale_log2: cutlass.Float32,  # sm_scale * kv_scale * log2(e)
         scale_ln: cutlass.Float32,  # sm_scale * kv_scale
@@ -228,7 +228,7 @@ class MLADecodePartial:
         mLSE: cute.Tensor,  # (B, R) fp32
         mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot (column by column)
         mRanges: cute.Tensor,  # (num_cols + 1,) int32: column c runs work rows [mRanges[c], mRanges[c+1])
-        mOp: cute.Tensor,  # (slots, R, 512) fp32
+        mOp: cute.Tensor,  # (slots, R, 512) fp32, bf16 or fp16 (alloc_workspace partial_dtype)
         mLSEp: cute.Tensor,  # (slots, R) fp32
         scale_log2: cutlass.Float32,
         scale_ln: cutlass.Float32,
@@ -633,6 +633,6 @@ class MLADecodePartial:
             for r in cutlass.range_constexpr(n_rows):
                 grow = m_block * self.block_m + tOcO[r, 0][0]
                 if grow < R:
-                    tOgO[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+                    tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
                     if lse_writer:
                         mLSEp[slot, grow] = row_lse[r]

@@ -192,7 +192,7 @@ class MLADecodePartialFP8Reg:
         mO: cute.Tensor,  # (B, R, 512) q dtype
         mLSE: cute.Tensor,  # (B, R) fp32
         mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot
-        mOp: cute.Tensor,  # (slots, R, 512) fp32
+        mOp: cute.Tensor,  # (slots, R, 512) fp32, bf16 or fp16 (alloc_workspace partial_dtype)
         mLSEp: cute.Tensor,  # (slots, R) fp32
         scale_log2: cutlass.Float32,  # sm_scale * kv_scale * log2(e)
         scale_ln: cutlass.Float32,  # sm_scale * kv_scale
@@ -511,7 +511,7 @@ class MLADecodePartialFP8Reg:
                 for r in cutlass.range_constexpr(n_rows):
                     grow = m_block * bm + tOcO[r, 0][0]
                     if grow < R:
-                        tOgO[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
                         if lse_writer:
                             mLSEp[slot, grow] = row_lse[r]
 
@@ -519,26 +519,27 @@ class MLADecodePartialFP8Reg:
 # ---- host helpers (api.mla_decode_sm90 keeps using sm90_decode) ----
 
 
-def _build_partial_fp8(q_name: str, kv_name: str, block_m: int, layout, stages: int):
+def _build_partial_fp8(q_name: str, kv_name: str, block_m: int, layout, stages: int, *tags: str):
     from . import api
 
     k = MLADecodePartialFP8Reg(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                layout, stages)
-    return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
+    return cute.compile(k, *api._fake_args_partial(q_name, kv_name, api.partial_from_tags(tags)),
+                        options=api.COMPILE_OPTIONS)
 
 
-def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int = 2):
+def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int = 2, partial: str = "fp32"):
     """Compiled fp8-register partial kernel for (q dtype, BLOCK_M); KV fp8-e4m3.
 
     Same kernel cache as api.get_partial_kernel (memory, disk, else compile),
     under its own kind ``partial_fp8reg``.
     """
-    from . import kernel_cache
+    from . import api, kernel_cache
 
     if layout is not None:
         layout = tuple(layout)
-    return kernel_cache.get_or_build("partial_fp8reg", (q_name, "fp8_e4m3", block_m, layout, stages),
-                                     _build_partial_fp8)
+    return kernel_cache.get_or_build("partial_fp8reg", (q_name, "fp8_e4m3", block_m, layout, stages)
+                                     + api.partial_spec(partial), _build_partial_fp8)
 
 
 def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
@@ -560,6 +561,7 @@ def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_sc
             raise ValueError("fp8 variant: kv_cache must be float8_e4m3fn")
         if schedule.block_m not in (16, 32):
             raise ValueError(f"fp8 variant: s_q * H must be <= 32, got {schedule.rows}")
-    partial = get_partial_kernel_fp8(api._TORCH_TO_NAME[q.dtype], schedule.block_m, layout, stages)
+    partial = get_partial_kernel_fp8(api._TORCH_TO_NAME[q.dtype], schedule.block_m, layout, stages,
+                                     partial=api.partial_name(workspace))
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)

@@ -258,7 +258,7 @@ class MLADecodePartialWGMMA:
         mO: cute.Tensor,  # (B, R, 512) q dtype
         mLSE: cute.Tensor,  # (B, R) fp32
         mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot
-        mOp: cute.Tensor,  # (slots, R, 512) fp32
+        mOp: cute.Tensor,  # (slots, R, 512) fp32, bf16 or fp16 (alloc_workspace partial_dtype)
         mLSEp: cute.Tensor,  # (slots, R) fp32
         scale_log2: cutlass.Float32,  # sm_scale * kv_scale * log2(e)
         scale_ln: cutlass.Float32,  # sm_scale * kv_scale
@@ -612,7 +612,7 @@ class MLADecodePartialWGMMA:
                 for r in cutlass.range_constexpr(n_rows):
                     grow = m_block * BLOCK_M + tOcO[r, 0][0]
                     if grow < R:
-                        tOgO[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
                         if lse_writer:
                             mLSEp[slot, grow] = row_lse[r]
 
@@ -1409,7 +1409,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 for r in cutlass.range_constexpr(n_rows):
                     grow = m_block * BLOCK_M + tOcO[r, 0][0]
                     if grow < R:
-                        tOgO[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
                         if lse_writer:
                             mLSEp[slot, grow] = row_lse[r]
 
@@ -1419,14 +1419,15 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 # this kernel per shape through the helpers below (also used by the tests).
 
 
-def _build_partial_wgmma(q_name: str, kv_name: str, block_m: int):
+def _build_partial_wgmma(q_name: str, kv_name: str, block_m: int, *tags: str):
     from . import api
 
     k = MLADecodePartialWGMMA(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m)
-    return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
+    return cute.compile(k, *api._fake_args_partial(q_name, kv_name, api.partial_from_tags(tags)),
+                        options=api.COMPILE_OPTIONS)
 
 
-def get_partial_kernel_wgmma(q_name: str, kv_name: str | None = None):
+def get_partial_kernel_wgmma(q_name: str, kv_name: str | None = None, *, partial: str = "fp32"):
     """Compiled WGMMA partial kernel for q dtype ``q_name`` and KV dtype ``kv_name``
     (``q_name`` or ``"fp8_e4m3"``; default: ``q_name``, the single-argument form).
 
@@ -1434,12 +1435,12 @@ def get_partial_kernel_wgmma(q_name: str, kv_name: str | None = None):
     under its own kind so it never collides with the mma.sync kernels; the key
     (q, kv, 64) of the 16-bit kernels is the one they always had.
     """
-    from . import kernel_cache
+    from . import api, kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
     if kv_name not in (q_name, "fp8_e4m3"):
         raise ValueError(f"WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
-    return kernel_cache.get_or_build("partial_wgmma", (q_name, kv_name, BLOCK_M),
+    return kernel_cache.get_or_build("partial_wgmma", (q_name, kv_name, BLOCK_M) + api.partial_spec(partial),
                                      _build_partial_wgmma)
 
 
@@ -1456,7 +1457,8 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
 
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
-    partial = get_partial_kernel_wgmma(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype])
+    partial = get_partial_kernel_wgmma(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
+                                       partial=api.partial_name(workspace))
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
@@ -1467,12 +1469,14 @@ SEESAW_FLAGS = ("l2pf",)  # kernel-cache key flags after (q, kv, block_m): see s
 def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags: str):
     from . import api
 
-    unknown = [f for f in flags if f not in SEESAW_FLAGS]
+    unknown = [f for f in flags if f not in SEESAW_FLAGS and not f.startswith("partial_")]
     if unknown:
-        raise ValueError(f"seesaw kernel key: unknown flags {unknown}, expected a subset of {SEESAW_FLAGS}")
+        raise ValueError(f"seesaw kernel key: unknown flags {unknown}, expected a subset of {SEESAW_FLAGS} "
+                         "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags)
-    return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
+    return cute.compile(k, *api._fake_args_partial(q_name, kv_name, api.partial_from_tags(flags)),
+                        options=api.COMPILE_OPTIONS)
 
 
 def seesaw_l2_prefetch_default(kv_name: str) -> bool:
@@ -1488,14 +1492,16 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
     return kv_name == "fp8_e4m3"
 
 
-def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False) -> tuple[str | int, ...]:
-    """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set
-    (the default kernel keeps the three-part key)."""
-    return (q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ())
+def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32") -> tuple[str | int, ...]:
+    """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
+    partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key)."""
+    from . import api
+
+    return (q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
-                                    l2_prefetch: bool | None = None):
+                                    l2_prefetch: bool | None = None, partial: str = "fp32"):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
@@ -1507,7 +1513,7 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
-    return kernel_cache.get_or_build("partial_wgmma_seesaw", seesaw_spec(q_name, kv_name, l2_prefetch),
+    return kernel_cache.get_or_build("partial_wgmma_seesaw", seesaw_spec(q_name, kv_name, l2_prefetch, partial),
                                      _build_partial_wgmma_seesaw)
 
 
@@ -1522,6 +1528,6 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
-                                              l2_prefetch=l2_prefetch)
+                                              l2_prefetch=l2_prefetch, partial=api.partial_name(workspace))
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)

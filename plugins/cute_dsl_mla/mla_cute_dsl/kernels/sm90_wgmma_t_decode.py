@@ -334,7 +334,7 @@ class MLADecodePartialWGMMAT:
         mO: cute.Tensor,  # (B, R, 512) q dtype
         mLSE: cute.Tensor,  # (B, R) fp32
         mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot
-        mOp: cute.Tensor,  # (slots, R, 512) fp32
+        mOp: cute.Tensor,  # (slots, R, 512) fp32, bf16 or fp16 (alloc_workspace partial_dtype)
         mLSEp: cute.Tensor,  # (slots, R) fp32
         scale_log2: cutlass.Float32,  # sm_scale * kv_scale * log2(e)
         scale_ln: cutlass.Float32,  # sm_scale * kv_scale
@@ -386,7 +386,7 @@ class MLADecodePartialWGMMAT:
         mLSE: cute.Tensor,  # (B, R) fp32
         mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot (column by column)
         mRanges: cute.Tensor,  # (num_cols + 1,) int32: column c runs work rows [mRanges[c], mRanges[c+1])
-        mOp: cute.Tensor,  # (slots, R, 512) fp32
+        mOp: cute.Tensor,  # (slots, R, 512) fp32, bf16 or fp16 (alloc_workspace partial_dtype)
         mLSEp: cute.Tensor,  # (slots, R) fp32
         scale_log2: cutlass.Float32,
         scale_ln: cutlass.Float32,
@@ -977,7 +977,7 @@ class MLADecodePartialWGMMAT:
             for c in cutlass.range_constexpr(n_col):
                 grow = m_block * bm + tOcO[0, c][1]
                 if grow < R:
-                    tOgO[None, c].store(acc_O_mn[None, c].load() * col_scale[c])
+                    tOgO[None, c].store((acc_O_mn[None, c].load() * col_scale[c]).to(mOp.element_type))
                     if lse_writer:
                         mLSEp[slot, grow] = col_lse[c]
 
@@ -985,22 +985,24 @@ class MLADecodePartialWGMMAT:
 # ---- host helpers (backend.py runs these for mma=wgmma_t) ----
 
 
-def _build_partial_wgmma_t(q_name: str, kv_name: str, block_m: int):
+def _build_partial_wgmma_t(q_name: str, kv_name: str, block_m: int, *tags: str):
     from . import api
 
     k = MLADecodePartialWGMMAT(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m)
-    return cute.compile(k, *api._fake_args_partial(q_name, kv_name), options=api.COMPILE_OPTIONS)
+    return cute.compile(k, *api._fake_args_partial(q_name, kv_name, api.partial_from_tags(tags)),
+                        options=api.COMPILE_OPTIONS)
 
 
-def get_partial_kernel_wgmma_t(q_name: str, kv_name: str | None = None, block_m: int = 16):
+def get_partial_kernel_wgmma_t(q_name: str, kv_name: str | None = None, block_m: int = 16, partial: str = "fp32"):
     """Compiled transposed-WGMMA partial kernel for (q dtype, kv dtype, BLOCK_M 16 / 32).
 
     Same kernel cache as api.get_partial_kernel (memory, disk, else compile), kind
     ``partial_wgmma_t``."""
-    from . import kernel_cache
+    from . import api, kernel_cache
 
     kv_name = kv_name or q_name
-    return kernel_cache.get_or_build("partial_wgmma_t", (q_name, kv_name, block_m), _build_partial_wgmma_t)
+    return kernel_cache.get_or_build("partial_wgmma_t", (q_name, kv_name, block_m) + api.partial_spec(partial),
+                                     _build_partial_wgmma_t)
 
 
 def mla_decode_sm90_wgmma_t(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
@@ -1015,29 +1017,30 @@ def mla_decode_sm90_wgmma_t(q, kv_cache, page_table, kv_lens, sm_scale: float, k
         if schedule.block_m not in (16, 32):
             raise ValueError(f"wgmma_t: s_q * H must be <= 32, got {schedule.rows}")
     partial = get_partial_kernel_wgmma_t(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
-                                         schedule.block_m)
+                                         schedule.block_m, partial=api.partial_name(workspace))
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
 
-def _build_partial_wgmma_t_balanced(q_name: str, kv_name: str, block_m: int):
+def _build_partial_wgmma_t_balanced(q_name: str, kv_name: str, block_m: int, *tags: str):
     from . import api
 
     k = MLADecodePartialWGMMAT(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m, balanced=True)
-    return cute.compile(k.call_balanced, *api._fake_args_partial_balanced(q_name, kv_name),
+    return cute.compile(k.call_balanced, *api._fake_args_partial_balanced(q_name, kv_name, api.partial_from_tags(tags)),
                         options=api.COMPILE_OPTIONS)
 
 
-def get_partial_kernel_wgmma_t_balanced(q_name: str, kv_name: str | None = None, block_m: int = 16):
+def get_partial_kernel_wgmma_t_balanced(q_name: str, kv_name: str | None = None, block_m: int = 16,
+                                        partial: str = "fp32"):
     """Compiled balanced transposed-WGMMA partial kernel (``MLADecodePartialWGMMAT(balanced=True)
     .call_balanced``) for (q dtype, 16-bit kv dtype, BLOCK_M 16 / 32); kernel cache kind
     ``partial_wgmma_t_balanced`` (the even kernel's keys and symbols stay as they were)."""
-    from . import kernel_cache
+    from . import api, kernel_cache
 
     kv_name = kv_name or q_name
     if kv_name == "fp8_e4m3":
         raise ValueError("balanced wgmma_t is built for bf16/fp16 KV caches only")
-    return kernel_cache.get_or_build("partial_wgmma_t_balanced", (q_name, kv_name, block_m),
+    return kernel_cache.get_or_build("partial_wgmma_t_balanced", (q_name, kv_name, block_m) + api.partial_spec(partial),
                                      _build_partial_wgmma_t_balanced)
 
 
@@ -1055,6 +1058,6 @@ def mla_decode_sm90_wgmma_t_balanced(q, kv_cache, page_table, kv_lens, sm_scale:
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_t_balanced(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
-                                                  schedule.block_m)
+                                                  schedule.block_m, partial=api.partial_name(workspace))
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
