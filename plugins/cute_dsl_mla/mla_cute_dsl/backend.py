@@ -104,7 +104,9 @@ WGMMA_T_AUTO_MIN_BLOCKS = 640
 # (s_q*H: the mma.sync, wgmma_t and fp8reg kernels). Measured on an H200 (docs/results/gpu10_pdl/, mla bench,
 # pdl on vs off, one run, budget 0.05, lengths 1024/4096): H=16 s_q=1/2, 0.0-0.9 us faster at B=1-16 (up to
 # 8.6%), within 1% at B=128; H=128 (the WGMMA/seesaw kernels) mixed: s_q=1 B=16 1.4-2.2 us slower at three of
-# four cells (-2.5..-7%), B=1 S4096 fp8 0.9 us slower, s_q=2 0-2% faster.
+# four cells (-2.5..-7%), B=1 S4096 fp8 0.9 us slower, s_q=2 0-2% faster. With lengths 8192-16384
+# (docs/results/gpu11_pdl/, same method) auto lost 1.13-1.53x at B=1-2 (H=16 s_q=2 B=1 S=8192: 24.9 vs 17.8 us),
+# which is why pdl is off by default.
 PDL_AUTO_MAX_ROWS = 32
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
@@ -159,11 +161,10 @@ class CuteDslOptions(BackendOptions):
                     "(every partial kernel triggers its dependents at its start either way; without a PDL "
                     "combine the trigger does nothing). false (default): the combine follows the partial kernel "
                     f"as an ordinary stream-ordered kernel. auto: on up to {PDL_AUTO_MAX_ROWS} rows (s_q*num_heads; "
-                    "the mma.sync, wgmma_t and fp8reg kernels), off from there. true: on for every shape. One A/B "
-                    "on an H200 (lengths <= 4096): 0.0-0.9 us (up to 8.6%) faster at H=16 batches 1-16, within "
-                    "1% at B=128, mixed at H=128 (s_q=1 B=16 1.4-2.2 us slower). Off by default: a later run with "
-                    "auto on measured B=1 H=16 s_q=2 S=8192 1.42x (bf16) and 1.16x (fp8) slower than 0.2.3, "
-                    "unexplained and not A/B-checked")
+                    "the mma.sync, wgmma_t and fp8reg kernels), off from there. true: on for every shape. Off by "
+                    "default: on an H200 (docs/results/gpu11_pdl/, auto against off in one run) it changed the time "
+                    "by -9..+1.4% at H=16 batches 1-16 with lengths 1024-4096 but cost 1.40x at B=1 H=16 s_q=2 "
+                    "S=8192 and 1.13-1.53x at B=1-2 S=16384 (s_q=1 with a bf16 cache excepted; cause unknown)")
     partials: Literal["auto", "fp32", "q"] = Field(
         default="auto",
         description="dtype of the split-KV partial outputs (sm_90): each split's O, normalised, written by the "
