@@ -577,7 +577,8 @@ class CuteDslSession(Session):
         self._schedules: Dict[int, Tuple[Any, Any]] = {}  # s_q -> (schedule, workspace)
         self._lse: Dict[Tuple[int, int], torch.Tensor] = {}
         self._combines: set = set()  # (q dtype, pdl, partial dtype, combine_variants) whose kernels are built
-        self._both_partials: set = set()  # (q, kv dtype, block_m, partial) whose two balanced partials (auto's rule) are built
+        # (q, kv dtype, block_m, partial dtype) whose two balanced partials (auto's KV-block rule) are built
+        self._both_partials: set = set()
         self._described: set = set()  # (shape class, kernel) pairs whose kernel was logged
         env = config.envelope
         self._lens_buf = self._table_buf = None
@@ -632,9 +633,8 @@ class CuteDslSession(Session):
         from .kernels.api import get_partial_kernel
         from .kernels.sm90_wgmma_t_decode import get_partial_kernel_wgmma_t_balanced
 
-        partial = partial_dtype_name(problem, self.options)
-        get_partial_kernel(key[0], key[1], key[2], None, balanced=True, partial=partial)
-        get_partial_kernel_wgmma_t_balanced(key[0], key[1], key[2], partial=partial)
+        get_partial_kernel(key[0], key[1], key[2], None, balanced=True, partial=key[3])
+        get_partial_kernel_wgmma_t_balanced(key[0], key[1], key[2], partial=key[3])
         self._both_partials.add(key)
 
     def plan(self, problem: DecodeProblem, step: StepInputs) -> CuteDslPlanned:

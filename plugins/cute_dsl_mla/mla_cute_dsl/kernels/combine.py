@@ -10,10 +10,10 @@ class MLACombine:
     """Merge split-KV partials: out = sum_i w_i o_i, lse = log sum_i exp(lse_i).
 
     One warp per query row and `cols`-column chunk: its lanes reduce the split LSEs in parallel, then every lane
-    accumulates cols / 32 columns over the splits. cols=512 (kind "combine"): one warp takes the whole row;
-    cols=128 (kind "combine_chunked"): four warps share a row, 4 columns per lane, so a step with few requests
-    has 4x the warps in flight (an H200 ncu trace of B=16 H=16 s_q=2 S=4096 had the combine at 8.8 us beside a
-    27.8 us partial kernel, latency-bound).
+    accumulates cols / 32 columns over the splits. cols=512: one warp takes the whole row; cols=128 (kernel-cache
+    key tag "cols128", schedule.combine_kind_for's "chunked"): four warps share a row, 4 columns per lane, so a
+    step with few requests has 4x the warps in flight (an H200 ncu trace of B=16 H=16 s_q=2 S=4096 had the wide
+    combine at 8.8 us beside a 27.8 us partial kernel, latency-bound).
 
     pdl: launched with programmatic dependent launch, so that its CTAs are scheduled while the partial
     kernel still runs (every partial kernel triggers its dependents at its start) and wait in
