@@ -1,5 +1,7 @@
-"""Time both combine kernels (per-row MLACombine, MLACombineWide) behind the partial kernel `mma=auto`
-picks, per shape, on one SM90 GPU: which is faster, and what `schedule.wide_combine_for` picks.
+"""Time two combine kernels (the per-row MLACombine with one warp per row, MLACombineWide) behind the partial
+kernel `mma=auto` picks, per shape, on one SM90 GPU: which is faster, and what `schedule.wide_combine_for` picks.
+(The chunked per-row kernel of 0.2.7, four warps per row, is timed by `mla bench --backend
+cute_dsl_mla:combine=chunked`: benchmarks/device/combine_ab_gpu.sh.)
 
 Why: the rule (wide below one per-row CTA per SM) was chosen from a run that used an older rule; this
 re-times it at batch 4-32 and at the cells where the per-row kernel has about as many CTAs as SMs.
@@ -55,12 +57,12 @@ def run_shape(torch, B, H, s_q, S, kv: str, reps: int):
            "rule_wide": rule}
     outs = {}
     for wide in (False, True):
-        sched.wide_combine = wide
+        sched.wide_combine, sched.combine_cols = wide, 512  # one warp per row (not chunked) or wide
         o = [torch.empty(B, s_q, H, 512, device="cuda", dtype=torch.bfloat16) for _ in sets]
         l_ = [torch.empty(B, s_q, H, device="cuda", dtype=torch.float32) for _ in sets]
 
         def run(i, out, lse, wide=wide):
-            sched.wide_combine = wide
+            sched.wide_combine, sched.combine_cols = wide, 512
             fn(sets[i]["q"], sets[i]["kv"], table, lens, ws.SM_SCALE, 1.0, out, lse, sched, work)
 
         med, _ = ws.time_graph(run, o, l_, reps)

@@ -3,7 +3,8 @@
 #   1. GPU tests: test_backend_gpu.py -k "ChunkedCombine or WideCombine" (the conformance suite with each combine
 #      forced), under timeout ${TT:-240} -> $OUT/combine_gpu_tests.log
 #   2. mla bench on benchmarks/grids/${GRID:-combine_ab}.toml (combine_ab: 72 cells at H=16; combine_ab_h128: 48 at
-#      H=128) with cute_dsl_mla (auto), :combine=chunked, :combine=row, :combine=wide and fa3, budget ${BUDGET:-0.05},
+#      H=128) with cute_dsl_mla (auto: since 0.2.7 schedule.combine_kind_for; the tenth session's run of combine_ab
+#      had the earlier rule there), :combine=chunked, :combine=row, :combine=wide and fa3, budget ${BUDGET:-0.05},
 #      under timeout ${BT:-300} -> $OUT/${GRID:-combine_ab}.{txt,json}. TT=0 skips the tests.
 source "$(dirname "$0")/project_env.sh"
 export PYTHONPATH=plugins/cute_dsl_mla:.:$PYTHONPATH PYTHONUNBUFFERED=1

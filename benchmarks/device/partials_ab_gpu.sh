@@ -5,7 +5,8 @@
 #               every kernel family auto picks, and wgmma_t forced), under timeout ${TT:-300}
 #               -> $OUT/partials_gpu_tests.log
 #   PART=bench: mla bench on benchmarks/grids/partials_ab_h16.toml (72 cells) and partials_ab_h128.toml (12 cells)
-#               with cute_dsl_mla (fp32 partials), cute_dsl_mla:partials=q and FlashInfer fa3, budget ${BUDGET:-0.05},
+#               with cute_dsl_mla:partials=fp32, cute_dsl_mla:partials=q and FlashInfer fa3 (the tenth session's run
+#               named the fp32 arm plain cute_dsl_mla: fp32 was the default then), budget ${BUDGET:-0.05},
 #               under timeout ${BT:-240} each -> $OUT/partials_ab_{h16,h128}.{txt,json}
 source "$(dirname "$0")/project_env.sh"
 export PYTHONPATH=plugins/cute_dsl_mla:.:$PYTHONPATH PYTHONUNBUFFERED=1
@@ -19,7 +20,7 @@ if [ "${PART:-tests}" = tests ]; then
 else
   for g in ${GRIDS:-partials_ab_h16 partials_ab_h128}; do
     start=$(date +%s)
-    timeout ${BT:-240} python -m mlacore bench --device cuda --grid benchmarks/grids/$g.toml --backend cute_dsl_mla \
+    timeout ${BT:-240} python -m mlacore bench --device cuda --grid benchmarks/grids/$g.toml --backend cute_dsl_mla:partials=fp32 \
       --backend cute_dsl_mla:partials=q --backend flashinfer_mla:variant=fa3 --budget ${BUDGET:-0.05} --no-progress \
       -o "$OUT/$g.json" > "$OUT/$g.txt" 2>&1
     echo "$g rc=$? in $(( $(date +%s) - start )) s"

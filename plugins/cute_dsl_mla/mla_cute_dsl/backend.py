@@ -105,8 +105,8 @@ WGMMA_T_AUTO_MIN_BLOCKS = 640
 # pdl on vs off, one run, budget 0.05, lengths 1024/4096): H=16 s_q=1/2, 0.0-0.9 us faster at B=1-16 (up to
 # 8.6%), within 1% at B=128; H=128 (the WGMMA/seesaw kernels) mixed: s_q=1 B=16 1.4-2.2 us slower at three of
 # four cells (-2.5..-7%), B=1 S4096 fp8 0.9 us slower, s_q=2 0-2% faster. With lengths 8192-16384
-# (docs/results/gpu11_pdl/, same method) auto lost 1.13-1.53x at B=1-2 (H=16 s_q=2 B=1 S=8192: 24.9 vs 17.8 us),
-# which is why pdl is off by default.
+# (docs/results/gpu11_pdl/, same method) auto lost up to 1.53x at B=1-2 (H=16 s_q=2 B=1: S=8192 1.40x bf16 / 1.14x
+# fp8, S=16384 1.36x / 1.53x; s_q=1 fp8 S=16384 1.13-1.22x; s_q=1 bf16 0.97-1.03x), so pdl is off by default.
 PDL_AUTO_MAX_ROWS = 32
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
@@ -482,21 +482,21 @@ class CuteDslBackend(Backend):
 def set_combine(schedule: Any, options: CuteDslOptions) -> None:
     """Apply option combine to a schedule (after every make_schedule: an in-place re-plan recomputes the combine
     kind by batch and rows). auto keeps make_schedule's choice (kernels/schedule.py combine_kind_for)."""
-    if options.combine == "auto":
-        return
-    schedule.wide_combine = options.combine == "wide"
-    schedule.combine_cols = 128 if options.combine == "chunked" else 512
+    from .kernels.schedule import combine_params
+
+    if options.combine != "auto":
+        schedule.wide_combine, schedule.combine_cols = combine_params(options.combine)
 
 
 def combine_variants(shape: DecodeShape, options: CuteDslOptions) -> List[Tuple[bool, int]]:
     """The (wide, cols) combine kernels steps of this shape class may run under option combine: a session builds
     them all at its first plan (auto picks by batch, which may change between eager steps)."""
-    if options.combine == "wide":
-        return [(True, 512)]
+    from .kernels.schedule import combine_params
+
     if options.combine != "auto":
-        return [(False, 128 if options.combine == "chunked" else 512)]
-    rows = shape.seq_len_q * shape.num_heads
-    return [(True, 512), (False, 512)] + ([(False, 128)] if rows <= 32 else [])
+        return [combine_params(options.combine)]
+    kinds = ("wide", "row", "chunked") if shape.seq_len_q * shape.num_heads <= 32 else ("wide", "row")
+    return [combine_params(k) for k in kinds]
 
 
 def partial_dtype_name(shape: DecodeShape, options: CuteDslOptions) -> str:

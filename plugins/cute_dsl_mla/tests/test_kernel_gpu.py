@@ -225,7 +225,7 @@ def test_each_combine_kernel_against_fp64_reference(monkeypatch, partial, kind, 
     case = make_case(B, s_q, H, S, kv_dtype, varlen, q_std=q_std, seed=random.randrange(1 << 30))
     out = torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
-    run_kernel(case, out, lse, partial_dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[partial]))
+    run_kernel(case, out, lse, partial_dtype=api.PARTIAL_DTYPES[partial])
     torch.cuda.synchronize()
     assert picked == [{"row": (False, 512), "wide": (True, 512), "chunked": (False, 128)}[kind]]
     check(case, out, lse, tol=2e-2 if q_std > 1 else 1e-2)

@@ -105,7 +105,11 @@ def test_session_allocates_and_prebuilds_for_the_partials_option(monkeypatch, pa
     name = "fp32" if want == torch.float32 else q_dtype
     assert planned.workspace[0].dtype == want and planned.workspace[1].dtype == torch.float32
     assert api.partial_name(planned.workspace) == name
-    assert {("combine", False, name, 512), ("combine", True, name, 512)} <= set(built)
+    prebuilt = {b for b in built if b[0] == "combine"}
+    # 2 requests x 32 rows: every combine auto may pick at 32 rows, all built for this partial dtype
+    assert prebuilt == {("combine", True, name, 512), ("combine", False, name, 512), ("combine", False, name, 128)}
+    api.combine_kernel_for(q_dtype, planned.schedule, api.partial_name(planned.workspace))  # what a launch asks
+    assert built[-1] in prebuilt and built[-1][2] == name
     if kv_dtype != "fp8_e4m3":  # 32 rows, 16-bit cache: both balanced partial kernels for auto's KV-block rule
         assert {("mma_sync", name), ("wgmma_t", name)} <= set(built)
 
@@ -240,17 +244,20 @@ def test_option_combine_sets_the_schedule_and_the_prebuilt_kernels(monkeypatch, 
     table = torch.zeros(batch, 32, dtype=torch.int32)
     problem = DecodeProblem(num_heads=16, seq_len_q=2, batch_size=batch, max_kv_len=2048, min_kv_len=2048,
                             page_size=64, q_dtype="bf16", kv_dtype="bf16", device=session.config.device)
+    prebuilt = None
     for _ in range(2):  # the first plan makes the schedule, the second re-plans in place
         planned = session.plan(problem, StepInputs(lens, table, lens, table))
+        if prebuilt is None:  # what the first plan built, before anything below asks for a kernel
+            prebuilt = {b for b in built if b[0] == "combine"}
         assert planned.schedule.wide_combine is want_wide and planned.schedule.combine_cols == want_cols
         n = len(built)
         api.combine_kernel_for("bf16", planned.schedule, "fp32")  # what a launch of this step asks for
         assert built[n:] == [("combine", want_wide, "fp32", want_cols)]
-    prebuilt = {b for b in built if b[0] == "combine"}
+        assert built[n] in prebuilt  # warmup (the first plan) built the kernel this step launches
     want = {"auto": {("combine", True, "fp32", 512), ("combine", False, "fp32", 512), ("combine", False, "fp32", 128)},
             "row": {("combine", False, "fp32", 512)}, "chunked": {("combine", False, "fp32", 128)},
             "wide": {("combine", True, "fp32", 512)}}[combine]
-    assert prebuilt == want  # what the first plan built is all the steps ask for
+    assert prebuilt == want
 
 
 def test_combine_kind_follows_batch_and_rows():
@@ -293,3 +300,15 @@ def test_the_row_combine_splits_columns_over_the_grid(cols, tmp_path):
     assert len(re.findall(r"\bst\.global\.b16\b", ptx)) == cols // 32  # the chunk's outputs, one per lane each
     if cols == 128:
         assert "%ctaid.z" in ptx  # the column chunk
+
+
+def test_combine_params_and_refusals():
+    from mla_cute_dsl.kernels.schedule import combine_params
+
+    assert [combine_params(k) for k in ("wide", "chunked", "row")] == [(True, 512), (False, 128), (False, 512)]
+    with pytest.raises(ValueError, match="combine kind must be"):
+        combine_params("auto")
+    with pytest.raises(ValueError, match="cols must be 128 or 512"):
+        api.get_combine_kernel("bf16", cols=256)
+    with pytest.raises(ValueError, match="kernel-cache tag partial_fp8"):
+        api.partial_from_tags(("partial_fp8",))

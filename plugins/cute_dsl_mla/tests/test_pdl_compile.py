@@ -19,23 +19,26 @@ from test_kernel_compile import _has_cutlass  # noqa: E402
 needs_cutlass = pytest.mark.skipif(not _has_cutlass(), reason="nvidia-cutlass-dsl not installed")
 
 
-def _combine_ptx(wide: bool, pdl: bool, tmp_path) -> str:
+def _combine_ptx(kind: str, pdl: bool, tmp_path, partial: str = "fp32") -> str:
     import cutlass.cute as cute
 
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.combine import MLACombine, MLACombineWide
 
-    cls = MLACombineWide if wide else MLACombine
-    cute.compile(cls(api._cutlass_dtype("bf16"), pdl=pdl), *api._fake_args_combine("bf16"),
+    q = api._cutlass_dtype("bf16")
+    kernel = {"wide": lambda: MLACombineWide(q, pdl=pdl), "row": lambda: MLACombine(q, pdl=pdl),
+              "chunked": lambda: MLACombine(q, pdl=pdl, cols=128)}[kind]()
+    cute.compile(kernel, *api._fake_args_combine("bf16", partial),
                  options=api.COMPILE_OPTIONS + f" --keep-ptx --dump-dir={tmp_path}")
     return "".join(p.read_text() for p in pathlib.Path(tmp_path).glob("*.ptx"))
 
 
 @needs_cutlass
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("kind, partial", [("row", "fp32"), ("wide", "fp32"), ("chunked", "fp32"),
+                                           ("chunked", "bf16"), ("wide", "bf16")])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_the_pdl_combine_waits_for_the_partial_grid_before_any_load(wide, pdl, tmp_path):
-    ptx = _combine_ptx(wide, pdl, tmp_path)
+def test_the_pdl_combine_waits_for_the_partial_grid_before_any_load(kind, partial, pdl, tmp_path):
+    ptx = _combine_ptx(kind, pdl, tmp_path, partial)
     body = ptx[ptx.index(".entry"):]
     assert body.count("griddepcontrol.wait;") == (1 if pdl else 0)
     assert "griddepcontrol.launch_dependents" not in body  # nothing depends on the combine

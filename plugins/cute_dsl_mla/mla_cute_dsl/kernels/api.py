@@ -76,7 +76,10 @@ def partial_spec(partial: str) -> tuple:
 def partial_from_tags(tags) -> str:
     """The partial-O dtype named by a kernel-cache key's trailing tags (partial_spec), fp32 without one."""
     names = [t[len("partial_"):] for t in tags if isinstance(t, str) and t.startswith("partial_")]
-    return names[-1] if names else "fp32"
+    name = names[-1] if names else "fp32"
+    if name not in PARTIAL_DTYPES:
+        raise ValueError(f"kernel-cache tag partial_{name}: expected one of {sorted(PARTIAL_DTYPES)}")
+    return name
 
 
 def specializations():
@@ -215,9 +218,9 @@ def get_combine_kernel(q_name: str, wide: bool = False, pdl: bool = False, parti
     (fp32 keeps the old keys). cols: MLACombine's columns per warp (512: a row per warp, the old key; 128:
     four warps per row, key tag "cols128"); ignored with wide."""
     spec = (q_name,) + partial_spec(partial)
+    if cols not in (128, 512):
+        raise ValueError(f"cols must be 128 or 512, got {cols}")
     if not wide and cols != 512:
-        if cols not in (128, 256):
-            raise ValueError(f"cols must be 128, 256 or 512, got {cols}")
         spec += (f"cols{cols}",)
     if wide:
         if pdl:

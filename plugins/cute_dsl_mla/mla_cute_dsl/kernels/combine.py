@@ -23,8 +23,8 @@ class MLACombine:
     ROWS_PER_CTA = 4
 
     def __init__(self, q_dtype, pdl: bool = False, cols: int = 512):
-        if cols not in (128, 256, 512):
-            raise ValueError(f"cols must be 128, 256 or 512, got {cols}")
+        if cols not in (128, 512):
+            raise ValueError(f"cols must be 128 or 512, got {cols}")
         self.q_dtype = q_dtype
         self.pdl = pdl
         self.cols = cols

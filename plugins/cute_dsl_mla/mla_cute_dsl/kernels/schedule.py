@@ -83,10 +83,11 @@ def combine_kind_for(batch: int, rows: int, num_sms: int) -> str:
     "row" (MLACombine, one warp per row). By the row kernel's CTA count, batch * ceil(rows / 4).
 
     Up to 32 rows (measured on an H200, docs/results/gpu11_combine/, H=16 s_q=1/2, batches 1-64, lengths
-    512-4096, bf16 and fp8 caches): wide below num_sms // 2 row CTAs (the chunked kernel was 4-85% slower at
-    batches 1-8: rows split many ways need the warps of a CTA to share the splits), chunked below 4 * num_sms
-    (4-16% faster than the kernel the old rule picked at B=16-32, e.g. B=16 s_q=2 S=512 16.8 -> 14.4 us), row
-    from there (equal within 3% at B=64). Above 32 rows the earlier rule: wide when the row kernel would have
+    512-4096, bf16 and fp8 caches): wide below num_sms // 2 row CTAs (the chunked kernel was 7.5-85% slower than
+    wide below 64 row CTAs, where rows split many ways need the warps of a CTA to share the splits; -5.5..+3.4%
+    at 64, B=8 s_q=2 and B=16 s_q=1), chunked below 4 * num_sms (3.4-16% faster than the kernel the old rule
+    picked at B=16 s_q=2 and B=32, e.g. B=16 s_q=2 S=512 16.8 -> 14.4 us; -9.5..+3% at B=64), row from there
+    (unmeasured above B=64). Above 32 rows the earlier rule: wide when the row kernel would have
     fewer CTAs than the GPU has SMs (B=1 H=16 S=4096: 35.5 -> 11.8 us; with 256 per-row CTAs it was slower,
     H=128 s_q=2 B=4: 19.4 -> 24.4 us). Batch and rows only, never the lengths: a CUDA graph captured at one step
     replays the same combine at every later step of its batch size."""
@@ -96,6 +97,13 @@ def combine_kind_for(batch: int, rows: int, num_sms: int) -> str:
             return "wide"
         return "chunked" if row_ctas < 4 * num_sms else "row"
     return "wide" if row_ctas < num_sms else "row"
+
+
+def combine_params(kind: str) -> tuple:
+    """(Schedule.wide_combine, Schedule.combine_cols) of a combine kind: wide, chunked or row."""
+    if kind not in ("wide", "chunked", "row"):
+        raise ValueError(f"combine kind must be wide, chunked or row, got {kind!r}")
+    return kind == "wide", 128 if kind == "chunked" else 512
 
 
 def wide_combine_for(batch: int, rows: int, num_sms: int) -> bool:
@@ -121,7 +129,8 @@ class Schedule:
     # kernel runs, waiting in griddepcontrol.wait): a session setting (backend option pdl), kept per schedule
     pdl_combine: bool = False
     # MLACombine's columns per warp when wide_combine is false: 512 (one warp per query row) or 128 (four warps
-    # per row); a session setting (backend option combine), kept per schedule
+    # per row). make_schedule sets both from combine_kind_for at every call (in-place re-plans too); a caller that
+    # overrides them (the backend's option combine) does so after each make_schedule
     combine_cols: int = 512
     # balanced split-KV (make_schedule(balanced=True)): int32 [num_cols + 1] item offsets per CTA
     # column (device, fixed size per decoder), else None
@@ -592,7 +601,10 @@ _BLOCK_BYTES = BLOCK_N * 576 * 2
 def slot_cost(rows: int, m_blocks: int, cols: int) -> float:
     """Cost of one partial slot in 64-token-block reads per CTA: the fp32 partial (rows x (512 + 1) x 4
     bytes) is written by the partial kernel and read back by the combine, traffic the whole GPU shares
-    (spread over cols x m_blocks CTAs). 0.89 blocks per slot at 16 rows on 132 CTAs, 1.78 at 32 rows."""
+    (spread over cols x m_blocks CTAs). 0.89 blocks per slot at 16 rows on 132 CTAs, 1.78 at 32 rows.
+    With 16-bit partials (alloc_workspace partial_dtype; the backend's option partials=q) a slot costs about
+    half that; the hybrid plan does not model it (the schedule does not know the workspace's dtype, and the
+    backend's default runs 16-bit partials only with fp8reg, which has no balanced plan)."""
     return 2.0 * rows * (D_V + 1) * 4 / (_BLOCK_BYTES * max(1, cols * m_blocks))
 
 
@@ -883,8 +895,7 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     out.num_items = n_items
     out.blocks_per_split = bps
     kind = combine_kind_for(batch, rows, num_sms)
-    out.wide_combine = kind == "wide"
-    out.combine_cols = 128 if kind == "chunked" else 512
+    out.wide_combine, out.combine_cols = combine_params(kind)
     return out
 
 
