@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Here, on the CPU, before a device session: compile the cute_dsl_mla kernels into ./.kcache (git-ignored), to be
+# carried to the GPU machine (`carry: [".kcache"]`, ~5 MB); project_env.sh copies it into the kernel cache there,
+# so that a fresh machine loads the kernels instead of compiling them.
+#
+# The cache key (mla_cute_dsl/kernels/cache_key.py) must come out as on the device, so this runs the devpack's
+# own packages (Python 3.12, nvidia-cutlass-dsl 4.8.1 with its cu12 runtime, tvm-ffi) from the device's path,
+# /tmp/mla-devenv/site (the DSL's settings string names its runtime library by absolute path), with
+# CUTE_DSL_ARCH=sm_90a (project_env.sh sets the same on the device).
+#   needs: ../shared/device/pack run once (its staged site in ~/.cache/mla-devpack), a Python 3.12 with torch
+#          (PY312, default /tmp/py312/bin/python; e.g. `python3.12 -m venv /tmp/py312 && /tmp/py312/bin/pip install
+#          torch==2.13.0`).
+#   ONLY=substring builds a subset (labels of prebuild_kernels.py).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY312=${PY312:-/tmp/py312/bin/python}
+STAGE=$(ls -d "${MLA_DEVPACK_CACHE:-$HOME/.cache/mla-devpack}"/*/stage/site | head -1)
+[ -d "$STAGE" ] || { echo "no staged devpack site: run ../shared/device/pack first" >&2; exit 1; }
+if [ ! -d /tmp/mla-devenv/site ]; then
+  mkdir -p /tmp/mla-devenv && cp -al "$STAGE" /tmp/mla-devenv/site 2>/dev/null || cp -a "$STAGE" /tmp/mla-devenv/site
+fi
+grep -qxF "/.kcache/" .git/info/exclude 2>/dev/null || echo "/.kcache/" >> .git/info/exclude
+PYTHONPATH=/tmp/mla-devenv/site:/tmp/mla-devenv/site/nvidia_cutlass_dsl/dsl_packages:plugins/cute_dsl_mla:. \
+  CUTE_DSL_ARCH=sm_90a MLA_CUTE_DSL_CACHE_DIR="$PWD/.kcache" "$PY312" benchmarks/device/prebuild_kernels.py --only "${ONLY:-}"
+du -sh .kcache

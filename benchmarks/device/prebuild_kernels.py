@@ -1,0 +1,73 @@
+"""Compile the cute_dsl_mla kernels a device session runs, on this CPU, into the kernel disk cache
+(MLA_CUTE_DSL_CACHE_DIR), so that a fresh GPU machine loads them instead of compiling (each device call of the
+tenth session spent 50-150 s of its time compiling on a cold cache).
+
+Run by benchmarks/device/prebuild_kcache.sh, which gives it the devpack's own Python packages at the device's
+path: a cached kernel is reused only when its key matches (kernels/cache_key.py: the kernels' source, the DSL
+release and fingerprint, its settings string, which names the runtime library's absolute path, the target
+arch, tvm-ffi, the host platform); anything else compiles as before.
+
+    python benchmarks/device/prebuild_kernels.py [--only SUBSTRING]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def specs():
+    """(label, thunk) for every kernel the backend's defaults and the device scripts' option arms pick."""
+    from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels.sm90_decode_fp8 import get_partial_kernel_fp8
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import get_partial_kernel_wgmma, get_partial_kernel_wgmma_seesaw
+    from mla_cute_dsl.kernels.sm90_wgmma_t_decode import (get_partial_kernel_wgmma_t,
+                                                          get_partial_kernel_wgmma_t_balanced)
+
+    out = []
+    for q in ("bf16", "fp16"):
+        for kv in (q, "fp8_e4m3"):
+            for bm in (16, 32, 64):
+                out.append((f"partial {q} {kv} {bm}", lambda q=q, kv=kv, bm=bm: api.get_partial_kernel(q, kv, bm)))
+            out.append((f"wgmma {q} {kv}", lambda q=q, kv=kv: get_partial_kernel_wgmma(q, kv)))
+            out.append((f"seesaw {q} {kv}", lambda q=q, kv=kv: get_partial_kernel_wgmma_seesaw(q, kv)))
+            for bm in (16, 32):
+                out.append((f"wgmma_t {q} {kv} {bm}", lambda q=q, kv=kv, bm=bm: get_partial_kernel_wgmma_t(q, kv, bm)))
+        for bm in (16, 32, 64):
+            out.append((f"partial_balanced {q} {bm}",
+                        lambda q=q, bm=bm: api.get_partial_kernel(q, q, bm, balanced=True)))
+        for bm in (16, 32):
+            out.append((f"wgmma_t_balanced {q} {bm}", lambda q=q, bm=bm: get_partial_kernel_wgmma_t_balanced(q, q, bm)))
+            for partial in ("fp32", q):
+                out.append((f"fp8reg {q} {bm} {partial}",
+                            lambda q=q, bm=bm, p=partial: get_partial_kernel_fp8(q, bm, partial=p)))
+        for partial in ("fp32", q):
+            for pdl in (False, True):
+                for wide, cols in ((False, 512), (False, 128), (True, 512)):
+                    out.append((f"combine {q} wide={wide} cols={cols} pdl={pdl} {partial}",
+                                lambda q=q, w=wide, c=cols, d=pdl, p=partial:
+                                api.get_combine_kernel(q, wide=w, pdl=d, partial=p, cols=c)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="build only the kernels whose label contains this")
+    a = ap.parse_args()
+    if not os.environ.get("MLA_CUTE_DSL_CACHE_DIR"):
+        sys.exit("set MLA_CUTE_DSL_CACHE_DIR to the cache directory to fill")
+    from mla_cute_dsl.kernels import kernel_cache
+
+    todo = [(label, fn) for label, fn in specs() if a.only in label]
+    start = time.time()
+    for i, (label, fn) in enumerate(todo, 1):
+        t = time.time()
+        fn()
+        print(f"[{i}/{len(todo)}] {label}: {time.time() - t:.1f} s", flush=True)
+    print(f"{len(todo)} kernels in {time.time() - start:.0f} s; {kernel_cache.stats()}")
+
+
+if __name__ == "__main__":
+    main()

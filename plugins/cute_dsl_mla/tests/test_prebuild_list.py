@@ -1,0 +1,57 @@
+"""benchmarks/device/prebuild_kernels.py (kernels compiled on the CPU and carried to a fresh GPU machine): its list
+asks the kernel cache for distinct kernels, and among them for the keys the backend's defaults use (a renamed
+getter or a changed key would otherwise only show as compiles on the device). No compile: the cache is stubbed."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "device" / "prebuild_kernels.py"
+
+
+def _asked(monkeypatch):
+    from mla_cute_dsl.kernels import kernel_cache
+
+    spec = importlib.util.spec_from_file_location("prebuild_kernels", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    asked = []
+    monkeypatch.setattr(kernel_cache, "get_or_build", lambda kind, key, build: asked.append((kind, key)))
+    items = mod.specs()
+    for _, thunk in items:
+        thunk()
+    return items, asked
+
+
+def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monkeypatch):
+    items, asked = _asked(monkeypatch)
+    labels = [label for label, _ in items]
+    assert len(labels) == len(set(labels)) == len(asked) == len(set(asked))
+    for key in [
+        ("partial_balanced", ("bf16", "bf16", 32, None)),  # mma=auto, 17-32 rows, 16-bit cache, < 640 blocks
+        ("partial_wgmma_t_balanced", ("bf16", "bf16", 32)),  # ... from 640 blocks
+        ("partial_fp8reg", ("bf16", "fp8_e4m3", 16, None, 2, "partial_bf16")),  # fp8 cache, partials=auto
+        ("partial_fp8reg", ("fp16", "fp8_e4m3", 32, None, 2, "partial_fp16")),
+        ("partial_wgmma_seesaw", ("bf16", "fp8_e4m3", 64, "l2pf")),  # H=128 fp8 (L2 prefetch on for fp8)
+        ("partial_wgmma_seesaw", ("bf16", "bf16", 64)),
+        ("partial_wgmma", ("fp16", "fp16", 64)),
+        ("partial", ("bf16", "fp8_e4m3", 64, None)),
+        ("combine", ("bf16", "cols128")),  # combine=auto's chunked kernel
+        ("combine_wide", ("bf16", "partial_bf16")),  # fp8reg's combines read 16-bit partials
+        ("combine", ("fp16", "partial_fp16", "cols128")),
+        ("combine_pdl", ("bf16",)),
+    ]:
+        assert key in asked, key
+
+
+def test_the_script_refuses_to_run_without_a_cache_directory(monkeypatch):
+    spec = importlib.util.spec_from_file_location("prebuild_kernels", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.delenv("MLA_CUTE_DSL_CACHE_DIR", raising=False)
+    monkeypatch.setattr("sys.argv", ["prebuild_kernels.py"])
+    with pytest.raises(SystemExit, match="MLA_CUTE_DSL_CACHE_DIR"):
+        mod.main()
