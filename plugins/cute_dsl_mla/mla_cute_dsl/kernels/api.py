@@ -144,23 +144,28 @@ def _fake_args_combine(q_name, partial: str = "fp32"):
     )
 
 
-def _build_partial(q_name: str, kv_name: str, block_m: int, layout, *tags: str):
+def compile_partial(entry, q_name: str, kv_name: str, tags: tuple = (), balanced: bool = False):
+    """cute.compile a partial kernel's entry (the kernel object, or its call_balanced with balanced=True) with the
+    fake arguments of (q, kv) and the partial-O dtype its kernel-cache tags name (partial_spec): what every
+    partial-kernel builder does."""
     import cutlass.cute as cute
 
+    fake = _fake_args_partial_balanced if balanced else _fake_args_partial
+    return cute.compile(entry, *fake(q_name, kv_name, partial_from_tags(tags)), options=COMPILE_OPTIONS)
+
+
+def _build_partial(q_name: str, kv_name: str, block_m: int, layout, *tags: str):
     from .sm90_decode import MLADecodePartial
 
     k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout)
-    return cute.compile(k, *_fake_args_partial(q_name, kv_name, partial_from_tags(tags)), options=COMPILE_OPTIONS)
+    return compile_partial(k, q_name, kv_name, tags)
 
 
 def _build_partial_balanced(q_name: str, kv_name: str, block_m: int, layout, *tags: str):
-    import cutlass.cute as cute
-
     from .sm90_decode import MLADecodePartial
 
     k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True)
-    return cute.compile(k.call_balanced, *_fake_args_partial_balanced(q_name, kv_name, partial_from_tags(tags)),
-                        options=COMPILE_OPTIONS)
+    return compile_partial(k.call_balanced, q_name, kv_name, tags, balanced=True)
 
 
 def _build_combine(q_name: str, *tags: str, pdl: bool = False):

@@ -524,8 +524,7 @@ def _build_partial_fp8(q_name: str, kv_name: str, block_m: int, layout, stages: 
 
     k = MLADecodePartialFP8Reg(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                layout, stages)
-    return cute.compile(k, *api._fake_args_partial(q_name, kv_name, api.partial_from_tags(tags)),
-                        options=api.COMPILE_OPTIONS)
+    return api.compile_partial(k, q_name, kv_name, tags)
 
 
 def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int = 2, partial: str = "fp32"):

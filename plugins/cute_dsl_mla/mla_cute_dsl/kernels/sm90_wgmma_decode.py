@@ -1423,8 +1423,7 @@ def _build_partial_wgmma(q_name: str, kv_name: str, block_m: int, *tags: str):
     from . import api
 
     k = MLADecodePartialWGMMA(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m)
-    return cute.compile(k, *api._fake_args_partial(q_name, kv_name, api.partial_from_tags(tags)),
-                        options=api.COMPILE_OPTIONS)
+    return api.compile_partial(k, q_name, kv_name, tags)
 
 
 def get_partial_kernel_wgmma(q_name: str, kv_name: str | None = None, *, partial: str = "fp32"):
@@ -1475,8 +1474,7 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
                          "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags)
-    return cute.compile(k, *api._fake_args_partial(q_name, kv_name, api.partial_from_tags(flags)),
-                        options=api.COMPILE_OPTIONS)
+    return api.compile_partial(k, q_name, kv_name, flags)
 
 
 def seesaw_l2_prefetch_default(kv_name: str) -> bool:

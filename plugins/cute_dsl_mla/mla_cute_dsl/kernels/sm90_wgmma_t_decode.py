@@ -989,8 +989,7 @@ def _build_partial_wgmma_t(q_name: str, kv_name: str, block_m: int, *tags: str):
     from . import api
 
     k = MLADecodePartialWGMMAT(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m)
-    return cute.compile(k, *api._fake_args_partial(q_name, kv_name, api.partial_from_tags(tags)),
-                        options=api.COMPILE_OPTIONS)
+    return api.compile_partial(k, q_name, kv_name, tags)
 
 
 def get_partial_kernel_wgmma_t(q_name: str, kv_name: str | None = None, block_m: int = 16, partial: str = "fp32"):
@@ -1026,8 +1025,7 @@ def _build_partial_wgmma_t_balanced(q_name: str, kv_name: str, block_m: int, *ta
     from . import api
 
     k = MLADecodePartialWGMMAT(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m, balanced=True)
-    return cute.compile(k.call_balanced, *api._fake_args_partial_balanced(q_name, kv_name, api.partial_from_tags(tags)),
-                        options=api.COMPILE_OPTIONS)
+    return api.compile_partial(k.call_balanced, q_name, kv_name, tags, balanced=True)
 
 
 def get_partial_kernel_wgmma_t_balanced(q_name: str, kv_name: str | None = None, block_m: int = 16,
