@@ -415,7 +415,11 @@ class CuteDslBackend(Backend):
                    "representative lengths)",
                    "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
                    "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA, "
-                   "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly"),
+                   "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly",
+                   "split-KV partials: partials=auto writes them in q's dtype for the fp8reg kernel (2.5-31% faster "
+                   "on an H200 at H=16), fp32 elsewhere; combine=auto merges them with the wide kernel on small "
+                   "batches, a chunked row kernel (four warps per row) up to 32 rows from num_sms/2 row-kernel CTAs "
+                   "(up to 15% faster at B=16-64), one warp per row above"),
             q_layouts=("packed",), kv_layouts=("packed",), strided_q=False,
         )
 
