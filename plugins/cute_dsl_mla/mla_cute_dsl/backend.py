@@ -483,15 +483,6 @@ class CuteDslBackend(Backend):
         return CuteDslSession(config, options)
 
 
-def set_combine(schedule: Any, options: CuteDslOptions) -> None:
-    """Apply option combine to a schedule (after every make_schedule: an in-place re-plan recomputes the combine
-    kind by batch and rows). auto keeps make_schedule's choice (kernels/schedule.py combine_kind_for)."""
-    from .kernels.schedule import combine_params
-
-    if options.combine != "auto":
-        schedule.wide_combine, schedule.combine_cols = combine_params(options.combine)
-
-
 def combine_variants(shape: DecodeShape, options: CuteDslOptions) -> List[Tuple[bool, int]]:
     """The (wide, cols) combine kernels steps of this shape class may run under option combine: a session builds
     them all at its first plan (auto picks by batch, which may change between eager steps)."""
@@ -607,14 +598,14 @@ class CuteDslSession(Session):
         env = self.config.envelope
         if found is not None and found[0].split_info.shape[0] >= B:
             make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, ctas_per_sm=ctas,
-                          device=self.device, out=found[0], balanced=balanced)  # keeps pdl_combine
-            set_combine(found[0], self.options)
+                          device=self.device, out=found[0], balanced=balanced,
+                          combine=self.options.combine)  # keeps pdl_combine
             return found
         max_batch = env.max_batch if env is not None else B
         schedule = make_schedule(lens_host, s_q, problem.num_heads, self.num_sms, max_batch=max_batch,
-                                 ctas_per_sm=ctas, device=self.device, balanced=balanced)
+                                 ctas_per_sm=ctas, device=self.device, balanced=balanced,
+                                 combine=self.options.combine)
         schedule.pdl_combine = pdl_combine(problem, self.options)
-        set_combine(schedule, self.options)
         from .kernels.api import PARTIAL_DTYPES
 
         partial = PARTIAL_DTYPES[partial_dtype_name(problem, self.options)]

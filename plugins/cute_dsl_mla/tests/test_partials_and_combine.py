@@ -312,3 +312,15 @@ def test_combine_params_and_refusals():
         api.get_combine_kernel("bf16", cols=256)
     with pytest.raises(ValueError, match="kernel-cache tag partial_fp8"):
         api.partial_from_tags(("partial_fp8",))
+
+
+def test_make_schedule_forces_the_combine_kind_at_every_call():
+    lens = torch.full((64,), 2048, dtype=torch.int32)  # 64 x 8 row CTAs at 32 rows: auto picks chunked
+    sched = make_schedule(lens, 2, 16, 132, device="cpu")
+    assert (sched.wide_combine, sched.combine_cols) == (False, 128)
+    for kind, want in (("wide", (True, 512)), ("row", (False, 512)), ("chunked", (False, 128)),
+                       ("auto", (False, 128))):
+        make_schedule(lens, 2, 16, 132, device="cpu", out=sched, combine=kind)  # in place, as a re-plan
+        assert (sched.wide_combine, sched.combine_cols) == want, kind
+    with pytest.raises(ValueError, match="combine kind must be"):
+        make_schedule(lens, 2, 16, 132, device="cpu", combine="fast")

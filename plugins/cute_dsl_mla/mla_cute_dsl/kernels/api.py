@@ -55,14 +55,17 @@ def _cutlass_dtype(name):
 PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+_PARTIAL_NAMES = {dt: name for name, dt in PARTIAL_DTYPES.items()}
+
+
 def partial_name(workspace) -> str:
     """Name of the workspace's partial-O dtype ("fp32", "bf16" or "fp16"): the compiled partial and combine
-    kernels a launch needs are the ones built for it (alloc_workspace(..., partial_dtype=...))."""
-    dtype = workspace[0].dtype
-    for name, dt in PARTIAL_DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"workspace: o_partial must be float32, bfloat16 or float16, got {dtype}")
+    kernels a launch needs are the ones built for it (alloc_workspace(..., partial_dtype=...)). One dict lookup:
+    every launch asks."""
+    name = _PARTIAL_NAMES.get(workspace[0].dtype)
+    if name is None:
+        raise ValueError(f"workspace: o_partial must be float32, bfloat16 or float16, got {workspace[0].dtype}")
+    return name
 
 
 def partial_spec(partial: str) -> tuple:

@@ -129,8 +129,8 @@ class Schedule:
     # kernel runs, waiting in griddepcontrol.wait): a session setting (backend option pdl), kept per schedule
     pdl_combine: bool = False
     # MLACombine's columns per warp when wide_combine is false: 512 (one warp per query row) or 128 (four warps
-    # per row). make_schedule sets both from combine_kind_for at every call (in-place re-plans too); a caller that
-    # overrides them (the backend's option combine) does so after each make_schedule
+    # per row). make_schedule sets both at every call (in-place re-plans too): its combine argument, or
+    # combine_kind_for
     combine_cols: int = 512
     # balanced split-KV (make_schedule(balanced=True)): int32 [num_cols + 1] item offsets per CTA
     # column (device, fixed size per decoder), else None
@@ -808,7 +808,7 @@ class _Staging:
 def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
                   max_batch: int | None = None, ctas_per_sm: int = 1,
                   device="cuda", out: Schedule | None = None, balanced: bool = False,
-                  item_cost: int = BALANCED_ITEM_COST, form: str = "auto") -> Schedule:
+                  item_cost: int = BALANCED_ITEM_COST, form: str = "auto", combine: str = "auto") -> Schedule:
     """Compute the split-KV schedule for one decode step.
 
     kv_lens_cpu: host sequence/tensor of per-request kv lengths (incl. new tokens).
@@ -821,13 +821,16 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     even plan_items plan in that format, whichever choose_form predicts; recorded in ``Schedule.form``),
     "balanced" or "even" (forced). Every form fits the same buffers, so a graph captured at one step
     replays at the next whatever each chose. ``item_cost`` is the per-item cost in blocks (plan_balanced
-    and the prediction).
+    and the prediction). ``combine``: the kernel that merges the partials, "auto" (combine_kind_for, by batch and
+    rows) or a forced "wide", "chunked" or "row" (Schedule.wide_combine / combine_cols), at every call.
     """
     lens = _lens_tensor(kv_lens_cpu)
     if lens.shape[0] and int(lens.min()) < 0:
         raise ValueError("kv_lens must be >= 0")
     if not 1 <= s_q <= 8:
         raise ValueError(f"s_q must be in 1..8, got {s_q}")
+    if combine != "auto":
+        combine_params(combine)  # a ValueError naming the kinds, before any work
     if not 1 <= num_heads <= 128:
         raise ValueError(f"num_heads must be in 1..128, got {num_heads}")
     rows = s_q * num_heads
@@ -894,7 +897,7 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     out.cost_even, out.cost_balanced = costs
     out.num_items = n_items
     out.blocks_per_split = bps
-    kind = combine_kind_for(batch, rows, num_sms)
+    kind = combine_kind_for(batch, rows, num_sms) if combine == "auto" else combine
     out.wide_combine, out.combine_cols = combine_params(kind)
     return out
 
