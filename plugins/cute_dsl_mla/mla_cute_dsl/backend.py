@@ -486,11 +486,12 @@ class CuteDslBackend(Backend):
 def combine_variants(shape: DecodeShape, options: CuteDslOptions) -> List[Tuple[bool, int]]:
     """The (wide, cols) combine kernels steps of this shape class may run under option combine: a session builds
     them all at its first plan (auto picks by batch, which may change between eager steps)."""
-    from .kernels.schedule import combine_params
+    from .kernels.schedule import CHUNKED_COMBINE_MAX_ROWS, combine_params
 
     if options.combine != "auto":
         return [combine_params(options.combine)]
-    kinds = ("wide", "row", "chunked") if shape.seq_len_q * shape.num_heads <= 32 else ("wide", "row")
+    rows = shape.seq_len_q * shape.num_heads
+    kinds = ("wide", "row", "chunked") if rows <= CHUNKED_COMBINE_MAX_ROWS else ("wide", "row")
     return [combine_params(k) for k in kinds]
 
 

@@ -77,6 +77,10 @@ def slots_for(rows: int, num_sms: int, ctas_per_sm: int = 1) -> int:
 COMBINE_ROWS_PER_CTA = 4
 
 
+#: combine_kind_for picks the chunked combine only up to this many packed rows (where it was measured)
+CHUNKED_COMBINE_MAX_ROWS = 32
+
+
 def combine_kind_for(batch: int, rows: int, num_sms: int) -> str:
     """Which kernel merges a step's split-KV partials: "wide" (MLACombineWide: one CTA per row and 128-column
     chunk, warps share out the splits), "chunked" (MLACombine with 128 columns per warp: four warps per row) or
@@ -92,7 +96,7 @@ def combine_kind_for(batch: int, rows: int, num_sms: int) -> str:
     H=128 s_q=2 B=4: 19.4 -> 24.4 us). Batch and rows only, never the lengths: a CUDA graph captured at one step
     replays the same combine at every later step of its batch size."""
     row_ctas = batch * -(-rows // COMBINE_ROWS_PER_CTA)
-    if rows <= 32:
+    if rows <= CHUNKED_COMBINE_MAX_ROWS:
         if row_ctas < num_sms // 2:
             return "wide"
         return "chunked" if row_ctas < 4 * num_sms else "row"
