@@ -11,8 +11,12 @@ export PYTHONPATH=/tmp/projsite:$PYTHONPATH
 # the arch the kernels are compiled for, set as benchmarks/device/prebuild_kcache.sh sets it on the CPU, so that the
 # kernel cache keys of kernels prebuilt there match; a carried .kcache seeds the kernel cache (existing files kept)
 export CUTE_DSL_ARCH=sm_90a
+# every script reads and fills the same kernel cache (before, only some scripts exported it, so the others compiled
+# into the default ~/.cache/mla-cute-dsl and missed the seeded kernels)
+export MLA_CUTE_DSL_CACHE_DIR=${MLA_CUTE_DSL_CACHE_DIR:-${KCACHE:-/tmp/mla_kcache}}
+export MLA_CUTE_DSL_TEST_CACHE_DIR=${MLA_CUTE_DSL_TEST_CACHE_DIR:-$MLA_CUTE_DSL_CACHE_DIR}
 if [ -d .kcache ]; then
-  mkdir -p "${KCACHE:-/tmp/mla_kcache}" && cp -rn .kcache/. "${KCACHE:-/tmp/mla_kcache}/"
+  mkdir -p "$MLA_CUTE_DSL_CACHE_DIR" && cp -rn .kcache/. "$MLA_CUTE_DSL_CACHE_DIR/"
   echo "kernel cache seeded from .kcache ($(find .kcache -name '*.kernel' | wc -l) kernels)"
 fi
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
