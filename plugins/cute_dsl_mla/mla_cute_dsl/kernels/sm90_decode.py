@@ -32,6 +32,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
+from . import wide_store as ws
+
 D_QK = 576
 D_V = 512
 BLOCK_N = 64
@@ -69,8 +71,12 @@ class MLADecodePartial:
     # bf16 B128 H16 s_q2 on an H200 (NOTES.md, v4)
     DEFAULT_LAYOUT = {16: (1, 1, 1), 32: (1, 2, 1), 64: (2, 2, 2)}
 
-    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, balanced: bool = False):
+    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, balanced: bool = False,
+                 wide_store: bool = False):
         self.q_dtype = q_dtype
+        # wide_store: 16-bit epilogue rows (the q-dtype output, 16-bit partials) exchanged in the quad and
+        # stored 16 bytes per instruction (wide_store.py); fp32 partials keep their 8-byte stores
+        self.wide_store = bool(wide_store)
         self.kv_dtype = kv_dtype
         self.is_fp8 = kv_dtype is not q_dtype
         if self.is_fp8:
@@ -619,20 +625,49 @@ class MLADecodePartial:
         cO = cute.make_identity_tensor((self.block_m, D_V))
         tOcO = _acc_mn_view(thr_o.partition_C(cO))
         if slot < 0:
-            gO = cute.local_tile(mO[b, None, None], (self.block_m, D_V), (m_block, 0))
-            tOgO = _acc_mn_view(thr_o.partition_C(gO))
-            for r in cutlass.range_constexpr(n_rows):
-                grow = m_block * self.block_m + tOcO[r, 0][0]
-                if grow < R:
-                    tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
-                    if lse_writer:
-                        mLSE[b, grow] = row_lse[r]
+            if cutlass.const_expr(self.wide_store):
+                self.store_rows_wide(mO[b, None, None], mLSE[b, None], acc_O_mn, row_scale, row_lse, tOcO,
+                                     m_block, R, lane, lse_writer)
+            else:
+                gO = cute.local_tile(mO[b, None, None], (self.block_m, D_V), (m_block, 0))
+                tOgO = _acc_mn_view(thr_o.partition_C(gO))
+                for r in cutlass.range_constexpr(n_rows):
+                    grow = m_block * self.block_m + tOcO[r, 0][0]
+                    if grow < R:
+                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
+                        if lse_writer:
+                            mLSE[b, grow] = row_lse[r]
         else:
-            gO = cute.local_tile(mOp[slot, None, None], (self.block_m, D_V), (m_block, 0))
-            tOgO = _acc_mn_view(thr_o.partition_C(gO))
-            for r in cutlass.range_constexpr(n_rows):
-                grow = m_block * self.block_m + tOcO[r, 0][0]
-                if grow < R:
-                    tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
-                    if lse_writer:
-                        mLSEp[slot, grow] = row_lse[r]
+            if cutlass.const_expr(self.wide_store and mOp.element_type.width == 16):
+                self.store_rows_wide(mOp[slot, None, None], mLSEp[slot, None], acc_O_mn, row_scale, row_lse,
+                                     tOcO, m_block, R, lane, lse_writer)
+            else:
+                gO = cute.local_tile(mOp[slot, None, None], (self.block_m, D_V), (m_block, 0))
+                tOgO = _acc_mn_view(thr_o.partition_C(gO))
+                for r in cutlass.range_constexpr(n_rows):
+                    grow = m_block * self.block_m + tOcO[r, 0][0]
+                    if grow < R:
+                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
+                        if lse_writer:
+                            mLSEp[slot, grow] = row_lse[r]
+
+    @cute.jit
+    def store_rows_wide(
+        self, mRows: cute.Tensor, mL: cute.Tensor, acc_O_mn: cute.Tensor, row_scale: cute.Tensor,
+        row_lse: cute.Tensor, tOcO: cute.Tensor, m_block: cutlass.Int32, R: cutlass.Int32,
+        lane: cutlass.Int32, lse_writer,
+    ):
+        """Epilogue rows with 16-byte stores (wide_store): mRows (R, 512) 16-bit, out (q dtype) or a 16-bit
+        partial slot (fp32 partials keep the direct 8-byte pair stores). Per row the quad exchanges its column pairs
+        (wide_store.pack_transposed, all lanes, also past R), then each lane stores one 8-column block per
+        group (its own column there minus 2 * (lane % 4)), and the lse as before."""
+        n_rows = cute.size(acc_O_mn.shape[0])
+        for r in cutlass.range_constexpr(n_rows):
+            grow = m_block * self.block_m + tOcO[r, 0][0]
+            h = ws.pack_transposed(acc_O_mn[r, None].load() * row_scale[r], mRows.element_type, lane)
+            if grow < R:
+                for g in cutlass.range_constexpr(ws.groups(h)):
+                    col = tOcO[r, 2 * ws.stored_pair(g, lane)][1] - 2 * (lane % ws.QUAD)
+                    ws.store_group(h, g, mRows[grow, None], col)
+                if lse_writer:
+                    mL[grow] = row_lse[r]

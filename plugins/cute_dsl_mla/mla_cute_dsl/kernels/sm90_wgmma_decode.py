@@ -69,6 +69,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from . import wide_store as ws
+
 try:  # cp.async.bulk.prefetch.L2 (seesaw kernel only; without it the kernel skips the prefetch)
     import cutlass.experimental.primitives.nvvm_wrapper as _nvw
 except ImportError:  # pragma: no cover - other DSL versions
@@ -119,7 +121,7 @@ def _acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
 class MLADecodePartialWGMMA:
     """Split-KV partial kernel, WGMMA, BLOCK_M = 64, KV in the q dtype."""
 
-    def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M):
+    def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, wide_store: bool = False):
         if q_dtype not in (cutlass.BFloat16, cutlass.Float16):
             raise TypeError(f"q dtype must be bf16 or fp16, got {q_dtype}")
         if kv_dtype is not q_dtype and kv_dtype is not cutlass.Float8E4M3FN:
@@ -129,6 +131,9 @@ class MLADecodePartialWGMMA:
             raise ValueError(f"WGMMA prototype: block_m must be {BLOCK_M}, got {block_m}")
         self.q_dtype = q_dtype
         self.kv_dtype = kv_dtype
+        # wide_store: 16-bit epilogue rows (the q-dtype output, 16-bit partials) exchanged in the quad and
+        # stored 16 bytes per instruction (wide_store.py); fp32 partials keep their 8-byte stores
+        self.wide_store = bool(wide_store)
         self.is_fp8 = kv_dtype is cutlass.Float8E4M3FN
         # fp8 KV: MMAs in fp16 (e4m3 -> f16 is exact), q converted to fp16 on load
         self.mma_dtype = cutlass.Float16 if self.is_fp8 else q_dtype
@@ -598,23 +603,53 @@ class MLADecodePartialWGMMA:
             if wg != 0:
                 lse_writer = False
             if slot < 0:
-                gO = cute.local_tile(mO[b, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
-                tOgO = _acc_mn_view(thr_o.partition_C(gO))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * BLOCK_M + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
-                        if lse_writer:
-                            mLSE[b, grow] = row_lse[r]
+                if cutlass.const_expr(self.wide_store):
+                    self.store_rows_wide(mO[b, None, None], mLSE[b, None], acc_O_mn, row_scale, row_lse, tOcO,
+                                         m_block, wg, R, lane, lse_writer)
+                else:
+                    gO = cute.local_tile(mO[b, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
+                    tOgO = _acc_mn_view(thr_o.partition_C(gO))
+                    for r in cutlass.range_constexpr(n_rows):
+                        grow = m_block * BLOCK_M + tOcO[r, 0][0]
+                        if grow < R:
+                            tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
+                            if lse_writer:
+                                mLSE[b, grow] = row_lse[r]
             else:
-                gO = cute.local_tile(mOp[slot, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
-                tOgO = _acc_mn_view(thr_o.partition_C(gO))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * BLOCK_M + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
-                        if lse_writer:
-                            mLSEp[slot, grow] = row_lse[r]
+                if cutlass.const_expr(self.wide_store and mOp.element_type.width == 16):
+                    self.store_rows_wide(mOp[slot, None, None], mLSEp[slot, None], acc_O_mn, row_scale, row_lse,
+                                         tOcO, m_block, wg, R, lane, lse_writer)
+                else:
+                    gO = cute.local_tile(mOp[slot, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
+                    tOgO = _acc_mn_view(thr_o.partition_C(gO))
+                    for r in cutlass.range_constexpr(n_rows):
+                        grow = m_block * BLOCK_M + tOcO[r, 0][0]
+                        if grow < R:
+                            tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
+                            if lse_writer:
+                                mLSEp[slot, grow] = row_lse[r]
+
+    @cute.jit
+    def store_rows_wide(
+        self, mRows: cute.Tensor, mL: cute.Tensor, acc_O_mn: cute.Tensor, row_scale: cute.Tensor,
+        row_lse: cute.Tensor, tOcO: cute.Tensor, m_block: cutlass.Int32, wg: cutlass.Int32, R: cutlass.Int32,
+        lane: cutlass.Int32, lse_writer,
+    ):
+        """Epilogue rows with 16-byte stores (wide_store), both the WGMMA and the seesaw kernel: mRows (R, 512)
+        16-bit, out (q dtype) or a 16-bit partial slot; this warpgroup's 256 columns start at wg * 256
+        (tOcO: coordinates in its (64, 256) tile). Per row the quad exchanges its column pairs (all lanes,
+        also past R: full-mask shuffles), then each lane stores one 8-column block per group of 4 blocks
+        (32 contiguous columns, so a quad writes 64 contiguous bytes), and the lse as before."""
+        n_rows = cute.size(acc_O_mn.shape[0])
+        for r in cutlass.range_constexpr(n_rows):
+            grow = m_block * BLOCK_M + tOcO[r, 0][0]
+            h = ws.pack_transposed(acc_O_mn[r, None].load() * row_scale[r], mRows.element_type, lane)
+            if grow < R:
+                for g in cutlass.range_constexpr(ws.groups(h)):
+                    col = wg * D_V_HALF + tOcO[r, 2 * ws.stored_pair(g, lane)][1] - 2 * (lane % ws.QUAD)
+                    ws.store_group(h, g, mRows[grow, None], col)
+                if lse_writer:
+                    mL[grow] = row_lse[r]
 
     @cute.jit
     def wg0_tile(
@@ -765,8 +800,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       the other warpgroup's WGMMA time (seesaw).  See NOTES.md.
     """
 
-    def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False):
-        super().__init__(q_dtype, kv_dtype, block_m)
+    def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
+                 wide_store: bool = False):
+        super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
         # l2_prefetch: thread 0 issues one cp.async.bulk.prefetch.L2 per tile of the next pair
         # before this pair's loads (the getter's default: seesaw_l2_prefetch_default)
         self.l2_prefetch = bool(l2_prefetch)
@@ -1395,23 +1431,31 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             if wg != 0:
                 lse_writer = False
             if slot < 0:
-                gO = cute.local_tile(mO[b, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
-                tOgO = _acc_mn_view(thr_o.partition_C(gO))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * BLOCK_M + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
-                        if lse_writer:
-                            mLSE[b, grow] = row_lse[r]
+                if cutlass.const_expr(self.wide_store):
+                    self.store_rows_wide(mO[b, None, None], mLSE[b, None], acc_O_mn, row_scale, row_lse, tOcO,
+                                         m_block, wg, R, lane, lse_writer)
+                else:
+                    gO = cute.local_tile(mO[b, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
+                    tOgO = _acc_mn_view(thr_o.partition_C(gO))
+                    for r in cutlass.range_constexpr(n_rows):
+                        grow = m_block * BLOCK_M + tOcO[r, 0][0]
+                        if grow < R:
+                            tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
+                            if lse_writer:
+                                mLSE[b, grow] = row_lse[r]
             else:
-                gO = cute.local_tile(mOp[slot, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
-                tOgO = _acc_mn_view(thr_o.partition_C(gO))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * BLOCK_M + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
-                        if lse_writer:
-                            mLSEp[slot, grow] = row_lse[r]
+                if cutlass.const_expr(self.wide_store and mOp.element_type.width == 16):
+                    self.store_rows_wide(mOp[slot, None, None], mLSEp[slot, None], acc_O_mn, row_scale, row_lse,
+                                         tOcO, m_block, wg, R, lane, lse_writer)
+                else:
+                    gO = cute.local_tile(mOp[slot, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
+                    tOgO = _acc_mn_view(thr_o.partition_C(gO))
+                    for r in cutlass.range_constexpr(n_rows):
+                        grow = m_block * BLOCK_M + tOcO[r, 0][0]
+                        if grow < R:
+                            tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
+                            if lse_writer:
+                                mLSEp[slot, grow] = row_lse[r]
 
 
 # ---------------------------------------------------------------------- host helpers
