@@ -175,6 +175,17 @@ class CuteDslOptions(BackendOptions):
                     "docs/results/gpu11_partials/) q was 2.5-31% faster with fp8reg at H=16 (every cell of 36), "
                     "-3..+9% at H=16 with a bf16 cache (slower on steps of 1-8 requests) and up to 32% slower "
                     "with the WGMMA/seesaw kernels at H=128 on split steps (B=1-16)")
+    stores: Literal["auto", "narrow", "wide"] = Field(
+        default="auto",
+        description="width of the partial kernels' epilogue stores of 16-bit rows (sm_90): the q-dtype output of "
+                    "an unsplit request, and the partials with partials=q. narrow: each thread stores its "
+                    "accumulator's 2-column pairs directly, 4 bytes per store (bf16x2). wide: the 4 lanes sharing "
+                    "a row exchange their pairs (4 warp shuffles per 16 bytes) and each stores 8 contiguous "
+                    "columns, 16 bytes per st.global.v4 (kernels/wide_store.py), in the mma.sync, WGMMA and "
+                    "seesaw kernels (fp8reg stores 16 bytes either way; wgmma_t keeps its stores). auto "
+                    "(default): narrow until an A/B on the GPU says otherwise (benchmarks/device/"
+                    "partials_ab_gpu.sh): with partials=q an H200 measured the WGMMA/seesaw kernels up to 32% "
+                    "slower than fp32 partials, the suspected cause being 4x the store instructions per byte")
     combine: Literal["auto", "row", "chunked", "wide"] = Field(
         default="auto",
         description="the kernel that merges split-KV partials (sm_90). row: one warp per query row walks every "
@@ -505,6 +516,13 @@ def partial_dtype_name(shape: DecodeShape, options: CuteDslOptions) -> str:
     return "fp32" if options.partials == "fp32" else shape.q_dtype
 
 
+def wide_stores(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether the partial kernels of this shape class store 16-bit epilogue rows 16 bytes at a time (option
+    stores; auto: narrow for now). A function of the shape class and options only, as the partials dtype: a
+    session's schedules carry it (Schedule.wide_store) and a CUDA graph keeps one kernel."""
+    return options.stores == "wide"
+
+
 def session_sms(device_sms: int, options: CuteDslOptions) -> int:
     """The SM count a session's schedules are made for: option num_sms, or every SM of the GPU (auto)."""
     if options.num_sms == "auto":
@@ -607,6 +625,7 @@ class CuteDslSession(Session):
                                  ctas_per_sm=ctas, device=self.device, balanced=balanced,
                                  combine=self.options.combine)
         schedule.pdl_combine = pdl_combine(problem, self.options)
+        schedule.wide_store = wide_stores(problem, self.options)
         from .kernels.api import PARTIAL_DTYPES
 
         partial = PARTIAL_DTYPES[partial_dtype_name(problem, self.options)]
@@ -629,7 +648,8 @@ class CuteDslSession(Session):
         from .kernels.api import get_partial_kernel
         from .kernels.sm90_wgmma_t_decode import get_partial_kernel_wgmma_t_balanced
 
-        get_partial_kernel(key[0], key[1], key[2], None, balanced=True, partial=key[3])
+        get_partial_kernel(key[0], key[1], key[2], None, balanced=True, partial=key[3],
+                           wide_store=wide_stores(problem, self.options))
         get_partial_kernel_wgmma_t_balanced(key[0], key[1], key[2], partial=key[3])
         self._both_partials.add(key)
 

@@ -446,7 +446,8 @@ def test_a_session_picks_the_kernel_per_plan_by_kv_blocks_on_the_same_buffers(mo
     assert combos == {(k, f) for k in ("mma_sync", "wgmma_t") for f in ("even", "balanced")}
     assert len(seen) == 1  # one schedule, one workspace, one lse scratch for both kernels
     assert rec.made == [(1, True)] and rec.filled == [(1, True)] * (len(steps) - 1)
-    assert rec.partials == [("mma_sync", ("bf16", "bf16", 32, None), {"balanced": True, "partial": "fp32"}),
+    assert rec.partials == [("mma_sync", ("bf16", "bf16", 32, None), {"balanced": True, "partial": "fp32",
+                                                                        "wide_store": False}),
                             ("wgmma_t", ("bf16", "bf16", 32), {"partial": "fp32"})]  # once per session, first plan
     # where the rule does not apply (16 rows here) the session builds nothing extra at plan
     big = _lens([64] * 64)
@@ -758,3 +759,34 @@ def test_option_pdl_takes_auto_or_a_bool_with_one_message():
     assert CuteDslOptions(pdl=True).pdl is True
     with pytest.raises(ValueError, match="expected auto, true or false, got 'yes'"):
         CuteDslOptions(pdl="yes")
+
+
+@pytest.mark.parametrize("stores,want", [("auto", False), ("narrow", False), ("wide", True)])
+def test_option_stores_reaches_the_schedule_and_the_prebuilt_partials(monkeypatch, stores, want):
+    """Option stores (auto: narrow for now) reaches the schedule plan returns (Schedule.wide_store, read by the
+    host entries' kernel getters) on the first plan and on a re-plan into the same buffers, and the balanced
+    mma.sync partial a bf16 session prebuilds at 17-32 rows is the one built for it."""
+    import types
+
+    from mla_cute_dsl import backend as be
+    from mlacore import StepInputs
+
+    rec = types.SimpleNamespace(made=[], filled=[], partials=[])
+    session = _cpu_session(monkeypatch, CuteDslOptions(stores=stores), rec=rec)
+    lens = torch.tensor([4096, 100], dtype=torch.int32)
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    problem = prob(num_heads=16, seq_len_q=2, batch_size=2)
+    first = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
+    again = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
+    assert first is again and again.wide_store is want
+    assert be.wide_stores(problem, CuteDslOptions(stores=stores)) is want
+    assert [k.get("wide_store") for name, _, k in rec.partials if name == "mma_sync"] == [want]
+    assert CuteDslOptions().stores == "auto"
+
+
+def test_option_stores_is_validated():
+    with pytest.raises(ValueError, match="stores"):
+        CuteDslOptions(stores="16B")
+    from mla_cute_dsl.kernels.schedule import make_schedule
+
+    assert make_schedule([4096], 1, 16, 132, device="cpu").wide_store is False  # the kernels' default

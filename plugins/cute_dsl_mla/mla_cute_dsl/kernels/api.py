@@ -85,6 +85,20 @@ def partial_from_tags(tags) -> str:
     return name
 
 
+WIDE_STORE_TAG = "wide_store"
+
+
+def store_spec(wide_store: bool) -> tuple:
+    """Kernel-cache key suffix for the epilogue store width: () for the default narrow stores (every kernel
+    keeps its key and symbol), ("wide_store",) for the 16-byte stores of 16-bit rows (wide_store.py)."""
+    return (WIDE_STORE_TAG,) if wide_store else ()
+
+
+def wide_from_tags(tags) -> bool:
+    """Whether a kernel-cache key's trailing tags ask for wide epilogue stores (store_spec)."""
+    return WIDE_STORE_TAG in tags
+
+
 def specializations():
     """Every (q dtype, kv dtype, block_m) the kernels are built for."""
     out = []
@@ -160,14 +174,16 @@ def compile_partial(entry, q_name: str, kv_name: str, tags: tuple = (), balanced
 def _build_partial(q_name: str, kv_name: str, block_m: int, layout, *tags: str):
     from .sm90_decode import MLADecodePartial
 
-    k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout)
+    k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout,
+                         wide_store=wide_from_tags(tags))
     return compile_partial(k, q_name, kv_name, tags)
 
 
 def _build_partial_balanced(q_name: str, kv_name: str, block_m: int, layout, *tags: str):
     from .sm90_decode import MLADecodePartial
 
-    k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True)
+    k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True,
+                         wide_store=wide_from_tags(tags))
     return compile_partial(k.call_balanced, q_name, kv_name, tags, balanced=True)
 
 
@@ -199,17 +215,19 @@ def _build_combine_wide_pdl(q_name: str, *tags: str):
 
 
 def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, balanced: bool = False,
-                       partial: str = "fp32"):
+                       partial: str = "fp32", wide_store: bool = False):
     """Compiled partial kernel for one specialization (memory, disk, else compile).
 
     layout: optional (m_warps, m_atoms_per_warp, n_acc) override, for tuning.
     balanced: MLADecodePartial(balanced=True).call_balanced (16-bit KV only; its own cache kind, so the
     default kernels' cache keys and symbols are unchanged).
     partial: dtype of the partial O buffer it writes (partial_name of the workspace; fp32 keeps the old keys).
+    wide_store: 16-byte stores of its 16-bit epilogue rows (Schedule.wide_store, backend option stores; the
+    default keeps the old keys).
     """
     if layout is not None:
         layout = tuple(layout)
-    tags = partial_spec(partial)
+    tags = partial_spec(partial) + store_spec(wide_store)
     if balanced:
         if kv_name == "fp8_e4m3":
             raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only")
@@ -356,13 +374,14 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
         if check:
             check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
         partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m,
-                                     layout, balanced=True, partial=partial_name(workspace))
+                                     layout, balanced=True, partial=partial_name(workspace),
+                                     wide_store=schedule.wide_store)
         return launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse,
                                schedule, workspace)
     if check:
         check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m, layout,
-                                 partial=partial_name(workspace))
+                                 partial=partial_name(workspace), wide_store=schedule.wide_store)
     return launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule, workspace)
 
 

@@ -132,6 +132,10 @@ class Schedule:
     # launch the combine kernel with programmatic dependent launch (its CTAs scheduled while the partial
     # kernel runs, waiting in griddepcontrol.wait): a session setting (backend option pdl), kept per schedule
     pdl_combine: bool = False
+    # 16-byte epilogue stores of 16-bit rows in the mma.sync / WGMMA / seesaw partial kernels (kernels/wide_store.py):
+    # a session setting (backend option stores), kept per schedule like pdl_combine; the host entries pick the
+    # kernel built for it
+    wide_store: bool = False
     # MLACombine's columns per warp when wide_combine is false: 512 (one warp per query row) or 128 (four warps
     # per row). make_schedule sets both at every call (in-place re-plans too): its combine argument, or
     # combine_kind_for

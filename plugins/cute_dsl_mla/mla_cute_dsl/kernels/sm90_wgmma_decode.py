@@ -1466,25 +1466,28 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 def _build_partial_wgmma(q_name: str, kv_name: str, block_m: int, *tags: str):
     from . import api
 
-    k = MLADecodePartialWGMMA(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m)
+    k = MLADecodePartialWGMMA(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
+                              wide_store=api.wide_from_tags(tags))
     return api.compile_partial(k, q_name, kv_name, tags)
 
 
-def get_partial_kernel_wgmma(q_name: str, kv_name: str | None = None, *, partial: str = "fp32"):
+def get_partial_kernel_wgmma(q_name: str, kv_name: str | None = None, *, partial: str = "fp32",
+                             wide_store: bool = False):
     """Compiled WGMMA partial kernel for q dtype ``q_name`` and KV dtype ``kv_name``
     (``q_name`` or ``"fp8_e4m3"``; default: ``q_name``, the single-argument form).
 
     Same kernel cache as api.get_partial_kernel (memory, disk, else compile),
     under its own kind so it never collides with the mma.sync kernels; the key
-    (q, kv, 64) of the 16-bit kernels is the one they always had.
+    (q, kv, 64) of the 16-bit kernels is the one they always had. ``wide_store``: 16-byte epilogue
+    stores of 16-bit rows (api.store_spec: tag "wide_store").
     """
     from . import api, kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
     if kv_name not in (q_name, "fp8_e4m3"):
         raise ValueError(f"WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
-    return kernel_cache.get_or_build("partial_wgmma", (q_name, kv_name, BLOCK_M) + api.partial_spec(partial),
-                                     _build_partial_wgmma)
+    return kernel_cache.get_or_build("partial_wgmma", (q_name, kv_name, BLOCK_M) + api.partial_spec(partial)
+                                     + api.store_spec(wide_store), _build_partial_wgmma)
 
 
 def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
@@ -1501,12 +1504,12 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
-                                       partial=api.partial_name(workspace))
+                                       partial=api.partial_name(workspace), wide_store=schedule.wide_store)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
 
-SEESAW_FLAGS = ("l2pf",)  # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
+SEESAW_FLAGS = ("l2pf", "wide_store")  # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
 
 
 def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags: str):
@@ -1517,7 +1520,7 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
         raise ValueError(f"seesaw kernel key: unknown flags {unknown}, expected a subset of {SEESAW_FLAGS} "
                          "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
-                                    l2_prefetch="l2pf" in flags)
+                                    l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags))
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -1534,16 +1537,20 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
     return kv_name == "fp8_e4m3"
 
 
-def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32") -> tuple[str | int, ...]:
+def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
+                wide_store: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
-    partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key)."""
+    partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
+    "wide_store" for 16-byte epilogue stores (api.store_spec)."""
     from . import api
 
-    return (q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
+    return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
+            + api.store_spec(wide_store))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
-                                    l2_prefetch: bool | None = None, partial: str = "fp32"):
+                                    l2_prefetch: bool | None = None, partial: str = "fp32",
+                                    wide_store: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
@@ -1555,7 +1562,8 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
-    return kernel_cache.get_or_build("partial_wgmma_seesaw", seesaw_spec(q_name, kv_name, l2_prefetch, partial),
+    return kernel_cache.get_or_build("partial_wgmma_seesaw",
+                                     seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store),
                                      _build_partial_wgmma_seesaw)
 
 
@@ -1570,6 +1578,7 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
-                                              l2_prefetch=l2_prefetch, partial=api.partial_name(workspace))
+                                              l2_prefetch=l2_prefetch, partial=api.partial_name(workspace),
+                                              wide_store=schedule.wide_store)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
