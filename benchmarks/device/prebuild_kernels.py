@@ -43,6 +43,19 @@ def specs():
             for partial in ("fp32", q):
                 out.append((f"fp8reg {q} {bm} {partial}",
                             lambda q=q, bm=bm, p=partial: get_partial_kernel_fp8(q, bm, partial=p)))
+        if q == "bf16":  # partials_ab_gpu.sh's partials=q arms, narrow and wide stores (bf16 q only: the A/B grids)
+            for wide in (False, True):
+                for bm in (16, 32):
+                    out.append((f"partial_balanced {q} {bm} {q} wide={wide}",
+                                lambda q=q, bm=bm, w=wide: api.get_partial_kernel(q, q, bm, balanced=True, partial=q,
+                                                                                  wide_store=w)))
+                for kv in (q, "fp8_e4m3"):
+                    out.append((f"seesaw {q} {kv} {q} wide={wide}",
+                                lambda q=q, kv=kv, w=wide: get_partial_kernel_wgmma_seesaw(q, kv, partial=q,
+                                                                                           wide_store=w)))
+            for bm in (16, 32):
+                out.append((f"wgmma_t_balanced {q} {bm} {q}",
+                            lambda q=q, bm=bm: get_partial_kernel_wgmma_t_balanced(q, q, bm, partial=q)))
         for partial in ("fp32", q):
             for pdl in (False, True):
                 for wide, cols in ((False, 512), (False, 128), (True, 512)):

@@ -151,6 +151,56 @@ class TestCuteDslMmaSyncConformance(TestCuteDslConformance):
     seq_lens_q = (1, 2, 8)
 
 
+class TestCuteDslWideStoresConformance(TestCuteDslConformance):
+    """Option stores=wide with partials=q: the 16-byte epilogue stores (kernels/wide_store.py: a quad transpose,
+    then st.global.v4) of the 16-bit partials and of the output of unsplit requests, bf16 and fp8 caches, every
+    kernel family auto picks over these heads (mma.sync balanced at 16/32 rows, fp8reg, WGMMA, seesaw)."""
+
+    options = {"partials": "q", "stores": "wide"}
+
+
+class TestCuteDslWideStoresFp16Conformance(TestCuteDslWideStoresConformance):
+    q_dtype = "fp16"
+    kv_dtypes = ("fp16", "fp8_e4m3")
+
+
+class TestCuteDslWideStoresFp32PartialsConformance(TestCuteDslConformance):
+    """stores=wide with fp32 partials: only the q-dtype output of unsplit requests goes 16 bytes wide."""
+
+    options = {"partials": "fp32", "stores": "wide"}
+    num_heads = (1, 16, 128)
+
+
+class TestCuteDslMmaSyncWideStoresConformance(TestCuteDslConformance):
+    """stores=wide, partials=q with the mma.sync kernel forced: 16, 32 and 64 rows per CTA (BLOCK_M 64 from 33
+    rows), its even and balanced entries, its fp8 path."""
+
+    options = {"mma": "mma_sync", "partials": "q", "stores": "wide"}
+    num_heads = (1, 16, 64, 128)
+    seq_lens_q = (1, 2, 8)
+
+
+class TestCuteDslWgmmaWideStoresConformance(TestCuteDslWgmmaConformance):
+    """stores=wide, partials=q with the WGMMA kernel forced (64+ rows)."""
+
+    options = {"mma": "wgmma", "partials": "q", "stores": "wide"}
+
+
+class TestCuteDslSeesawWideStoresConformance(TestCuteDslSeesawConformance):
+    """stores=wide, partials=q with the seesaw kernel forced (64+ rows, bf16 and fp8 caches)."""
+
+    options = {"mma": "seesaw", "partials": "q", "stores": "wide"}
+
+
+class TestCuteDslWgmmaTWideStoresConformance(TestCuteDslQPartialsConformance):
+    """stores=wide, partials=q with wgmma_t forced: its stores are unchanged (wide_store is not built for its
+    transposed accumulator), so this checks the option is harmless there (auto may swap it with the wide
+    mma.sync balanced kernel per step)."""
+
+    options = {"partials": "q", "mma": "wgmma_t", "stores": "wide"}
+    num_heads = (1, 3, 8, 16, 32)
+
+
 class TestCuteDslFewerSmsConformance(TestCuteDslConformance):
     """Option num_sms below the GPU's count (schedules for 100 SMs: other kernels holding SMs), every kernel
     auto picks (mma.sync balanced, fp8reg, WGMMA, seesaw)."""
