@@ -4,8 +4,9 @@
 #   PART=tests: the GPU conformance classes with partials=q and with stores=wide (test_backend_gpu.py
 #               -k "${TK:-QPartials or WideStores}": bf16 and fp16 q, every kernel family auto picks, and mma.sync,
 #               WGMMA, seesaw, wgmma_t forced), under timeout ${TT:-300} -> $OUT/partials_gpu_tests.log
-#   PART=bench: mla bench on benchmarks/grids/partials_ab_h16.toml (72 cells) and partials_ab_h128.toml (12 cells)
-#               with cute_dsl_mla:partials=fp32, cute_dsl_mla:partials=q,stores=narrow (the 4-byte bf16x2 epilogue
+#   PART=bench: mla bench on GRIDS (default benchmarks/grids/partials_ab_h16.toml, 72 cells, and partials_ab_h128.toml,
+#               12 cells; stores_ab_h128.toml: 12 cells without splits at B >= 64)
+#               with cute_dsl_mla:partials=fp32, cute_dsl_mla:partials=fp32,stores=wide (only the out stores widen), cute_dsl_mla:partials=q,stores=narrow (the 4-byte bf16x2 epilogue
 #               stores of the tenth session's run), cute_dsl_mla:partials=q,stores=wide (16-byte stores after a
 #               quad transpose, kernels/wide_store.py) and FlashInfer fa3, budget ${BUDGET:-0.05}, under timeout
 #               ${BT:-270} each -> $OUT/partials_ab_{h16,h128}.{txt,json} (4 files; 2 x 270 s keeps the call under
@@ -23,7 +24,8 @@ else
   for g in ${GRIDS:-partials_ab_h16 partials_ab_h128}; do
     start=$(date +%s)
     timeout ${BT:-270} python -m mlacore bench --device cuda --grid benchmarks/grids/$g.toml --backend cute_dsl_mla:partials=fp32 \
-      --backend cute_dsl_mla:partials=q,stores=narrow --backend cute_dsl_mla:partials=q,stores=wide \
+      --backend cute_dsl_mla:partials=fp32,stores=wide --backend cute_dsl_mla:partials=q,stores=narrow \
+      --backend cute_dsl_mla:partials=q,stores=wide \
       --backend flashinfer_mla:variant=fa3 --budget ${BUDGET:-0.05} --no-progress \
       -o "$OUT/$g.json" > "$OUT/$g.txt" 2>&1
     echo "$g rc=$? in $(( $(date +%s) - start )) s"

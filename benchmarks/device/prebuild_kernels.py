@@ -53,9 +53,26 @@ def specs():
                     out.append((f"seesaw {q} {kv} {q} wide={wide}",
                                 lambda q=q, kv=kv, w=wide: get_partial_kernel_wgmma_seesaw(q, kv, partial=q,
                                                                                            wide_store=w)))
+            for bm in (16, 32):  # partials=fp32,stores=wide: only the out stores widen
+                out.append((f"partial_balanced {q} {bm} fp32 wide=True",
+                            lambda q=q, bm=bm: api.get_partial_kernel(q, q, bm, balanced=True, wide_store=True)))
+            for kv in (q, "fp8_e4m3"):
+                out.append((f"seesaw {q} {kv} fp32 wide=True",
+                            lambda q=q, kv=kv: get_partial_kernel_wgmma_seesaw(q, kv, wide_store=True)))
             for bm in (16, 32):
                 out.append((f"wgmma_t_balanced {q} {bm} {q}",
                             lambda q=q, bm=bm: get_partial_kernel_wgmma_t_balanced(q, q, bm, partial=q)))
+        # test_backend_gpu.py's WideStores classes (bf16 and fp16 q, partials=q and fp32, every family forced)
+        for partial in (q, "fp32"):
+            for bm in (16, 32, 64):
+                for balanced in (False, True):
+                    out.append((f"wide-tests partial {q} {bm} {partial} balanced={balanced}",
+                                lambda q=q, bm=bm, p=partial, b=balanced:
+                                api.get_partial_kernel(q, q, bm, balanced=b, partial=p, wide_store=True)))
+            out.append((f"wide-tests wgmma {q} {partial}",
+                        lambda q=q, p=partial: get_partial_kernel_wgmma(q, q, partial=p, wide_store=True)))
+            out.append((f"wide-tests seesaw {q} {partial}",
+                        lambda q=q, p=partial: get_partial_kernel_wgmma_seesaw(q, q, partial=p, wide_store=True)))
         for partial in ("fp32", q):
             for pdl in (False, True):
                 for wide, cols in ((False, 512), (False, 128), (True, 512)):
