@@ -19,7 +19,8 @@ import time
 
 
 def specs():
-    """(label, thunk) for every kernel the backend's defaults and the device scripts' option arms pick."""
+    """(label, thunk) for every kernel the backend's defaults (16-bit partials in q's dtype, wide stores) and the
+    device scripts' option arms (partials=fp32, stores=narrow) pick."""
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_decode_fp8 import get_partial_kernel_fp8
     from mla_cute_dsl.kernels.sm90_wgmma_decode import get_partial_kernel_wgmma, get_partial_kernel_wgmma_seesaw
@@ -28,51 +29,37 @@ def specs():
 
     out = []
     for q in ("bf16", "fp16"):
-        for kv in (q, "fp8_e4m3"):
+        # (partial dtype, wide stores): the default, then partials=fp32 with narrow stores (the 0.2.7 default)
+        for partial, wide in ((q, True), ("fp32", False)):
+            tag = f"{partial}{' wide' if wide else ''}"
+            for kv in (q, "fp8_e4m3"):
+                for bm in (16, 32, 64):
+                    out.append((f"partial {q} {kv} {bm} {tag}", lambda q=q, kv=kv, bm=bm, p=partial, w=wide:
+                                api.get_partial_kernel(q, kv, bm, partial=p, wide_store=w)))
+                out.append((f"wgmma {q} {kv} {tag}", lambda q=q, kv=kv, p=partial, w=wide:
+                            get_partial_kernel_wgmma(q, kv, partial=p, wide_store=w)))
+                out.append((f"seesaw {q} {kv} {tag}", lambda q=q, kv=kv, p=partial, w=wide:
+                            get_partial_kernel_wgmma_seesaw(q, kv, partial=p, wide_store=w)))
+                for bm in (16, 32):  # wgmma_t has no wide epilogue
+                    out.append((f"wgmma_t {q} {kv} {bm} {partial}", lambda q=q, kv=kv, bm=bm, p=partial:
+                                get_partial_kernel_wgmma_t(q, kv, bm, partial=p)))
             for bm in (16, 32, 64):
-                out.append((f"partial {q} {kv} {bm}", lambda q=q, kv=kv, bm=bm: api.get_partial_kernel(q, kv, bm)))
-            out.append((f"wgmma {q} {kv}", lambda q=q, kv=kv: get_partial_kernel_wgmma(q, kv)))
-            out.append((f"seesaw {q} {kv}", lambda q=q, kv=kv: get_partial_kernel_wgmma_seesaw(q, kv)))
+                out.append((f"partial_balanced {q} {bm} {tag}", lambda q=q, bm=bm, p=partial, w=wide:
+                            api.get_partial_kernel(q, q, bm, balanced=True, partial=p, wide_store=w)))
             for bm in (16, 32):
-                out.append((f"wgmma_t {q} {kv} {bm}", lambda q=q, kv=kv, bm=bm: get_partial_kernel_wgmma_t(q, kv, bm)))
-        for bm in (16, 32, 64):
-            out.append((f"partial_balanced {q} {bm}",
-                        lambda q=q, bm=bm: api.get_partial_kernel(q, q, bm, balanced=True)))
-        for bm in (16, 32):
-            out.append((f"wgmma_t_balanced {q} {bm}", lambda q=q, bm=bm: get_partial_kernel_wgmma_t_balanced(q, q, bm)))
-            for partial in ("fp32", q):
+                out.append((f"wgmma_t_balanced {q} {bm} {partial}", lambda q=q, bm=bm, p=partial:
+                            get_partial_kernel_wgmma_t_balanced(q, q, bm, partial=p)))
                 out.append((f"fp8reg {q} {bm} {partial}",
                             lambda q=q, bm=bm, p=partial: get_partial_kernel_fp8(q, bm, partial=p)))
-        if q == "bf16":  # partials_ab_gpu.sh's partials=q arms, narrow and wide stores (bf16 q only: the A/B grids)
-            for wide in (False, True):
+        if q == "bf16":  # partials_ab_gpu.sh's other arms: partials=q with narrow stores, fp32 with wide ones
+            for partial, wide in ((q, False), ("fp32", True)):
                 for bm in (16, 32):
-                    out.append((f"partial_balanced {q} {bm} {q} wide={wide}",
-                                lambda q=q, bm=bm, w=wide: api.get_partial_kernel(q, q, bm, balanced=True, partial=q,
-                                                                                  wide_store=w)))
+                    out.append((f"partial_balanced {q} {bm} {partial} wide={wide}",
+                                lambda q=q, bm=bm, p=partial, w=wide:
+                                api.get_partial_kernel(q, q, bm, balanced=True, partial=p, wide_store=w)))
                 for kv in (q, "fp8_e4m3"):
-                    out.append((f"seesaw {q} {kv} {q} wide={wide}",
-                                lambda q=q, kv=kv, w=wide: get_partial_kernel_wgmma_seesaw(q, kv, partial=q,
-                                                                                           wide_store=w)))
-            for bm in (16, 32):  # partials=fp32,stores=wide: only the out stores widen
-                out.append((f"partial_balanced {q} {bm} fp32 wide=True",
-                            lambda q=q, bm=bm: api.get_partial_kernel(q, q, bm, balanced=True, wide_store=True)))
-            for kv in (q, "fp8_e4m3"):
-                out.append((f"seesaw {q} {kv} fp32 wide=True",
-                            lambda q=q, kv=kv: get_partial_kernel_wgmma_seesaw(q, kv, wide_store=True)))
-            for bm in (16, 32):
-                out.append((f"wgmma_t_balanced {q} {bm} {q}",
-                            lambda q=q, bm=bm: get_partial_kernel_wgmma_t_balanced(q, q, bm, partial=q)))
-        # test_backend_gpu.py's WideStores classes (bf16 and fp16 q, partials=q and fp32, every family forced)
-        for partial in (q, "fp32"):
-            for bm in (16, 32, 64):
-                for balanced in (False, True):
-                    out.append((f"wide-tests partial {q} {bm} {partial} balanced={balanced}",
-                                lambda q=q, bm=bm, p=partial, b=balanced:
-                                api.get_partial_kernel(q, q, bm, balanced=b, partial=p, wide_store=True)))
-            out.append((f"wide-tests wgmma {q} {partial}",
-                        lambda q=q, p=partial: get_partial_kernel_wgmma(q, q, partial=p, wide_store=True)))
-            out.append((f"wide-tests seesaw {q} {partial}",
-                        lambda q=q, p=partial: get_partial_kernel_wgmma_seesaw(q, q, partial=p, wide_store=True)))
+                    out.append((f"seesaw {q} {kv} {partial} wide={wide}", lambda q=q, kv=kv, p=partial, w=wide:
+                                get_partial_kernel_wgmma_seesaw(q, kv, partial=p, wide_store=w)))
         for partial in ("fp32", q):
             for pdl in (False, True):
                 for wide, cols in ((False, 512), (False, 128), (True, 512)):

@@ -170,22 +170,21 @@ class CuteDslOptions(BackendOptions):
         description="dtype of the split-KV partial outputs (sm_90): each split's O, normalised, written by the "
                     "partial kernel and read back by the combine kernel (the combine sums in fp32 and the LSE "
                     "partials stay fp32 either way). fp32: 4 bytes per value. q: q's dtype (bf16/fp16), half the "
-                    "bytes a split step adds, for one more rounding of each split's O. auto (default): q for the "
-                    "fp8reg kernel (an fp8 cache up to 32 rows), fp32 for the others. On an H200 (one A/B, "
-                    "docs/results/gpu11_partials/) q was 2.5-31% faster with fp8reg at H=16 (every cell of 36), "
-                    "-3..+9% at H=16 with a bf16 cache (slower on steps of 1-8 requests) and up to 32% slower "
-                    "with the WGMMA/seesaw kernels at H=128 on split steps (B=1-16)")
+                    "bytes a split step adds, for one more rounding of each split's O. auto (default): q. On an "
+                    "H200 (docs/results/gpu12_stores/, with stores=wide, against fp32 in the same run) q was "
+                    "0.86-0.99x the time at H=128 on split steps (B=1-16) and with fp8reg at H=16 0.69-1.0x, "
+                    "0.93-1.03x at H=16 with a bf16 cache (mean 0.99 / 0.98 for s_q 1 / 2); with the narrow "
+                    "stores of the tenth session's run q had been up to 32% slower at H=128")
     stores: Literal["auto", "narrow", "wide"] = Field(
         default="auto",
         description="width of the partial kernels' epilogue stores of 16-bit rows (sm_90): the q-dtype output of "
-                    "an unsplit request, and the partials with partials=q. narrow: each thread stores its "
-                    "accumulator's 2-column pairs directly, 4 bytes per store (bf16x2). wide: the 4 lanes sharing "
-                    "a row exchange their pairs (4 warp shuffles per 16 bytes) and each stores 8 contiguous "
-                    "columns, 16 bytes per st.global.v4 (kernels/wide_store.py), in the mma.sync, WGMMA and "
-                    "seesaw kernels (fp8reg stores 16 bytes either way; wgmma_t keeps its stores). auto "
-                    "(default): narrow until an A/B on the GPU says otherwise (benchmarks/device/"
-                    "partials_ab_gpu.sh): with partials=q an H200 measured the WGMMA/seesaw kernels up to 32% "
-                    "slower than fp32 partials, the suspected cause being 4x the store instructions per byte")
+                    "an unsplit request, and 16-bit partials. narrow: each thread stores its accumulator's "
+                    "2-column pairs directly, 4 bytes per store (bf16x2). wide: the 4 lanes sharing a row exchange "
+                    "their pairs (4 warp shuffles per 16 bytes) and each stores 8 contiguous columns, 16 bytes per "
+                    "st.global.v4 (kernels/wide_store.py), in the mma.sync, WGMMA and seesaw kernels (fp8reg "
+                    "stores 16 bytes either way; wgmma_t keeps its stores). auto (default): wide. On an H200 "
+                    "(docs/results/gpu12_stores/, one run against narrow) wide was up to 14% faster at H=128 on "
+                    "unsplit steps (B=128 S=800 s_q=1 85.1 -> 75.5 us) and 0.99-1.02x at H=16 with fp32 partials")
     combine: Literal["auto", "row", "chunked", "wide"] = Field(
         default="auto",
         description="the kernel that merges split-KV partials (sm_90). row: one warp per query row walks every "
@@ -427,8 +426,8 @@ class CuteDslBackend(Backend):
                    "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
                    "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA, "
                    "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly",
-                   "split-KV partials: partials=auto writes them in q's dtype for the fp8reg kernel (2.5-31% faster "
-                   "on an H200 at H=16), fp32 elsewhere; combine=auto merges them with the wide kernel on small "
+                   "split-KV partials: partials=auto writes them in q's dtype and stores=auto stores 16-bit rows 16 "
+                   "bytes at a time (H200: up to 14% faster at H=128, fp8reg up to 31% at H=16); combine=auto merges them with the wide kernel on small "
                    "batches, a chunked row kernel (four warps per row) up to 32 rows from num_sms/2 row-kernel CTAs "
                    "(up to 15% faster at B=16-64), one warp per row above"),
             q_layouts=("packed",), kv_layouts=("packed",), strided_q=False,
@@ -507,20 +506,18 @@ def combine_variants(shape: DecodeShape, options: CuteDslOptions) -> List[Tuple[
 
 
 def partial_dtype_name(shape: DecodeShape, options: CuteDslOptions) -> str:
-    """The partial-O buffer's dtype name for option partials: "fp32", or q's dtype ("bf16"/"fp16"). auto: q's
-    dtype where the fp8reg kernel runs, fp32 elsewhere. A function of the shape class and options only (the
-    session's workspace, and a CUDA graph's buffers, never change dtype between steps; mma=auto's per-step
-    rule only swaps mma_sync and wgmma_t, both fp32 under auto)."""
-    if options.partials == "auto":
-        return shape.q_dtype if partial_kernel(shape, options) == "fp8reg" else "fp32"
+    """The partial-O buffer's dtype name for option partials: "fp32", or q's dtype ("bf16"/"fp16"; auto). A
+    function of the shape class and options only (the session's workspace, and a CUDA graph's buffers, never
+    change dtype between steps; mma=auto's per-step rule only swaps mma_sync and wgmma_t, which write the same
+    partial dtype)."""
     return "fp32" if options.partials == "fp32" else shape.q_dtype
 
 
 def wide_stores(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether the partial kernels of this shape class store 16-bit epilogue rows 16 bytes at a time (option
-    stores; auto: narrow for now). A function of the shape class and options only, as the partials dtype: a
-    session's schedules carry it (Schedule.wide_store) and a CUDA graph keeps one kernel."""
-    return options.stores == "wide"
+    stores; auto: wide). A function of the shape class and options only, as the partials dtype: a session's
+    schedules carry it (Schedule.wide_store) and a CUDA graph keeps one kernel."""
+    return options.stores != "narrow"
 
 
 def session_sms(device_sms: int, options: CuteDslOptions) -> int:

@@ -51,11 +51,12 @@ class TestCuteDslWgmmaTPdlConformance(TestCuteDslPdlConformance):
 
 
 class TestCuteDslQPartialsConformance(TestCuteDslConformance):
-    """Option partials=q: split-KV partial outputs in q's dtype (bf16 here) instead of fp32, bf16 and fp8 caches,
+    """Option partials=q with stores=narrow (the default is partials=q with wide stores): split-KV partial outputs
+    in q's dtype (bf16 here) stored 4 bytes at a time, bf16 and fp8 caches,
     every kernel family auto picks over these heads (mma.sync balanced, fp8reg, WGMMA, seesaw) and both combine
     kernels reading 16-bit partials."""
 
-    options = {"partials": "q"}
+    options = {"partials": "q", "stores": "narrow"}
 
 
 class TestCuteDslQPartialsFp16Conformance(TestCuteDslQPartialsConformance):
@@ -67,7 +68,7 @@ class TestCuteDslWgmmaTQPartialsConformance(TestCuteDslQPartialsConformance):
     """partials=q with the transposed WGMMA kernel forced (its balanced entry with a 16-bit cache, its even entry
     with fp8), which auto runs only on steps of >= 640 KV blocks."""
 
-    options = {"partials": "q", "mma": "wgmma_t"}
+    options = {"partials": "q", "mma": "wgmma_t", "stores": "narrow"}
     num_heads = (1, 3, 8, 16, 32)
 
 
@@ -151,15 +152,15 @@ class TestCuteDslMmaSyncConformance(TestCuteDslConformance):
     seq_lens_q = (1, 2, 8)
 
 
-class TestCuteDslWideStoresConformance(TestCuteDslConformance):
-    """Option stores=wide with partials=q: the 16-byte epilogue stores (kernels/wide_store.py: a quad transpose,
-    then st.global.v4) of the 16-bit partials and of the output of unsplit requests, bf16 and fp8 caches, every
-    kernel family auto picks over these heads (mma.sync balanced at 16/32 rows, fp8reg, WGMMA, seesaw)."""
+class TestCuteDslFp32NarrowConformance(TestCuteDslConformance):
+    """partials=fp32 with stores=narrow, 0.2.7's default (the default class above now runs 16-bit partials with
+    wide stores): fp32 partials, 4-byte bf16x2 output stores, bf16 and fp8 caches, every kernel family auto
+    picks over these heads."""
 
-    options = {"partials": "q", "stores": "wide"}
+    options = {"partials": "fp32", "stores": "narrow"}
 
 
-class TestCuteDslWideStoresFp16Conformance(TestCuteDslWideStoresConformance):
+class TestCuteDslFp32NarrowFp16Conformance(TestCuteDslFp32NarrowConformance):
     q_dtype = "fp16"
     kv_dtypes = ("fp16", "fp8_e4m3")
 

@@ -446,9 +446,9 @@ def test_a_session_picks_the_kernel_per_plan_by_kv_blocks_on_the_same_buffers(mo
     assert combos == {(k, f) for k in ("mma_sync", "wgmma_t") for f in ("even", "balanced")}
     assert len(seen) == 1  # one schedule, one workspace, one lse scratch for both kernels
     assert rec.made == [(1, True)] and rec.filled == [(1, True)] * (len(steps) - 1)
-    assert rec.partials == [("mma_sync", ("bf16", "bf16", 32, None), {"balanced": True, "partial": "fp32",
-                                                                        "wide_store": False}),
-                            ("wgmma_t", ("bf16", "bf16", 32), {"partial": "fp32"})]  # once per session, first plan
+    assert rec.partials == [("mma_sync", ("bf16", "bf16", 32, None), {"balanced": True, "partial": "bf16",
+                                                                        "wide_store": True}),
+                            ("wgmma_t", ("bf16", "bf16", 32), {"partial": "bf16"})]  # once per session, first plan
     # where the rule does not apply (16 rows here) the session builds nothing extra at plan
     big = _lens([64] * 64)
     planned = session.plan(prob(num_heads=16, seq_len_q=1, batch_size=64), StepInputs(big, table, big, table))
@@ -761,9 +761,9 @@ def test_option_pdl_takes_auto_or_a_bool_with_one_message():
         CuteDslOptions(pdl="yes")
 
 
-@pytest.mark.parametrize("stores,want", [("auto", False), ("narrow", False), ("wide", True)])
+@pytest.mark.parametrize("stores,want", [("auto", True), ("narrow", False), ("wide", True)])
 def test_option_stores_reaches_the_schedule_and_the_prebuilt_partials(monkeypatch, stores, want):
-    """Option stores (auto: narrow for now) reaches the schedule plan returns (Schedule.wide_store, read by the
+    """Option stores (auto: wide) reaches the schedule plan returns (Schedule.wide_store, read by the
     host entries' kernel getters) on the first plan and on a re-plan into the same buffers, and the balanced
     mma.sync partial a bf16 session prebuilds at 17-32 rows is the one built for it."""
     import types

@@ -81,7 +81,8 @@ def _cpu_session(monkeypatch, options, kv_dtype="bf16", q_dtype="bf16", heads=16
 
 
 @pytest.mark.parametrize("partials, q_dtype, kv_dtype, want", [
-    ("auto", "bf16", "bf16", torch.float32),
+    ("auto", "bf16", "bf16", torch.bfloat16),
+    ("auto", "fp16", "fp16", torch.float16),
     ("auto", "bf16", "fp8_e4m3", torch.bfloat16),  # 32 rows with an fp8 cache: the fp8reg kernel
     ("fp32", "bf16", "fp8_e4m3", torch.float32),
     ("fp32", "bf16", "bf16", torch.float32),
@@ -126,10 +127,11 @@ def test_backend_option_partials_is_validated():
 @pytest.mark.parametrize("heads, s_q, kv, mma, partials, want", [
     (16, 1, "fp8_e4m3", "auto", "auto", "bf16"),  # fp8reg
     (16, 2, "fp8_e4m3", "auto", "auto", "bf16"),  # fp8reg, 32 rows
-    (16, 2, "fp8_e4m3", "wgmma_t", "auto", "fp32"),  # forced away from fp8reg
-    (128, 1, "fp8_e4m3", "auto", "auto", "fp32"),  # seesaw
-    (64, 1, "fp8_e4m3", "auto", "auto", "fp32"),  # wgmma
-    (16, 2, "bf16", "auto", "auto", "fp32"),  # mma.sync / wgmma_t balanced
+    (16, 2, "fp8_e4m3", "wgmma_t", "auto", "bf16"),  # forced away from fp8reg
+    (128, 1, "fp8_e4m3", "auto", "auto", "bf16"),  # seesaw
+    (64, 1, "fp8_e4m3", "auto", "auto", "bf16"),  # wgmma
+    (16, 2, "bf16", "auto", "auto", "bf16"),  # mma.sync / wgmma_t balanced
+    (16, 2, "bf16", "auto", "fp32", "fp32"),
     (16, 2, "bf16", "auto", "q", "bf16"),
     (128, 1, "fp8_e4m3", "auto", "q", "bf16"),
     (16, 1, "fp8_e4m3", "auto", "fp32", "fp32"),
@@ -251,12 +253,12 @@ def test_option_combine_sets_the_schedule_and_the_prebuilt_kernels(monkeypatch, 
             prebuilt = {b for b in built if b[0] == "combine"}
         assert planned.schedule.wide_combine is want_wide and planned.schedule.combine_cols == want_cols
         n = len(built)
-        api.combine_kernel_for("bf16", planned.schedule, "fp32")  # what a launch of this step asks for
-        assert built[n:] == [("combine", want_wide, "fp32", want_cols)]
+        api.combine_kernel_for("bf16", planned.schedule, "bf16")  # what a launch of this step asks for (partials=auto: q)
+        assert built[n:] == [("combine", want_wide, "bf16", want_cols)]
         assert built[n] in prebuilt  # warmup (the first plan) built the kernel this step launches
-    want = {"auto": {("combine", True, "fp32", 512), ("combine", False, "fp32", 512), ("combine", False, "fp32", 128)},
-            "row": {("combine", False, "fp32", 512)}, "chunked": {("combine", False, "fp32", 128)},
-            "wide": {("combine", True, "fp32", 512)}}[combine]
+    want = {"auto": {("combine", True, "bf16", 512), ("combine", False, "bf16", 512), ("combine", False, "bf16", 128)},
+            "row": {("combine", False, "bf16", 512)}, "chunked": {("combine", False, "bf16", 128)},
+            "wide": {("combine", True, "bf16", 512)}}[combine]
     assert prebuilt == want
 
 

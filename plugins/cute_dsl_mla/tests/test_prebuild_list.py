@@ -32,18 +32,21 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
     items, asked = _asked(monkeypatch)
     labels = [label for label, _ in items]
     assert len(labels) == len(set(labels)) == len(asked) == len(set(asked))
-    for key in [
-        ("partial_balanced", ("bf16", "bf16", 32, None)),  # mma=auto, 17-32 rows, 16-bit cache, < 640 blocks
-        ("partial_wgmma_t_balanced", ("bf16", "bf16", 32)),  # ... from 640 blocks
-        ("partial_fp8reg", ("bf16", "fp8_e4m3", 16, None, 2, "partial_bf16")),  # fp8 cache, partials=auto
+    for key in [  # the defaults: 16-bit partials in q's dtype, wide stores where a kernel has them
+        ("partial_balanced", ("bf16", "bf16", 32, None, "partial_bf16", "wide_store")),  # mma=auto, 17-32 rows
+        ("partial_wgmma_t_balanced", ("bf16", "bf16", 32, "partial_bf16")),  # ... from 640 blocks
+        ("partial_fp8reg", ("bf16", "fp8_e4m3", 16, None, 2, "partial_bf16")),  # fp8 cache up to 32 rows
         ("partial_fp8reg", ("fp16", "fp8_e4m3", 32, None, 2, "partial_fp16")),
-        ("partial_wgmma_seesaw", ("bf16", "fp8_e4m3", 64, "l2pf")),  # H=128 fp8 (L2 prefetch on for fp8)
-        ("partial_wgmma_seesaw", ("bf16", "bf16", 64)),
-        ("partial_wgmma", ("fp16", "fp16", 64)),
-        ("partial", ("bf16", "fp8_e4m3", 64, None)),
-        ("combine", ("bf16", "cols128")),  # combine=auto's chunked kernel
-        ("combine_wide", ("bf16", "partial_bf16")),  # fp8reg's combines read 16-bit partials
+        ("partial_wgmma_seesaw", ("bf16", "fp8_e4m3", 64, "l2pf", "partial_bf16", "wide_store")),  # H=128 fp8
+        ("partial_wgmma_seesaw", ("bf16", "bf16", 64, "partial_bf16", "wide_store")),
+        ("partial_wgmma", ("fp16", "fp16", 64, "partial_fp16", "wide_store")),
+        ("partial", ("bf16", "fp8_e4m3", 64, None, "partial_bf16", "wide_store")),
+        ("combine", ("bf16", "partial_bf16", "cols128")),  # combine=auto's chunked kernel
+        ("combine_wide", ("bf16", "partial_bf16")),
         ("combine", ("fp16", "partial_fp16", "cols128")),
+        # the A/B arms' partials=fp32 with narrow stores (0.2.7's default)
+        ("partial_wgmma_seesaw", ("bf16", "bf16", 64)),
+        ("partial_balanced", ("bf16", "bf16", 32, None)),
         ("combine_pdl", ("bf16",)),
     ]:
         assert key in asked, key
