@@ -190,10 +190,10 @@ class CuteDslOptions(BackendOptions):
         description="the kernel that merges split-KV partials (sm_90). row: one warp per query row walks every "
                     "split; chunked: four warps per row, 128 columns each (4x the warps in flight for steps of few "
                     "requests); wide: one CTA per row and 128-column chunk, its warps sharing out the splits (for "
-                    "rows split many ways). auto: up to 32 rows (s_q*num_heads) wide below num_sms/2 row-kernel "
-                    "CTAs (batch * ceil(rows/4)), chunked below 4*num_sms, row above; from 33 rows wide below "
-                    "num_sms, else row (kernels/schedule.py combine_kind_for, with the H200 numbers). Decided by "
-                    "batch size and rows, so a CUDA graph keeps one combine kernel")
+                    "rows split many ways). auto: by the row kernel's CTA count (batch * ceil(rows/4), rows = "
+                    "s_q*num_heads): wide below num_sms/2, chunked below 4*num_sms, row above (kernels/schedule.py "
+                    "combine_kind_for, with the H200 numbers; since 0.2.8 at every row count, 0.2.7 kept the chunked "
+                    "kernel to 32 rows). Decided by batch size and rows, so a CUDA graph keeps one combine kernel")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
@@ -428,8 +428,8 @@ class CuteDslBackend(Backend):
                    "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly",
                    "split-KV partials: partials=auto writes them in q's dtype and stores=auto stores 16-bit rows 16 "
                    "bytes at a time (H200: up to 14% faster at H=128, fp8reg up to 31% at H=16); combine=auto merges them with the wide kernel on small "
-                   "batches, a chunked row kernel (four warps per row) up to 32 rows from num_sms/2 row-kernel CTAs "
-                   "(up to 15% faster at B=16-64), one warp per row above"),
+                   "batches, a chunked row kernel (four warps per row) from num_sms/2 row-kernel CTAs (up to 15% "
+                   "faster at H=16 B=16-64, 7-13% at H=128 B=2-16), one warp per row from 4*num_sms"),
             q_layouts=("packed",), kv_layouts=("packed",), strided_q=False,
         )
 
@@ -496,12 +496,9 @@ class CuteDslBackend(Backend):
 def combine_variants(shape: DecodeShape, options: CuteDslOptions) -> List[Tuple[bool, int]]:
     """The (wide, cols) combine kernels steps of this shape class may run under option combine: a session builds
     them all at its first plan (auto picks by batch, which may change between eager steps)."""
-    from .kernels.schedule import CHUNKED_COMBINE_MAX_ROWS, combine_params
+    from .kernels.schedule import combine_params
 
-    if options.combine != "auto":
-        return [combine_params(options.combine)]
-    rows = shape.seq_len_q * shape.num_heads
-    kinds = ("wide", "row", "chunked") if rows <= CHUNKED_COMBINE_MAX_ROWS else ("wide", "row")
+    kinds = ("wide", "row", "chunked") if options.combine == "auto" else (options.combine,)
     return [combine_params(k) for k in kinds]
 
 

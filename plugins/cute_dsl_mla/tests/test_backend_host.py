@@ -275,9 +275,8 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=2, kv_dtype=kv_dtype)
     planned = session.plan(problem, StepInputs(lens, table, lens, table))
     assert made == [ctas]
-    # every combine a step may pick by its batch (combine_kind_for): up to 32 rows wide, row and chunked
-    want = {("bf16", True, False, 512), ("bf16", False, False, 512)} | (
-        {("bf16", False, False, 128)} if heads * s_q <= 32 else set())
+    # every combine a step may pick by its batch (combine_kind_for): wide, row and chunked
+    want = {("bf16", True, False, 512), ("bf16", False, False, 512), ("bf16", False, False, 128)}
     assert set(built) == want and len(built) == len(want)  # option pdl: false by default
     runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma", "seesaw": "mla_decode_sm90_wgmma_seesaw",
             # split_kv=balanced (the default) takes the mma.sync kernel with a 16-bit cache to its balanced entry
@@ -745,14 +744,13 @@ def test_option_pdl_sets_how_the_schedule_launches_its_combine(monkeypatch, pdl,
     first = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
     again = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
     assert first is again and again.pdl_combine is want
-    chunked = [(False, want, 128)] if heads * s_q <= 32 else []  # combine_kind_for's third kernel
-    assert built == [(True, want, 512), (False, want, 512)] + chunked
+    assert built == [(True, want, 512), (False, want, 512), (False, want, 128)]  # combine_kind_for's three
     assert be.pdl_combine(problem, CuteDslOptions(pdl=pdl)) is want
     assert CuteDslOptions().pdl is False and be.PDL_AUTO_MAX_ROWS == 32
     if pdl == "auto" and heads == 16 and s_q == 1:  # s_q=4 (64 rows) in the same session: plain combines
         other = prob(num_heads=16, seq_len_q=4, batch_size=2)
         assert session.plan(other, StepInputs(lens, table, lens, table)).schedule.pdl_combine is False
-        assert built[3:] == [(True, False, 512), (False, False, 512)]
+        assert built[3:] == [(True, False, 512), (False, False, 512), (False, False, 128)]
 
 
 def test_option_pdl_takes_auto_or_a_bool_with_one_message():

@@ -72,9 +72,9 @@ def test_the_wide_combine_is_chosen_when_the_per_row_one_would_not_fill_the_gpu(
         api.get_combine_kernel = real
     # B=64 H=16: 256 per-row CTAs; B=4 H=128 s_q=2: 256 (measured slower with the wide kernel)
     assert picked == [True, False, True, True, False, True, True]
-    # up to 32 rows wide below num_sms // 2 row CTAs (combine_kind_for; chunked above), from 33 rows below num_sms
+    # wide below num_sms // 2 row CTAs at every row count (combine_kind_for; chunked above)
     assert wide_combine_for(1, 16, 132) and wide_combine_for(16, 16, 132) and not wide_combine_for(17, 16, 132)
-    assert wide_combine_for(1, 4 * 131, 132) and not wide_combine_for(1, 4 * 132, 132)
+    assert wide_combine_for(1, 4 * 65, 132) and not wide_combine_for(1, 4 * 66, 132)
     # the choice follows batch and rows only: the same for every length of one batch size (graph replay)
     for lens in ([1], [64], [100000]):
         assert make_schedule(torch.tensor(lens, dtype=torch.int32), 1, 16, 132, device="cpu").wide_combine

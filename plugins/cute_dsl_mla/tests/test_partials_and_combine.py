@@ -268,9 +268,11 @@ def test_combine_kind_follows_batch_and_rows():
     assert [combine_kind_for(b, 16, 132) for b in (1, 16, 17, 131, 132)] == ["wide", "wide", "chunked", "chunked",
                                                                            "row"]
     assert [combine_kind_for(b, 32, 132) for b in (8, 9, 65, 66)] == ["wide", "chunked", "chunked", "row"]
-    # from 33 rows the earlier rule: wide while the row kernel has fewer CTAs than SMs, never chunked
-    assert [combine_kind_for(b, 128, 132) for b in (1, 4, 5)] == ["wide", "wide", "row"]
-    assert [combine_kind_for(1, r, 132) for r in (4 * 131, 4 * 132)] == ["wide", "row"]
+    # the same rule at 128 rows (0.2.7 kept wide up to num_sms row CTAs, then row, from 33 rows)
+    assert [combine_kind_for(b, 128, 132) for b in (1, 2, 3, 16, 17)] == ["wide", "wide", "chunked", "chunked",
+                                                                          "row"]
+    assert [combine_kind_for(1, r, 132) for r in (4 * 65, 4 * 66, 4 * 527, 4 * 528)] == ["wide", "chunked",
+                                                                                          "chunked", "row"]
     assert wide_combine_for(8, 32, 132) and not wide_combine_for(9, 32, 132)
     # the choice follows batch and rows only: the same for every length of one batch size (graph replay)
     kinds = {(s.wide_combine, s.combine_cols) for s in (

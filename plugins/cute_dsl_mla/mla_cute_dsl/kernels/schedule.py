@@ -77,30 +77,26 @@ def slots_for(rows: int, num_sms: int, ctas_per_sm: int = 1) -> int:
 COMBINE_ROWS_PER_CTA = 4
 
 
-#: combine_kind_for picks the chunked combine only up to this many packed rows (where it was measured)
-CHUNKED_COMBINE_MAX_ROWS = 32
-
-
 def combine_kind_for(batch: int, rows: int, num_sms: int) -> str:
     """Which kernel merges a step's split-KV partials: "wide" (MLACombineWide: one CTA per row and 128-column
     chunk, warps share out the splits), "chunked" (MLACombine with 128 columns per warp: four warps per row) or
-    "row" (MLACombine, one warp per row). By the row kernel's CTA count, batch * ceil(rows / 4).
+    "row" (MLACombine, one warp per row). By the row kernel's CTA count, batch * ceil(rows / 4): wide below
+    num_sms // 2, chunked below 4 * num_sms, row from there.
 
-    Up to 32 rows (measured on an H200, docs/results/gpu11_combine/, H=16 s_q=1/2, batches 1-64, lengths
-    512-4096, bf16 and fp8 caches): wide below num_sms // 2 row CTAs (the chunked kernel was 7.5-85% slower than
-    wide below 64 row CTAs, where rows split many ways need the warps of a CTA to share the splits; -5.5..+3.4%
-    at 64, B=8 s_q=2 and B=16 s_q=1), chunked below 4 * num_sms (3.4-16% faster than the kernel the old rule
-    picked at B=16 s_q=2 and B=32, e.g. B=16 s_q=2 S=512 16.8 -> 14.4 us; -9.5..+3% at B=64), row from there
-    (unmeasured above B=64). Above 32 rows the earlier rule: wide when the row kernel would have
-    fewer CTAs than the GPU has SMs (B=1 H=16 S=4096: 35.5 -> 11.8 us; with 256 per-row CTAs it was slower,
-    H=128 s_q=2 B=4: 19.4 -> 24.4 us). Batch and rows only, never the lengths: a CUDA graph captured at one step
+    Measured on an H200 with the combine forced each way, bf16 and fp8 caches, lengths 512-4096 (fp32
+    partials). Up to 32 rows (docs/results/gpu11_combine/, H=16 s_q=1/2, batches 1-64): the chunked kernel
+    was 7.5-85% slower than wide below 64 row CTAs, where rows split many ways need the warps of a CTA to
+    share the splits, -5.5..+3.4% at 64, and 3.4-16% faster than the kernel the earlier rule picked at B=16
+    s_q=2 and B=32 (B=16 s_q=2 S=512 16.8 -> 14.4 us), -9.5..+3% at B=64. At 128 and 256 rows
+    (docs/results/gpu12_tune/combine_ab_h128.*, H=128 s_q=1/2, batches 1-32): chunked 7-13% faster than the
+    earlier rule's wide or row kernel from 128 to 512 row CTAs (s_q=1 B=4-16, s_q=2 B=2-8; s_q=1 B=8 S=1024
+    22.2 -> 19.2 us, s_q=2 B=4 S=4096 33.8 -> 30.9), wide best or tied at 32-64 (B=1-2), row at 1024 and up
+    (B=32 s_q=1, B=16-32 s_q=2). Batch and rows only, never the lengths: a CUDA graph captured at one step
     replays the same combine at every later step of its batch size."""
     row_ctas = batch * -(-rows // COMBINE_ROWS_PER_CTA)
-    if rows <= CHUNKED_COMBINE_MAX_ROWS:
-        if row_ctas < num_sms // 2:
-            return "wide"
-        return "chunked" if row_ctas < 4 * num_sms else "row"
-    return "wide" if row_ctas < num_sms else "row"
+    if row_ctas < num_sms // 2:
+        return "wide"
+    return "chunked" if row_ctas < 4 * num_sms else "row"
 
 
 def combine_params(kind: str) -> tuple:
