@@ -6,8 +6,10 @@
 #                                                mla-cute-dsl 0.2.1 runs)
 #   GRIDS="h200_tune7_bench h200_tune7_offgrid_bench h200_tune7_offgrid2_bench h200_validate7_offgrid7_bench" \
 #   ALWAYS=h200_tune7_refine_bench bash benchmarks/tune_crossval.sh    (the 0.2.2 runs)
+#   R=docs/results/gpu12_tune GRIDS="h200_tune_bench h200_offgrid_bench h200_offgrid2_bench h200_lengths8_bench \
+#   h200_offgrid7_bench" ALWAYS=" " bash benchmarks/tune_crossval.sh   (the 0.2.7 runs of the twelfth session)
 set -euo pipefail
-R=docs/results
+R=${R:-docs/results}
 PY=${PY:-python}
 GRIDS=${GRIDS:-"h200_tune_bench h200_tune_offgrid_bench h200_tune_offgrid2_bench h200_validate_offgrid5s_bench
 h200_validate_offgrid6_bench h200_validate_offgrid7_bench"}
