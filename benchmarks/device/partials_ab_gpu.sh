@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the H200 (devpack set up, env.sh sourced): option partials (split-KV partial outputs in q's dtype instead of
 # fp32) checked and timed.
-#   PART=tests: the GPU conformance classes with partials=q and with stores=wide (test_backend_gpu.py
-#               -k "${TK:-QPartials or WideStores}": bf16 and fp16 q, every kernel family auto picks, and mma.sync,
+#   PART=tests: the GPU conformance classes off the default's partials/stores (test_backend_gpu.py
+#               -k "${TK:-QPartials or WideStores or Fp32}": bf16 and fp16 q, every kernel family auto picks, and mma.sync,
 #               WGMMA, seesaw, wgmma_t forced), under timeout ${TT:-300} -> $OUT/partials_gpu_tests.log
 #   PART=bench: mla bench on GRIDS (default benchmarks/grids/partials_ab_h16.toml, 72 cells, and partials_ab_h128.toml,
 #               12 cells; stores_ab_h128.toml: 12 cells without splits at B >= 64)
@@ -17,7 +17,7 @@ export MLA_CUTE_DSL_TEST_CACHE_DIR=${KCACHE:-/tmp/mla_kcache} MLA_CUTE_DSL_CACHE
 T=plugins/cute_dsl_mla/tests
 if [ "${PART:-tests}" = tests ]; then
   start=$(date +%s)
-  timeout ${TT:-300} python -m pytest -q -p no:cacheprovider -rfs $T/test_backend_gpu.py -k "${TK:-QPartials or WideStores}" \
+  timeout ${TT:-300} python -m pytest -q -p no:cacheprovider -rfs $T/test_backend_gpu.py -k "${TK:-QPartials or WideStores or Fp32}" \
     > "$OUT/partials_gpu_tests.log" 2>&1
   echo "partials GPU tests rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/partials_gpu_tests.log"
 else

@@ -64,14 +64,6 @@ class TestCuteDslQPartialsFp16Conformance(TestCuteDslQPartialsConformance):
     kv_dtypes = ("fp16", "fp8_e4m3")
 
 
-class TestCuteDslWgmmaTQPartialsConformance(TestCuteDslQPartialsConformance):
-    """partials=q with the transposed WGMMA kernel forced (its balanced entry with a 16-bit cache, its even entry
-    with fp8), which auto runs only on steps of >= 640 KV blocks."""
-
-    options = {"partials": "q", "mma": "wgmma_t", "stores": "narrow"}
-    num_heads = (1, 3, 8, 16, 32)
-
-
 class TestCuteDslChunkedCombineConformance(TestCuteDslConformance):
     """Option combine=chunked: the row combine with four warps per row (128 columns each) on every split step,
     bf16 and fp8 caches (fp8reg with its 16-bit partials), every kernel family auto picks."""
@@ -172,33 +164,33 @@ class TestCuteDslWideStoresFp32PartialsConformance(TestCuteDslConformance):
     num_heads = (1, 16, 128)
 
 
-class TestCuteDslMmaSyncWideStoresConformance(TestCuteDslConformance):
-    """stores=wide, partials=q with the mma.sync kernel forced: 16, 32 and 64 rows per CTA (BLOCK_M 64 from 33
-    rows), its even and balanced entries, its fp8 path."""
+class TestCuteDslMmaSyncFp32NarrowConformance(TestCuteDslConformance):
+    """partials=fp32, stores=narrow (0.2.7's default) with the mma.sync kernel forced: 16, 32 and 64 rows per CTA
+    (BLOCK_M 64 from 33 rows), its even and balanced entries, its fp8 path (the MmaSync class runs the default,
+    16-bit partials with wide stores)."""
 
-    options = {"mma": "mma_sync", "partials": "q", "stores": "wide"}
+    options = {"mma": "mma_sync", "partials": "fp32", "stores": "narrow"}
     num_heads = (1, 16, 64, 128)
     seq_lens_q = (1, 2, 8)
 
 
-class TestCuteDslWgmmaWideStoresConformance(TestCuteDslWgmmaConformance):
-    """stores=wide, partials=q with the WGMMA kernel forced (64+ rows)."""
+class TestCuteDslWgmmaFp32NarrowConformance(TestCuteDslWgmmaConformance):
+    """partials=fp32, stores=narrow with the WGMMA kernel forced (64+ rows)."""
 
-    options = {"mma": "wgmma", "partials": "q", "stores": "wide"}
-
-
-class TestCuteDslSeesawWideStoresConformance(TestCuteDslSeesawConformance):
-    """stores=wide, partials=q with the seesaw kernel forced (64+ rows, bf16 and fp8 caches)."""
-
-    options = {"mma": "seesaw", "partials": "q", "stores": "wide"}
+    options = {"mma": "wgmma", "partials": "fp32", "stores": "narrow"}
 
 
-class TestCuteDslWgmmaTWideStoresConformance(TestCuteDslQPartialsConformance):
-    """stores=wide, partials=q with wgmma_t forced: its stores are unchanged (wide_store is not built for its
-    transposed accumulator), so this checks the option is harmless there (auto may swap it with the wide
-    mma.sync balanced kernel per step)."""
+class TestCuteDslSeesawFp32NarrowConformance(TestCuteDslSeesawConformance):
+    """partials=fp32, stores=narrow with the seesaw kernel forced (64+ rows, bf16 and fp8 caches)."""
 
-    options = {"partials": "q", "mma": "wgmma_t", "stores": "wide"}
+    options = {"mma": "seesaw", "partials": "fp32", "stores": "narrow"}
+
+
+class TestCuteDslWgmmaTFp32PartialsConformance(TestCuteDslConformance):
+    """partials=fp32 with wgmma_t forced (its balanced entry with a 16-bit cache, its even entry with fp8): the
+    WgmmaT class runs the default 16-bit partials (wgmma_t has no wide stores, so option stores does not matter)."""
+
+    options = {"partials": "fp32", "mma": "wgmma_t"}
     num_heads = (1, 3, 8, 16, 32)
 
 

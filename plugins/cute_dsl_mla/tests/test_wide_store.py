@@ -9,8 +9,9 @@
    those columns' values; over all threads every (row, column) of the tile is written once.
 3. The compiled kernels: wide-store specializations compile for bf16 / fp16 partials at every row count,
    the wide epilogue's global stores are st.global.v4.b32 where the narrow one has st.global.b32 (output
-   and partial), with no extra local-memory traffic beyond what the narrow kernel has.
-Nothing here runs a kernel: test_wide_store_gpu.py does, on an SM90 GPU.
+   and partial).
+Nothing here runs a kernel: the conformance classes of test_backend_gpu.py do, on an SM90 GPU (the default runs
+wide stores since mla-cute-dsl 0.2.8).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Why: in an mma.sync m16n8k16 or a WGMMA m64nNk16 fp32 accumulator, a thread holds for each of its
 rows, per 8-column block, 2 adjacent columns (8 * block + 2 * (lane % 4) + {0, 1}); the 4 lanes of a
 quad hold the same rows. Storing that pair directly is an 8-byte store with fp32 partials but only a
-4-byte one (bf16x2) with 16-bit partials or for the q-dtype output, so a 16-bit epilogue issues 4x the
-store instructions per byte of an fp32 one of the same bytes per instruction / 2 (the H200 measured the
-WGMMA / seesaw kernels up to 32% slower with 16-bit partials, NOTES.md).
+4-byte one (bf16x2) with 16-bit partials or for the q-dtype output: 2x the store instructions per byte of
+the fp32 pairs and 4x those of 16-byte stores (with narrow stores the H200 measured the WGMMA / seesaw
+kernels up to 32% slower with 16-bit partials than with fp32 ones, NOTES.md).
 
 What: per row, 4 blocks at a time, the quad transposes its 32-bit column pairs (two xor-shuffle
 stages, `quad_transpose`), after which lane q owns block q's 8 contiguous columns (16 bytes) and
