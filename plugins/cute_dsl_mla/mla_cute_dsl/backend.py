@@ -658,8 +658,10 @@ class CuteDslSession(Session):
         from .kernels.api import get_partial_kernel
         from .kernels.sm90_wgmma_t_decode import get_partial_kernel_wgmma_t_balanced
 
+        # combine=fused: the mma.sync side is the kernel that merges its splits (keyword only when on)
+        fused = {"fused": True} if self.options.combine == "fused" else {}
         get_partial_kernel(key[0], key[1], key[2], None, balanced=True, partial=key[3],
-                           wide_store=wide_stores(problem, self.options), fused=self.options.combine == "fused")
+                           wide_store=wide_stores(problem, self.options), **fused)
         get_partial_kernel_wgmma_t_balanced(key[0], key[1], key[2], partial=key[3])
         self._both_partials.add(key)
 

@@ -434,7 +434,7 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
         fused = fused_supported(schedule, kv_name)
         partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], kv_name, schedule.block_m,
                                      layout, balanced=True, partial=partial_name(workspace),
-                                     wide_store=schedule.wide_store, fused=fused)
+                                     wide_store=schedule.wide_store, **({"fused": True} if fused else {}))
         if fused:
             return launch_balanced_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse,
                                          schedule, workspace)
