@@ -194,11 +194,11 @@ class CuteDslOptions(BackendOptions):
                     "s_q*num_heads): wide below num_sms/2, chunked below 4*num_sms, row above (kernels/schedule.py "
                     "combine_kind_for, with the H200 numbers; since 0.2.8 at every row count, 0.2.7 kept the chunked "
                     "kernel to 32 rows). Decided by batch size and rows, so a CUDA graph keeps one combine kernel. fused: no "
-                    "combine kernel where the balanced mma.sync kernel runs (split_kv=balanced, bf16/fp16 cache, "
-                    "s_q*num_heads <= 32): the last CTA to finish one of a request's split items merges them "
-                    "(kernels/fused_merge.py; one launch per step). Everywhere else (wgmma, seesaw, fp8reg, the "
-                    "wgmma_t kernel mma=auto picks at 17-32 rows on steps of >= 640 KV blocks, split_kv=even, > 32 "
-                    "rows) it falls back to auto's combine kernel")
+                    "combine kernel where the mma.sync kernel runs (balanced or even split_kv) with a bf16/fp16 cache at "
+                    "s_q*num_heads <= 32: the last CTA to finish one of a request's split items merges them "
+                    "(kernels/fused_merge.py; one launch per step). Everywhere else (fp8 caches, wgmma, seesaw, "
+                    "fp8reg, the wgmma_t kernel mma=auto picks at 17-32 rows on steps of >= 640 KV blocks, > 32 "
+                    "rows) it falls back to auto's combine kernel. Experimental: compile-tested only")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
@@ -511,10 +511,11 @@ def combine_variants(shape: DecodeShape, options: CuteDslOptions) -> List[Tuple[
 
 def fused_merges(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether every step of this shape class merges its splits in the partial kernel under combine=fused: the
-    balanced mma.sync kernel runs it at every step (balanced_split, mma_sync, not mma=auto's per-step wgmma_t
-    rule) at <= 32 packed rows (api.fused_supported decides per launch; this answers for the shape class)."""
-    return (options.combine == "fused" and balanced_split(shape, options)
-            and partial_kernel(shape, options) == "mma_sync" and not _wgmma_t_auto(shape, options)
+    mma.sync kernel (balanced or even entry) runs at every step (not mma=auto's per-step wgmma_t rule) with a
+    bf16/fp16 cache at <= 32 packed rows (api.fused_supported decides per launch; this answers for the shape
+    class)."""
+    return (options.combine == "fused" and partial_kernel(shape, options) == "mma_sync"
+            and not _wgmma_t_auto(shape, options) and shape.kv_dtype != "fp8_e4m3"
             and shape.seq_len_q * shape.num_heads <= 32)
 
 

@@ -447,3 +447,10 @@ class TestCuteDslFusedCombineFp32Conformance(TestCuteDslFusedCombineConformance)
 
     options = {"combine": "fused", "partials": "fp32", "mma": "mma_sync"}
     kv_dtypes = ("bf16",)
+
+
+class TestCuteDslFusedCombineEvenConformance(TestCuteDslFusedCombineConformance):
+    """combine=fused with split_kv=even: the even mma.sync entry (one CTA per work row, kernel_fused) merges."""
+
+    options = {"combine": "fused", "split_kv": "even"}
+    kv_dtypes = ("bf16",)

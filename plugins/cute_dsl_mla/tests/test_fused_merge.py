@@ -65,6 +65,21 @@ def test_fused_kernel_compiles_with_its_atomic_fences_and_l2_reads(q, bm, partia
     assert len(re.findall(r"bar\.sync", ptx)) == 8
 
 
+@pytest.mark.parametrize("bm", [16, 32])
+def test_fused_even_entry_compiles_with_its_atomic_and_fences(bm, tmp_path):
+    """The even entry (one CTA per work row, split_kv=even) with the fused merge: call_fused."""
+    from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels.sm90_decode import MLADecodePartial
+
+    k = MLADecodePartial(api._cutlass_dtype("bf16"), api._cutlass_dtype("bf16"), bm, wide_store=True, fused=True)
+    ptx = _ptx(k.call_fused, api._fake_args_partial_fused("bf16", "bf16", "bf16"), tmp_path)
+    atoms, fences = _sync_ops(ptx)
+    assert atoms == ["atom.global.acq_rel.add.u32"] and fences.count("fence.acq_rel.gpu") == 2
+    assert "kernel_fused" in ptx and re.search(r"ld\.global\.cg\.v4\.b32", ptx)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert len(re.findall(r"bar\.sync", ptx)) == 7  # the default kernel's 5 plus the arrival's 2
+
+
 def test_default_balanced_kernel_has_no_atomic_or_fence(tmp_path):
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_decode import MLADecodePartial
@@ -81,11 +96,12 @@ def test_fused_is_refused_where_it_is_not_built():
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_decode import MLADecodePartial
 
-    for kw in (dict(block_m=16), dict(block_m=64, balanced=True)):
+    for kv, bm, kw in ((cutlass.BFloat16, 64, dict(balanced=True)), (cutlass.BFloat16, 64, {}),
+                       (cutlass.Float8E4M3FN, 16, {})):
         with pytest.raises(ValueError, match="fused"):
-            MLADecodePartial(cutlass.BFloat16, cutlass.BFloat16, kw.pop("block_m"), fused=True, **kw)
-    for args, kw in ((("bf16", "bf16", 64), dict(balanced=True)), (("bf16", "bf16", 16), {}),
-                     (("bf16", "fp8_e4m3", 16), dict(balanced=True))):
+            MLADecodePartial(cutlass.BFloat16, kv, bm, fused=True, **kw)
+    for args, kw in ((("bf16", "bf16", 64), dict(balanced=True)), (("bf16", "bf16", 64), {}),
+                     (("bf16", "fp8_e4m3", 16), {})):
         with pytest.raises(ValueError):
             api.get_partial_kernel(*args, fused=True, **kw)
 
@@ -98,7 +114,11 @@ def test_kernel_cache_keys_carry_the_fused_tag_only_when_on(monkeypatch):
     api.get_partial_kernel("bf16", "bf16", 16, balanced=True, partial="bf16", wide_store=True)
     api.get_partial_kernel("bf16", "bf16", 16, balanced=True, partial="bf16", wide_store=True, fused=True)
     api.get_partial_kernel("fp16", "fp16", 32, balanced=True, fused=True)
-    assert asked == [
+    api.get_partial_kernel("bf16", "bf16", 32, partial="bf16", fused=True)
+    api.get_partial_kernel("bf16", "bf16", 32, partial="bf16")
+    assert asked[3:] == [("partial", ("bf16", "bf16", 32, None, "partial_bf16", "fused")),
+                         ("partial", ("bf16", "bf16", 32, None, "partial_bf16"))]
+    assert asked[:3] == [
         ("partial_balanced", ("bf16", "bf16", 16, None, "partial_bf16", "wide_store")),
         ("partial_balanced", ("bf16", "bf16", 16, None, "partial_bf16", "wide_store", "fused")),
         ("partial_balanced", ("fp16", "fp16", 32, None, "fused")),
@@ -148,11 +168,12 @@ def test_workspace_has_zeroed_arrival_counters_per_request(dtype):
 # ---- host entry ----
 
 
-def _fused_case(H=16, s_q=1, lens_l=(200, 7), combine="fused"):
+def _fused_case(H=16, s_q=1, lens_l=(200, 7), combine="fused", balanced=True):
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
 
     q, kv, table, lens, out, lse, _, _ = _case(H, s_q, torch.bfloat16)
-    sched = make_schedule(list(lens_l), s_q, H, 132, device="cpu", balanced=True, form="balanced", combine=combine)
+    form = "balanced" if balanced else "auto"
+    sched = make_schedule(list(lens_l), s_q, H, 132, device="cpu", balanced=balanced, form=form, combine=combine)
     return q, kv, table, lens, out, lse, sched, alloc_workspace(sched, device="cpu")
 
 
@@ -166,6 +187,9 @@ def test_fused_entry_passes_the_compiled_argument_count(s_q, cpu_stream, cache_d
     q, kv, table, lens, out, lse, sched, ws = _fused_case(s_q=s_q)
     _compiled_then_from_disk(
         lambda: api.mla_decode_sm90_balanced(q, kv, table, lens, 0.1, 1.0, out, lse, sched, ws, check=False))
+    q, kv, table, lens, out, lse, sched, ws = _fused_case(s_q=s_q, balanced=False)  # split_kv=even's entry
+    _compiled_then_from_disk(
+        lambda: api.mla_decode_sm90(q, kv, table, lens, 0.1, 1.0, out, lse, sched, ws, check=False))
 
 
 def test_fused_step_launches_no_combine_and_passes_split_info_and_counters(monkeypatch, cpu_stream):
@@ -184,11 +208,19 @@ def test_fused_step_launches_no_combine_and_passes_split_info_and_counters(monke
         assert args[6] is sched.work_info and args[7] is sched.cta_ranges
         assert args[10] is sched.split_info and args[11] is ws.arrivals
     assert all(k["fused"] is True and k["balanced"] is True for _, k in kernels)
+    kernels.clear()
+    for lens_l in ((200, 7), (4096, 0, 100)):  # the even entry (split_kv=even)
+        q, kv, table, lens, out, lse, sched, ws = _fused_case(lens_l=lens_l, balanced=False)
+        calls.clear()
+        api.mla_decode_sm90(q, kv, table, lens, 0.1, 1.0, out, lse, sched, ws, check=False)
+        assert len(calls) == 1 and len(calls[0]) == 17
+        assert calls[0][6] is sched.work_info and calls[0][9] is sched.split_info and calls[0][10] is ws.arrivals
+    assert all(k["fused"] is True and "balanced" not in k for _, k in kernels)
 
 
 def test_fused_falls_back_to_the_combine_kernel_where_it_is_not_built(monkeypatch, cpu_stream):
-    """combine=fused with a shape the fused kernel does not take (64 rows: BLOCK_M 64) or through another entry
-    (the default even entry, wgmma_t's balanced entry: api.launch / launch_balanced): the schedule's combine."""
+    """combine=fused with a shape the fused kernel does not take (64 rows: BLOCK_M 64; an fp8 cache) or through
+    another kernel's entry (wgmma_t's balanced entry: api.launch_balanced): the schedule's combine kernel."""
     from mla_cute_dsl.kernels import api
 
     combines, partials = [], []
@@ -198,6 +230,9 @@ def test_fused_falls_back_to_the_combine_kernel_where_it_is_not_built(monkeypatc
     q, kv, table, lens, out, lse, sched, ws = _fused_case(H=32, s_q=2)
     assert sched.fused_combine and sched.block_m == 64 and not api.fused_supported(sched, "bf16")
     api.mla_decode_sm90_balanced(q, kv, table, lens, 0.1, 1.0, out, lse, sched, ws, check=False)
+    assert "fused" not in partials[-1] and combines[-1] == 6
+    q, kv, table, lens, out, lse, sched, ws = _fused_case(balanced=False)
+    api.mla_decode_sm90(q, kv.to(torch.float8_e4m3fn), table, lens, 0.1, 1.0, out, lse, sched, ws, check=False)
     assert "fused" not in partials[-1] and combines[-1] == 6
     q, kv, table, lens, out, lse, sched, ws = _fused_case()
     api.launch_balanced(lambda *a: None, q, kv, table, lens, 0.1, 1.0, out, lse, sched, ws)  # wgmma_t's path
@@ -227,8 +262,10 @@ def test_backend_option_combine_fused_shape_rules():
     forced = CuteDslOptions(combine="fused", mma="mma_sync")
     assert fused_merges(_problem(s_q=2), forced) and combine_variants(_problem(s_q=2), forced) == []
     for p, o in ((_problem(kv="fp8_e4m3"), fused), (_problem(heads=64), fused),
-                 (_problem(), CuteDslOptions(combine="fused", split_kv="even"))):
+                 (_problem(kv="fp8_e4m3"), CuteDslOptions(combine="fused", mma="mma_sync"))):
         assert not fused_merges(p, o) and combine_variants(p, o) == auto3
+    even = CuteDslOptions(combine="fused", split_kv="even")  # the even entry merges too, at 17-32 rows as well
+    assert fused_merges(_problem(), even) and fused_merges(_problem(s_q=2), even)
     with pytest.raises(ValueError):
         CuteDslOptions(combine="merge")
 

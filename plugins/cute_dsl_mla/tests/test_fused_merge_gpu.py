@@ -18,11 +18,12 @@ from test_kernel_gpu import check, needs_sm90, run_kernel
 pytestmark = pytest.mark.gpu
 
 
-def _fused_schedule(case, partial_dtype, form="balanced", combine="fused"):
+def _fused_schedule(case, partial_dtype, form="balanced", combine="fused", balanced=True):
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
 
     B, s_q, H, _ = case["q"].shape
-    sched = make_schedule(case["lens_cpu"], s_q, H, _num_sms(), balanced=True, form=form, combine=combine)
+    sched = make_schedule(case["lens_cpu"], s_q, H, _num_sms(), balanced=balanced, form=form if balanced else "auto",
+                          combine=combine)
     sched.wide_store = partial_dtype != torch.float32  # the backend default: wide stores with 16-bit partials
     ws = alloc_workspace(sched, partial_dtype=partial_dtype)
     for part in ws:  # o_partial, lse_partial (not the counters): unwritten slots must not pass as old memory
@@ -33,7 +34,7 @@ def _fused_schedule(case, partial_dtype, form="balanced", combine="fused"):
 def _run(case, out, lse, sched, ws):
     from mla_cute_dsl.kernels import mla_decode_sm90
 
-    return run_kernel(case, out, lse, sched, ws, decode=functools.partial(mla_decode_sm90, balanced=True))
+    return run_kernel(case, out, lse, sched, ws, decode=functools.partial(mla_decode_sm90, balanced=sched.balanced))
 
 
 CASES = [  # B, s_q, H, S, kv, varlen
@@ -112,3 +113,17 @@ def test_fused_equals_the_combine_kernel(B, s_q, H, S, kv):
     fin = torch.isfinite(l_c)
     assert torch.equal(fin, torch.isfinite(l_f))
     assert torch.allclose(l_c[fin], l_f[fin], rtol=1e-5, atol=1e-5)
+
+
+@needs_sm90
+@pytest.mark.parametrize("B,s_q,H,S,kv,varlen", [(64, 1, 16, 4096, "bf16", False), (1, 2, 16, 16384, "fp16", False),
+                                                 (100, 1, 16, 2000, "bf16", True), (7, 2, 5, 140, "bf16", True)])
+def test_fused_even_entry_against_fp64_reference(B, s_q, H, S, kv, varlen):
+    """split_kv=even's entry (one CTA per work row, call_fused), 16-bit partials."""
+    case = _case(B, s_q, H, S, kv, varlen)
+    out, lse = _outs(case)
+    sched, ws = _fused_schedule(case, case["q"].dtype, balanced=False)
+    _run(case, out, lse, sched, ws)
+    torch.cuda.synchronize()
+    check(case, out, lse)
+    assert not ws.arrivals.any()

@@ -76,10 +76,10 @@ class MLADecodePartial:
                  wide_store: bool = False, fused: bool = False):
         self.q_dtype = q_dtype
         # fused: combine=fused, the last CTA to finish a request's split items merges them (fused_merge.py);
-        # launched through call_balanced_fused (the balanced kernel only, blocks of up to 32 rows)
+        # launched through call_fused / call_balanced_fused (bf16/fp16 KV, blocks of up to 32 rows)
         self.fused = bool(fused)
-        if self.fused and not (balanced and block_m <= 32):
-            raise ValueError("the fused merge is built for the balanced kernel at 16/32 rows only")
+        if self.fused and not (block_m <= 32 and kv_dtype is q_dtype):
+            raise ValueError("the fused merge is built for bf16/fp16 KV at 16/32 rows only")
         # wide_store: 16-bit epilogue rows (the q-dtype output, 16-bit partials) exchanged in the quad and
         # stored 16 bytes per instruction (wide_store.py); fp32 partials keep their 8-byte stores
         self.wide_store = bool(wide_store)
@@ -165,6 +165,81 @@ class MLADecodePartial:
             sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
             g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
         ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
+
+    @cute.jit
+    def call_fused(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        mSplit: cute.Tensor,  # (max_batch, 2) int32: first slot, split count (schedule.split_info)
+        mCnt: cute.Tensor,  # (max_batch,) int32 arrival counters, zero between launches (Workspace.arrivals)
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        stream,
+    ):
+        """__call__ with combine=fused (MLADecodePartial(fused=True)): one CTA per (m-block, work row) as before,
+        plus the merge of each split request by the last CTA to finish one of its items (fused_merge.py) and
+        out = 0 / lse = -inf for requests with no KV; no combine kernel follows."""
+        assert self.fused and not self.balanced, "call_fused needs MLADecodePartial(fused=True), not balanced"
+        mt = self.mma_dtype
+        (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
+         r2s, mma_s, mma_o) = self._setup()
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+            sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
+
+        nt = self.num_threads
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[1]), self.block_m),
+            cute.size(mWork.shape[0]),
+            1,
+        )
+        self.kernel_fused(
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, mSplit, mCnt,
+            scale_log2, scale_ln, v_scale, s_q, num_heads,
+            sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+            g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+        ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel_fused(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor,
+        mLSEp: cute.Tensor, mSplit: cute.Tensor, mCnt: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sKraw_layout: cute.Layout, sRed_layout: cute.Layout,
+        g2s: cute.TiledCopy, g2s_raw: cute.TiledCopy, g2r_q: cute.TiledCopy,
+        s2r_raw: cute.TiledCopy, r2s: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_o: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """kernel with the fused merge: the empty requests of this work row's share (b = wi, wi + capacity, ...:
+        every request is covered since capacity >= max_batch), then the row's item (run_item: the arrival and,
+        in the request's last CTA, the merge)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, wi, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp_n = (tidx // 32) // self.m_warps  # atom layout (m_warps, NW_N, 1), column-major
+
+        fm.fill_empty_requests(mO, mLSE, mSplit, wi, cute.size(mWork.shape[0]), m_block, self.block_m,
+                               tidx, self.num_threads, self.q_dtype)
+        b = mWork[wi, 0]
+        if b >= 0:
+            self.run_item(
+                mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+                scale_log2, scale_ln, v_scale, s_q, num_heads,
+                sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+                g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+                m_block, wi, b, tidx, lane, warp_n, mSplit, mCnt,
+            )
 
     def _setup(self):
         """Shared-memory layouts, copy atoms and tiled MMAs (traced inside __call__ / call_balanced; the
