@@ -20,7 +20,7 @@ import time
 
 def specs():
     """(label, thunk) for every kernel the backend's defaults (16-bit partials in q's dtype, wide stores) and the
-    device scripts' option arms (partials=fp32, stores=narrow) pick."""
+    device scripts' option arms (partials=fp32, stores=narrow, combine=fused) pick."""
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_decode_fp8 import get_partial_kernel_fp8
     from mla_cute_dsl.kernels.sm90_wgmma_decode import get_partial_kernel_wgmma, get_partial_kernel_wgmma_seesaw
@@ -60,6 +60,13 @@ def specs():
                 for kv in (q, "fp8_e4m3"):
                     out.append((f"seesaw {q} {kv} {partial} wide={wide}", lambda q=q, kv=kv, p=partial, w=wide:
                                 get_partial_kernel_wgmma_seesaw(q, kv, partial=p, wide_store=w)))
+        if q == "bf16":  # combine=fused (fused_merge.py): the balanced mma.sync kernel merging its own splits,
+            # with the default partials (bf16, wide stores) and fp32 (narrow) partials
+            for partial, wide in ((q, True), ("fp32", False)):
+                for bm in (16, 32):
+                    out.append((f"partial_balanced {q} {bm} {partial} wide={wide} fused",
+                                lambda q=q, bm=bm, p=partial, w=wide:
+                                api.get_partial_kernel(q, q, bm, balanced=True, partial=p, wide_store=w, fused=True)))
         for partial in ("fp32", q):
             for pdl in (False, True):
                 for wide, cols in ((False, 512), (False, 128), (True, 512)):

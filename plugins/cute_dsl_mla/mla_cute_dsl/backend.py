@@ -185,7 +185,7 @@ class CuteDslOptions(BackendOptions):
                     "stores 16 bytes either way; wgmma_t keeps its stores). auto (default): wide. On an H200 "
                     "(docs/results/gpu12_stores/, one run against narrow) wide was up to 14% faster at H=128 on "
                     "unsplit steps (B=128 S=800 s_q=1 85.1 -> 75.5 us) and 0.99-1.02x at H=16 with fp32 partials")
-    combine: Literal["auto", "row", "chunked", "wide"] = Field(
+    combine: Literal["auto", "row", "chunked", "wide", "fused"] = Field(
         default="auto",
         description="the kernel that merges split-KV partials (sm_90). row: one warp per query row walks every "
                     "split; chunked: four warps per row, 128 columns each (4x the warps in flight for steps of few "
@@ -193,7 +193,12 @@ class CuteDslOptions(BackendOptions):
                     "rows split many ways). auto: by the row kernel's CTA count (batch * ceil(rows/4), rows = "
                     "s_q*num_heads): wide below num_sms/2, chunked below 4*num_sms, row above (kernels/schedule.py "
                     "combine_kind_for, with the H200 numbers; since 0.2.8 at every row count, 0.2.7 kept the chunked "
-                    "kernel to 32 rows). Decided by batch size and rows, so a CUDA graph keeps one combine kernel")
+                    "kernel to 32 rows). Decided by batch size and rows, so a CUDA graph keeps one combine kernel. fused: no "
+                    "combine kernel where the mma.sync kernel runs (balanced or even split_kv) with a bf16/fp16 cache at "
+                    "s_q*num_heads <= 32: the last CTA to finish one of a request's split items merges them "
+                    "(kernels/fused_merge.py; one launch per step). Everywhere else (fp8 caches, wgmma, seesaw, "
+                    "fp8reg, the wgmma_t kernel mma=auto picks at 17-32 rows on steps of >= 640 KV blocks, > 32 "
+                    "rows) it falls back to auto's combine kernel. Experimental: compile-tested only")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
@@ -498,8 +503,20 @@ def combine_variants(shape: DecodeShape, options: CuteDslOptions) -> List[Tuple[
     them all at its first plan (auto picks by batch, which may change between eager steps)."""
     from .kernels.schedule import combine_params
 
-    kinds = ("wide", "row", "chunked") if options.combine == "auto" else (options.combine,)
+    if options.combine == "fused" and fused_merges(shape, options):
+        return []  # every step merges in its partial kernel: no combine kernel to build
+    kinds = ("wide", "row", "chunked") if options.combine in ("auto", "fused") else (options.combine,)
     return [combine_params(k) for k in kinds]
+
+
+def fused_merges(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether every step of this shape class merges its splits in the partial kernel under combine=fused: the
+    mma.sync kernel (balanced or even entry) runs at every step (not mma=auto's per-step wgmma_t rule) with a
+    bf16/fp16 cache at <= 32 packed rows (api.fused_supported decides per launch; this answers for the shape
+    class)."""
+    return (options.combine == "fused" and partial_kernel(shape, options) == "mma_sync"
+            and not _wgmma_t_auto(shape, options) and shape.kv_dtype != "fp8_e4m3"
+            and shape.seq_len_q * shape.num_heads <= 32)
 
 
 def partial_dtype_name(shape: DecodeShape, options: CuteDslOptions) -> str:
@@ -642,8 +659,10 @@ class CuteDslSession(Session):
         from .kernels.api import get_partial_kernel
         from .kernels.sm90_wgmma_t_decode import get_partial_kernel_wgmma_t_balanced
 
+        # combine=fused: the mma.sync side is the kernel that merges its splits (keyword only when on)
+        fused = {"fused": True} if self.options.combine == "fused" else {}
         get_partial_kernel(key[0], key[1], key[2], None, balanced=True, partial=key[3],
-                           wide_store=wide_stores(problem, self.options))
+                           wide_store=wide_stores(problem, self.options), **fused)
         get_partial_kernel_wgmma_t_balanced(key[0], key[1], key[2], partial=key[3])
         self._both_partials.add(key)
 

@@ -416,3 +416,33 @@ class TestCuteDslSm100Conformance(BackendConformance):
 class TestCuteDslSm100Fp8Conformance(TestCuteDslSm100Conformance):
     q_dtype = "fp8_e4m3"
     kv_dtypes = ("fp8_e4m3",)
+
+
+class TestCuteDslFusedCombineConformance(TestCuteDslConformance):
+    """combine=fused: the balanced mma.sync kernel merges each split request in the last CTA to finish one of its
+    items (kernels/fused_merge.py), no combine kernel, at the head counts where it runs (s_q*H <= 32; 16-bit
+    partials with wide stores, the defaults); fp8 caches fall back to fp8reg + the combine kernel."""
+
+    options = {"combine": "fused"}
+    num_heads = (1, 3, 8, 16, 32)
+    seq_lens_q = (1, 2)
+
+
+class TestCuteDslFusedCombineFp16Conformance(TestCuteDslFusedCombineConformance):
+    q_dtype = "fp16"
+    kv_dtypes = ("fp16",)
+
+
+class TestCuteDslFusedCombineFp32Conformance(TestCuteDslFusedCombineConformance):
+    """combine=fused with fp32 partials (8-byte partial stores, 16-byte fp32 reads in the merge), mma.sync forced
+    so that 17-32 rows merge in the partial kernel at every step (mma=auto may pick wgmma_t there)."""
+
+    options = {"combine": "fused", "partials": "fp32", "mma": "mma_sync"}
+    kv_dtypes = ("bf16",)
+
+
+class TestCuteDslFusedCombineEvenConformance(TestCuteDslFusedCombineConformance):
+    """combine=fused with split_kv=even: the even mma.sync entry (one CTA per work row, kernel_fused) merges."""
+
+    options = {"combine": "fused", "split_kv": "even"}
+    kv_dtypes = ("bf16",)

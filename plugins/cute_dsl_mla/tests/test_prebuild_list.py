@@ -48,6 +48,10 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
         ("partial_wgmma_seesaw", ("bf16", "bf16", 64)),
         ("partial_balanced", ("bf16", "bf16", 32, None)),
         ("combine_pdl", ("bf16",)),
+        # combine_fused_ab_gpu.sh's combine=fused arm (the balanced mma.sync kernel merging its splits)
+        ("partial_balanced", ("bf16", "bf16", 16, None, "partial_bf16", "wide_store", "fused")),
+        ("partial_balanced", ("bf16", "bf16", 32, None, "partial_bf16", "wide_store", "fused")),
+        ("partial_balanced", ("bf16", "bf16", 16, None, "fused")),
     ]:
         assert key in asked, key
 

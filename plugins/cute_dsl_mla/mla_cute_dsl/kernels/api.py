@@ -20,9 +20,11 @@ import torch
 
 from . import kernel_cache
 from .cache_key import COMPILE_OPTIONS
+from .fused_merge import fused_from_tags, fused_spec
 from .schedule import (  # noqa: F401  (re-exported)
     BLOCK_N,
     Schedule,
+    Workspace,
     alloc_workspace,
     block_m_for,
     make_schedule,
@@ -144,6 +146,34 @@ def _fake_args_partial_balanced(q_name, kv_name, partial: str = "fp32"):
     return args[:7] + (ranges,) + args[7:]
 
 
+def _fake_args_partial_fused(q_name, kv_name, partial: str = "fp32"):
+    """MLADecodePartial.call_fused's arguments: the partial kernel's plus split_info (int32 [max_batch, 2]) and the
+    arrival counters (int32 [max_batch]) after the partial buffers."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    args = _fake_args_partial(q_name, kv_name, partial)
+    MB = cute.sym_int()
+    split = make_fake_compact_tensor(cutlass.Int32, (MB, 2), stride_order=(1, 0), assumed_align=8)
+    cnt = make_fake_compact_tensor(cutlass.Int32, (MB,), assumed_align=4)
+    return args[:9] + (split, cnt) + args[9:]
+
+
+def _fake_args_partial_balanced_fused(q_name, kv_name, partial: str = "fp32"):
+    """MLADecodePartial.call_balanced_fused's arguments: call_balanced's plus split_info (int32 [max_batch, 2]) and
+    the arrival counters (int32 [max_batch]) after the partial buffers."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    args = _fake_args_partial_balanced(q_name, kv_name, partial)
+    MB = cute.sym_int()
+    split = make_fake_compact_tensor(cutlass.Int32, (MB, 2), stride_order=(1, 0), assumed_align=8)
+    cnt = make_fake_compact_tensor(cutlass.Int32, (MB,), assumed_align=4)
+    return args[:10] + (split, cnt) + args[10:]
+
+
 def _fake_args_combine(q_name, partial: str = "fp32"):
     import cutlass
     import cutlass.cute as cute
@@ -167,24 +197,29 @@ def compile_partial(entry, q_name: str, kv_name: str, tags: tuple = (), balanced
     partial-kernel builder does."""
     import cutlass.cute as cute
 
-    fake = _fake_args_partial_balanced if balanced else _fake_args_partial
+    if fused_from_tags(tags):
+        fake = _fake_args_partial_balanced_fused if balanced else _fake_args_partial_fused
+    else:
+        fake = _fake_args_partial_balanced if balanced else _fake_args_partial
     return cute.compile(entry, *fake(q_name, kv_name, partial_from_tags(tags)), options=COMPILE_OPTIONS)
 
 
 def _build_partial(q_name: str, kv_name: str, block_m: int, layout, *tags: str):
     from .sm90_decode import MLADecodePartial
 
+    fused = fused_from_tags(tags)
     k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout,
-                         wide_store=wide_from_tags(tags))
-    return compile_partial(k, q_name, kv_name, tags)
+                         wide_store=wide_from_tags(tags), fused=fused)
+    return compile_partial(k.call_fused if fused else k, q_name, kv_name, tags)
 
 
 def _build_partial_balanced(q_name: str, kv_name: str, block_m: int, layout, *tags: str):
     from .sm90_decode import MLADecodePartial
 
+    fused = fused_from_tags(tags)
     k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True,
-                         wide_store=wide_from_tags(tags))
-    return compile_partial(k.call_balanced, q_name, kv_name, tags, balanced=True)
+                         wide_store=wide_from_tags(tags), fused=fused)
+    return compile_partial(k.call_balanced_fused if fused else k.call_balanced, q_name, kv_name, tags, balanced=True)
 
 
 def _build_combine(q_name: str, *tags: str, pdl: bool = False):
@@ -215,7 +250,7 @@ def _build_combine_wide_pdl(q_name: str, *tags: str):
 
 
 def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, balanced: bool = False,
-                       partial: str = "fp32", wide_store: bool = False):
+                       partial: str = "fp32", wide_store: bool = False, fused: bool = False):
     """Compiled partial kernel for one specialization (memory, disk, else compile).
 
     layout: optional (m_warps, m_atoms_per_warp, n_acc) override, for tuning.
@@ -224,10 +259,15 @@ def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, bal
     partial: dtype of the partial O buffer it writes (partial_name of the workspace; fp32 keeps the old keys).
     wide_store: 16-byte stores of its 16-bit epilogue rows (Schedule.wide_store, backend option stores; the
     default keeps the old keys).
+    fused: combine=fused, the kernel merges the splits itself (call_fused / call_balanced_fused; bf16/fp16 KV,
+    16/32 rows only, fused_supported; key tag "fused" only when on).
     """
     if layout is not None:
         layout = tuple(layout)
-    tags = partial_spec(partial) + store_spec(wide_store)
+    tags = partial_spec(partial) + store_spec(wide_store) + fused_spec(fused)
+    if fused and not (block_m <= 32 and kv_name != "fp8_e4m3"):
+        raise ValueError("the fused merge is built for the mma.sync kernel with a bf16/fp16 cache at 16/32 rows "
+                         "only")
     if balanced:
         if kv_name == "fp8_e4m3":
             raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only")
@@ -343,6 +383,53 @@ def launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, 
     return out, lse
 
 
+def fused_supported(schedule: Schedule, kv_name: str) -> bool:
+    """Whether the mma.sync entries (mla_decode_sm90, even or balanced) merge this step's splits in the partial
+    kernel (combine=fused, Schedule.fused_combine): up to 32 rows (BLOCK_M 16/32) and a bf16/fp16 cache. Every
+    other kernel and shape falls back to the schedule's combine kernel (combine_kernel_for)."""
+    return schedule.fused_combine and schedule.block_m <= 32 and kv_name != "fp8_e4m3"
+
+
+def arrivals_of(workspace):
+    """The fused merge's per-request arrival counters (Workspace.arrivals, from alloc_workspace)."""
+    cnt = getattr(workspace, "arrivals", None)
+    if cnt is None:
+        raise ValueError("combine=fused needs a workspace from alloc_workspace (its arrival counters)")
+    return cnt
+
+
+def launch_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float, out, lse,
+                 schedule: Schedule, workspace):
+    """launch() for the fused kernel (get_partial_kernel(..., fused=True)): one launch, no combine kernel."""
+    B, s_q, H, _ = q.shape
+    R = s_q * H
+    o_part, lse_part = workspace
+    cnt = arrivals_of(workspace)
+    s = float(sm_scale) * float(kv_scale)
+    stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
+    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, out.view(B, R, D_V), lse.view(B, R),
+            schedule.work_info, o_part, lse_part, schedule.split_info, cnt, s * LOG2_E, s, float(kv_scale), s_q, H,
+            stream)
+    return out, lse
+
+
+def launch_balanced_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float, out, lse,
+                          schedule: Schedule, workspace):
+    """launch_balanced for the fused kernel (get_partial_kernel(..., balanced=True, fused=True)): one launch, the
+    split requests merged by their last CTA (fused_merge.py) and empty requests written by the kernel; no combine
+    kernel is built or launched. No checks."""
+    B, s_q, H, _ = q.shape
+    R = s_q * H
+    o_part, lse_part = workspace
+    cnt = arrivals_of(workspace)
+    s = float(sm_scale) * float(kv_scale)
+    stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
+    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, out.view(B, R, D_V), lse.view(B, R),
+            schedule.work_info, schedule.cta_ranges, o_part, lse_part, schedule.split_info, cnt,
+            s * LOG2_E, s, float(kv_scale), s_q, H, stream)
+    return out, lse
+
+
 def check_balanced(schedule: Schedule, kv_cache) -> None:
     """What every balanced entry needs, checked even with check=False (a wrong schedule or cache would make
     the column loop read another kernel's buffers): a make_schedule(..., balanced=True) schedule and a
@@ -373,14 +460,25 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
         check_balanced(schedule, kv_cache)
         if check:
             check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
-        partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m,
+        kv_name = _TORCH_TO_NAME[kv_cache.dtype]
+        fused = fused_supported(schedule, kv_name)
+        partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], kv_name, schedule.block_m,
                                      layout, balanced=True, partial=partial_name(workspace),
-                                     wide_store=schedule.wide_store)
+                                     wide_store=schedule.wide_store, **({"fused": True} if fused else {}))
+        if fused:
+            return launch_balanced_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse,
+                                         schedule, workspace)
         return launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse,
                                schedule, workspace)
     if check:
         check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
-    partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], _TORCH_TO_NAME[kv_cache.dtype], schedule.block_m, layout,
+    kv_name = _TORCH_TO_NAME[kv_cache.dtype]
+    if fused_supported(schedule, kv_name):
+        partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], kv_name, schedule.block_m, layout,
+                                     partial=partial_name(workspace), wide_store=schedule.wide_store, fused=True)
+        return launch_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                            workspace)
+    partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], kv_name, schedule.block_m, layout,
                                  partial=partial_name(workspace), wide_store=schedule.wide_store)
     return launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule, workspace)
 

@@ -136,6 +136,10 @@ class Schedule:
     # per row). make_schedule sets both at every call (in-place re-plans too): its combine argument, or
     # combine_kind_for
     combine_cols: int = 512
+    # combine=fused (make_schedule's combine argument): the partial kernel merges each split request in the last
+    # CTA to finish one of its items (fused_merge.py) where it can (api.fused_supported: the balanced mma.sync
+    # kernel at <= 32 rows, bf16/fp16 cache); elsewhere the combine kernel above (auto's kind) still runs
+    fused_combine: bool = False
     # balanced split-KV (make_schedule(balanced=True)): int32 [num_cols + 1] item offsets per CTA
     # column (device, fixed size per decoder), else None
     cta_ranges: torch.Tensor | None = None
@@ -826,14 +830,16 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     "balanced" or "even" (forced). Every form fits the same buffers, so a graph captured at one step
     replays at the next whatever each chose. ``item_cost`` is the per-item cost in blocks (plan_balanced
     and the prediction). ``combine``: the kernel that merges the partials, "auto" (combine_kind_for, by batch and
-    rows) or a forced "wide", "chunked" or "row" (Schedule.wide_combine / combine_cols), at every call.
+    rows) or a forced "wide", "chunked" or "row" (Schedule.wide_combine / combine_cols), at every call; "fused":
+    Schedule.fused_combine, the partial kernel merges the splits where it can (api.fused_supported), auto's kind
+    where it cannot.
     """
     lens = _lens_tensor(kv_lens_cpu)
     if lens.shape[0] and int(lens.min()) < 0:
         raise ValueError("kv_lens must be >= 0")
     if not 1 <= s_q <= 8:
         raise ValueError(f"s_q must be in 1..8, got {s_q}")
-    if combine != "auto":
+    if combine not in ("auto", "fused"):
         combine_params(combine)  # a ValueError naming the kinds, before any work
     if not 1 <= num_heads <= 128:
         raise ValueError(f"num_heads must be in 1..128, got {num_heads}")
@@ -901,8 +907,9 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     out.cost_even, out.cost_balanced = costs
     out.num_items = n_items
     out.blocks_per_split = bps
-    kind = combine_kind_for(batch, rows, num_sms) if combine == "auto" else combine
+    kind = combine_kind_for(batch, rows, num_sms) if combine in ("auto", "fused") else combine
     out.wide_combine, out.combine_cols = combine_params(kind)
+    out.fused_combine = combine == "fused"
     return out
 
 
@@ -910,6 +917,19 @@ def workspace_bytes(schedule: Schedule, partial_dtype: torch.dtype = torch.float
     """Bytes of the partial buffers (o_partial in partial_dtype + lse_partial in fp32)."""
     o_bytes = torch.empty((), dtype=partial_dtype).element_size()
     return schedule.num_slots * schedule.rows * (D_V * o_bytes + 4)
+
+
+class Workspace(tuple):
+    """alloc_workspace's result: the pair (o_partial, lse_partial) -- unpacks as before -- plus `arrivals`, the
+    fused merge's per-request arrival counters (int32 [max_batch], zeroed here once; each launch of a fused
+    kernel leaves them at zero again, fused_merge.py)."""
+
+    arrivals: torch.Tensor
+
+    def __new__(cls, o_partial: torch.Tensor, lse_partial: torch.Tensor, arrivals: torch.Tensor):
+        self = super().__new__(cls, (o_partial, lse_partial))
+        self.arrivals = arrivals
+        return self
 
 
 def alloc_workspace(schedule: Schedule, device="cuda", partial_dtype: torch.dtype = torch.float32):
@@ -922,7 +942,8 @@ def alloc_workspace(schedule: Schedule, device="cuda", partial_dtype: torch.dtyp
     and combine kernels built for this buffer's dtype (api.partial_name)."""
     if partial_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"partial_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {partial_dtype}")
-    return (
+    return Workspace(
         torch.empty((schedule.num_slots, schedule.rows, D_V), dtype=partial_dtype, device=device),
         torch.empty((schedule.num_slots, schedule.rows), dtype=torch.float32, device=device),
+        torch.zeros(schedule.split_info.shape[0], dtype=torch.int32, device=device),
     )

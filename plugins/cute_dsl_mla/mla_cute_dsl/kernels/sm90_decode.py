@@ -32,6 +32,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
+from . import fused_merge as fm
 from . import wide_store as ws
 
 D_QK = 576
@@ -72,8 +73,13 @@ class MLADecodePartial:
     DEFAULT_LAYOUT = {16: (1, 1, 1), 32: (1, 2, 1), 64: (2, 2, 2)}
 
     def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, balanced: bool = False,
-                 wide_store: bool = False):
+                 wide_store: bool = False, fused: bool = False):
         self.q_dtype = q_dtype
+        # fused: combine=fused, the last CTA to finish a request's split items merges them (fused_merge.py);
+        # launched through call_fused / call_balanced_fused (bf16/fp16 KV, blocks of up to 32 rows)
+        self.fused = bool(fused)
+        if self.fused and not (block_m <= 32 and kv_dtype is q_dtype):
+            raise ValueError("the fused merge is built for bf16/fp16 KV at 16/32 rows only")
         # wide_store: 16-bit epilogue rows (the q-dtype output, 16-bit partials) exchanged in the quad and
         # stored 16 bytes per instruction (wide_store.py); fp32 partials keep their 8-byte stores
         self.wide_store = bool(wide_store)
@@ -159,6 +165,81 @@ class MLADecodePartial:
             sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
             g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
         ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
+
+    @cute.jit
+    def call_fused(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        mSplit: cute.Tensor,  # (max_batch, 2) int32: first slot, split count (schedule.split_info)
+        mCnt: cute.Tensor,  # (max_batch,) int32 arrival counters, zero between launches (Workspace.arrivals)
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        stream,
+    ):
+        """__call__ with combine=fused (MLADecodePartial(fused=True)): one CTA per (m-block, work row) as before,
+        plus the merge of each split request by the last CTA to finish one of its items (fused_merge.py) and
+        out = 0 / lse = -inf for requests with no KV; no combine kernel follows."""
+        assert self.fused and not self.balanced, "call_fused needs MLADecodePartial(fused=True), not balanced"
+        mt = self.mma_dtype
+        (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
+         r2s, mma_s, mma_o) = self._setup()
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+            sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
+
+        nt = self.num_threads
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[1]), self.block_m),
+            cute.size(mWork.shape[0]),
+            1,
+        )
+        self.kernel_fused(
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, mSplit, mCnt,
+            scale_log2, scale_ln, v_scale, s_q, num_heads,
+            sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+            g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+        ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel_fused(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor,
+        mLSEp: cute.Tensor, mSplit: cute.Tensor, mCnt: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sKraw_layout: cute.Layout, sRed_layout: cute.Layout,
+        g2s: cute.TiledCopy, g2s_raw: cute.TiledCopy, g2r_q: cute.TiledCopy,
+        s2r_raw: cute.TiledCopy, r2s: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_o: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """kernel with the fused merge: the empty requests of this work row's share (b = wi, wi + capacity, ...:
+        every request is covered since capacity >= max_batch), then the row's item (run_item: the arrival and,
+        in the request's last CTA, the merge)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, wi, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp_n = (tidx // 32) // self.m_warps  # atom layout (m_warps, NW_N, 1), column-major
+
+        fm.fill_empty_requests(mO, mLSE, mSplit, wi, cute.size(mWork.shape[0]), m_block, self.block_m,
+                               tidx, self.num_threads, self.q_dtype)
+        b = mWork[wi, 0]
+        if b >= 0:
+            self.run_item(
+                mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+                scale_log2, scale_ln, v_scale, s_q, num_heads,
+                sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+                g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+                m_block, wi, b, tidx, lane, warp_n, mSplit, mCnt,
+            )
 
     def _setup(self):
         """Shared-memory layouts, copy atoms and tiled MMAs (traced inside __call__ / call_balanced; the
@@ -272,6 +353,57 @@ class MLADecodePartial:
         ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
 
     @cute.jit
+    def call_balanced_fused(
+        self,
+        mQ: cute.Tensor,  # (B, R, 576) q dtype, R = s_q * H
+        mKV: cute.Tensor,  # (P, page, 576) kv dtype
+        mPT: cute.Tensor,  # (B, max_pages) int32
+        mLens: cute.Tensor,  # (B,) int32
+        mO: cute.Tensor,  # (B, R, 512) q dtype
+        mLSE: cute.Tensor,  # (B, R) fp32
+        mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot (column by column)
+        mRanges: cute.Tensor,  # (num_cols + 1,) int32
+        mOp: cute.Tensor,  # (slots, R, 512) fp32, bf16 or fp16
+        mLSEp: cute.Tensor,  # (slots, R) fp32
+        mSplit: cute.Tensor,  # (max_batch, 2) int32: first slot, split count (schedule.split_info)
+        mCnt: cute.Tensor,  # (max_batch,) int32 arrival counters, zero between launches (Workspace.arrivals)
+        scale_log2: cutlass.Float32,
+        scale_ln: cutlass.Float32,
+        v_scale: cutlass.Float32,
+        s_q: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        stream,
+    ):
+        """call_balanced with combine=fused (MLADecodePartial(balanced=True, fused=True)): the same grid and work,
+        plus the merge of each split request by the last CTA to finish one of its items (fused_merge.py), and
+        out = 0 / lse = -inf for requests with no KV; no combine kernel follows."""
+        assert self.balanced and self.fused, "call_balanced_fused needs MLADecodePartial(balanced=True, fused=True)"
+        mt = self.mma_dtype
+        (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
+         r2s, mma_s, mma_o) = self._setup()
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+            sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
+            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
+
+        nt = self.num_threads
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[1]), self.block_m),
+            cute.size(mRanges.shape[0]) - 1,
+            1,
+        )
+        self.kernel_balanced_fused(
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mRanges, mOp, mLSEp, mSplit, mCnt,
+            scale_log2, scale_ln, v_scale, s_q, num_heads,
+            sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+            g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+        ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
+
+    @cute.jit
     def load_tile(
         self, g2s: cute.TiledCopy, g2s_raw: cute.TiledCopy, thr_g2s, thr_g2s_raw,
         mKV: cute.Tensor, mPT: cute.Tensor, b: cutlass.Int32, n: cutlass.Int32,
@@ -321,7 +453,7 @@ class MLADecodePartial:
                 scale_log2, scale_ln, v_scale, s_q, num_heads,
                 sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
                 g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
-                m_block, wi, b, tidx, lane, warp_n,
+                m_block, wi, b, tidx, lane, warp_n, mWork, mWork,
             )
 
     @cute.kernel
@@ -361,7 +493,45 @@ class MLADecodePartial:
                 scale_log2, scale_ln, v_scale, s_q, num_heads,
                 sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
                 g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
-                    m_block, wi, b, tidx, lane, warp_n,
+                    m_block, wi, b, tidx, lane, warp_n, mWork, mWork,
+                )
+
+    @cute.kernel
+    def kernel_balanced_fused(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mRanges: cute.Tensor,
+        mOp: cute.Tensor, mLSEp: cute.Tensor, mSplit: cute.Tensor, mCnt: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sKraw_layout: cute.Layout, sRed_layout: cute.Layout,
+        g2s: cute.TiledCopy, g2s_raw: cute.TiledCopy, g2r_q: cute.TiledCopy,
+        s2r_raw: cute.TiledCopy, r2s: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_o: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """kernel_balanced with the fused merge (fused_merge.py): first out = 0 / lse = -inf for the requests with
+        no KV that fall to this CTA column (they have no work item), then the column's items, each split item
+        ending with its arrival and, in the request's last CTA, the merge (run_item)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, col, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp_n = (tidx // 32) // self.m_warps  # atom layout (m_warps, NW_N, 1), column-major
+
+        fm.fill_empty_requests(mO, mLSE, mSplit, col, cute.size(mRanges.shape[0]) - 1, m_block, self.block_m,
+                               tidx, self.num_threads, self.q_dtype)
+        i_end = mRanges[col + 1]
+        for wi in cutlass.range(mRanges[col], i_end, 1):
+            b = mWork[wi, 0]
+            if b >= 0:
+                cute.arch.barrier()
+                self.run_item(
+                    mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+                    scale_log2, scale_ln, v_scale, s_q, num_heads,
+                    sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+                    g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+                    m_block, wi, b, tidx, lane, warp_n, mSplit, mCnt,
                 )
 
     @cute.jit
@@ -380,9 +550,12 @@ class MLADecodePartial:
         SharedStorage: cutlass.Constexpr,
         m_block: cutlass.Int32, wi: cutlass.Int32, b: cutlass.Int32,
         tidx: cutlass.Int32, lane: cutlass.Int32, warp_n: cutlass.Int32,
+        mSplit: cute.Tensor, mCnt: cute.Tensor,
     ):
         """One work item (row wi of mWork, request b >= 0) for one m-block: Q load, the KV
-        tiles' online softmax, epilogue to out/lse (slot -1) or to the partial slot."""
+        tiles' online softmax, epilogue to out/lse (slot -1) or to the partial slot. With fused, after a
+        partial slot's epilogue: the arrival on mCnt[b] and, in the last CTA of request b, the merge of its
+        splits (split_info mSplit; fused_merge.py). Without fused mSplit / mCnt are unused placeholders."""
         mt = self.mma_dtype
         kv_start = mWork[wi, 1]
         kv_end = mWork[wi, 2]
@@ -650,6 +823,15 @@ class MLADecodePartial:
                         tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
                         if lse_writer:
                             mLSEp[slot, grow] = row_lse[r]
+            if cutlass.const_expr(self.fused):
+                # combine=fused: arrive; the last of the request's target arrivals merges it (fused_merge.py)
+                target = mSplit[b, 1] * cute.arch.grid_dim()[0]
+                last = fm.arrive(mCnt, b, target, sRed, tidx)
+                if last:
+                    cute.arch.fence_acq_rel_gpu()
+                    fm.merge_request(mO, mLSE, mOp, mLSEp, b, mSplit[b, 0], mSplit[b, 1], tidx, self.num_warps,
+                                     self.q_dtype)
+                    fm.release_counter(mCnt, b, tidx)
 
     @cute.jit
     def store_rows_wide(
