@@ -60,13 +60,14 @@ def specs():
                 for kv in (q, "fp8_e4m3"):
                     out.append((f"seesaw {q} {kv} {partial} wide={wide}", lambda q=q, kv=kv, p=partial, w=wide:
                                 get_partial_kernel_wgmma_seesaw(q, kv, partial=p, wide_store=w)))
-        if q == "bf16":  # combine=fused (fused_merge.py): the balanced mma.sync kernel merging its own splits,
-            # with the default partials (bf16, wide stores) and fp32 (narrow) partials
-            for partial, wide in ((q, True), ("fp32", False)):
-                for bm in (16, 32):
-                    out.append((f"partial_balanced {q} {bm} {partial} wide={wide} fused",
-                                lambda q=q, bm=bm, p=partial, w=wide:
-                                api.get_partial_kernel(q, q, bm, balanced=True, partial=p, wide_store=w, fused=True)))
+        # combine=fused (fused_merge.py): the mma.sync kernel merging its own splits, balanced and even entries, with
+        # the default partials (q's dtype, wide stores), q with narrow stores (the kernel-level GPU tests) and fp32
+        for partial, wide in ((q, True), (q, False), ("fp32", False)):
+            for bm in (16, 32):
+                for balanced in (True, False):
+                    out.append((f"partial{'_balanced' if balanced else ''} {q} {bm} {partial} wide={wide} fused",
+                                lambda q=q, bm=bm, p=partial, w=wide, b=balanced:
+                                api.get_partial_kernel(q, q, bm, balanced=b, partial=p, wide_store=w, fused=True)))
         for partial in ("fp32", q):
             for pdl in (False, True):
                 for wide, cols in ((False, 512), (False, 128), (True, 512)):
