@@ -171,10 +171,12 @@ class CuteDslOptions(BackendOptions):
                     "partial kernel and read back by the combine kernel (the combine sums in fp32 and the LSE "
                     "partials stay fp32 either way). fp32: 4 bytes per value. q: q's dtype (bf16/fp16), half the "
                     "bytes a split step adds, for one more rounding of each split's O. auto (default): q. On an "
-                    "H200 (docs/results/gpu12_stores/, with stores=wide, against fp32 in the same run) q was "
-                    "0.86-0.99x the time at H=128 on split steps (B=1-16) and with fp8reg at H=16 0.69-1.0x, "
-                    "0.93-1.03x at H=16 with a bf16 cache (mean 0.99 / 0.98 for s_q 1 / 2); with the narrow "
-                    "stores of the tenth session's run q had been up to 32% slower at H=128")
+                    "H200 (docs/results/gpu12_stores/, one run, against fp32 partials with narrow stores) q with "
+                    "wide stores took 0.86-0.97x the time at H=128 on split steps (B=1-16), 0.70-0.98x with "
+                    "fp8reg at H=16, 0.93-1.03x at H=16 with a bf16 cache (mean 0.99 / 0.98 for s_q 1 / 2); "
+                    "against fp32 with wide stores it was 1.02-1.05x at H=128 B=64-128 S=4096, steps that write no "
+                    "partials (noise or codegen, not repeated); with narrow stores (tenth session) q had been up "
+                    "to 32% slower at H=128")
     stores: Literal["auto", "narrow", "wide"] = Field(
         default="auto",
         description="width of the partial kernels' epilogue stores of 16-bit rows (sm_90): the q-dtype output of "
@@ -184,7 +186,8 @@ class CuteDslOptions(BackendOptions):
                     "st.global.v4 (kernels/wide_store.py), in the mma.sync, WGMMA and seesaw kernels (fp8reg "
                     "stores 16 bytes either way; wgmma_t keeps its stores). auto (default): wide. On an H200 "
                     "(docs/results/gpu12_stores/, one run against narrow) wide was up to 14% faster at H=128 on "
-                    "unsplit steps (B=128 S=800 s_q=1 85.1 -> 75.5 us) and 0.99-1.02x at H=16 with fp32 partials")
+                    "unsplit steps (B=64 S=800 s_q=1 46.0 -> 39.5 us) and 0.99-1.02x at H=16 with a bf16 cache "
+                    "and fp32 partials")
     combine: Literal["auto", "row", "chunked", "wide", "fused"] = Field(
         default="auto",
         description="the kernel that merges split-KV partials (sm_90). row: one warp per query row walks every "
@@ -193,7 +196,7 @@ class CuteDslOptions(BackendOptions):
                     "rows split many ways). auto: by the row kernel's CTA count (batch * ceil(rows/4), rows = "
                     "s_q*num_heads): wide below num_sms/2, chunked below 4*num_sms, row above (kernels/schedule.py "
                     "combine_kind_for, with the H200 numbers; since 0.2.8 at every row count, 0.2.7 kept the chunked "
-                    "kernel to 32 rows). Decided by batch size and rows, so a CUDA graph keeps one combine kernel. fused: no "
+                    "kernel to 32 rows: 6-14% faster at H=128 on 128-256 row CTAs). Decided by batch size and rows, so a CUDA graph keeps one combine kernel. fused: no "
                     "combine kernel where the mma.sync kernel runs (balanced or even split_kv) with a bf16/fp16 cache at "
                     "s_q*num_heads <= 32: the last CTA to finish one of a request's split items merges them "
                     "(kernels/fused_merge.py; one launch per step). Everywhere else (fp8 caches, wgmma, seesaw, "
@@ -434,7 +437,8 @@ class CuteDslBackend(Backend):
                    "split-KV partials: partials=auto writes them in q's dtype and stores=auto stores 16-bit rows 16 "
                    "bytes at a time (H200: up to 14% faster at H=128, fp8reg up to 31% at H=16); combine=auto merges them with the wide kernel on small "
                    "batches, a chunked row kernel (four warps per row) from num_sms/2 row-kernel CTAs (up to 15% "
-                   "faster at H=16 B=16-64, 7-13% at H=128 B=2-16), one warp per row from 4*num_sms"),
+                   "faster at H=16 B=16-64, 6-14% at H=128 s_q=1 B=4-8 / s_q=2 B=2-4), one warp per row from "
+                   "4*num_sms"),
             q_layouts=("packed",), kv_layouts=("packed",), strided_q=False,
         )
 
