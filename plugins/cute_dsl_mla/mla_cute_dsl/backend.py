@@ -172,7 +172,7 @@ class CuteDslOptions(BackendOptions):
                     "partials stay fp32 either way). fp32: 4 bytes per value. q: q's dtype (bf16/fp16), half the "
                     "bytes a split step adds, for one more rounding of each split's O. auto (default): q. On an "
                     "H200 (docs/results/gpu12_stores/, one run, against fp32 partials with narrow stores) q with "
-                    "wide stores took 0.86-0.97x the time at H=128 on split steps (B=1-16), 0.70-0.98x with "
+                    "wide stores took 0.86-0.98x the time at H=128 on split steps (B=1-16), 0.70-0.98x with "
                     "fp8reg at H=16, 0.93-1.03x at H=16 with a bf16 cache (mean 0.99 / 0.98 for s_q 1 / 2); "
                     "against fp32 with wide stores it was 1.02-1.05x at H=128 B=64-128 S=4096, steps that write no "
                     "partials (noise or codegen, not repeated); with narrow stores (tenth session) q had been up "
