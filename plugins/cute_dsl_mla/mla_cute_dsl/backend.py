@@ -201,7 +201,9 @@ class CuteDslOptions(BackendOptions):
                     "s_q*num_heads <= 32: the last CTA to finish one of a request's split items merges them "
                     "(kernels/fused_merge.py; one launch per step). Everywhere else (fp8 caches, wgmma, seesaw, "
                     "fp8reg, the wgmma_t kernel mma=auto picks at 17-32 rows on steps of >= 640 KV blocks, > 32 "
-                    "rows) it falls back to auto's combine kernel. Experimental: compile-tested only")
+                    "rows) it falls back to auto's combine kernel. Experimental, for A/B only: correct on an H200 (31 GPU "
+                    "tests) but slower than auto in every measured cell (docs/results/gpu12_fused/: 1.03x at "
+                    "B=64 H=16 s_q=1 S=8192, up to 7.3x at B=1-2: one CTA merges a request's splits serially)")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
