@@ -141,17 +141,10 @@ class MLADecodePartial:
         stream,
     ):
         assert not self.balanced, "MLADecodePartial(balanced=True) is launched with call_balanced"
-        mt = self.mma_dtype
         (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
          r2s, mma_s, mma_o) = self._setup()
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
-            sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
 
         nt = self.num_threads
         grid = (
@@ -181,17 +174,10 @@ class MLADecodePartial:
         plus the merge of each split request by the last CTA to finish one of its items (fused_merge.py) and
         out = 0 / lse = -inf for requests with no KV; no combine kernel follows."""
         assert self.fused and not self.balanced, "call_fused needs MLADecodePartial(fused=True), not balanced"
-        mt = self.mma_dtype
         (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
          r2s, mma_s, mma_o) = self._setup()
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
-            sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
 
         nt = self.num_threads
         grid = (
@@ -240,6 +226,19 @@ class MLADecodePartial:
                 g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
                 m_block, wi, b, tidx, lane, warp_n, mSplit, mCnt,
             )
+
+    def _shared_storage(self, sQ_layout, sK_layout, sP_layout, raw_elems):
+        """The CTA's shared-memory struct (every entry: even, balanced, fused): Q, the K ring, the raw fp8 staging
+        (empty for a 16-bit cache), P and the row-reduction scratch."""
+        mt, S = self.mma_dtype, cute.struct
+        fields = {  # real objects, not the string annotations this module's `from __future__` would make
+            "sQ": S.Align[S.MemRange[mt, cute.cosize(sQ_layout)], 1024],
+            "sK": S.Align[S.MemRange[mt, cute.cosize(sK_layout)], 1024],
+            "sKraw": S.Align[S.MemRange[self.kv_dtype, raw_elems], 1024],
+            "sP": S.Align[S.MemRange[mt, cute.cosize(sP_layout)], 1024],
+            "sRed": S.Align[S.MemRange[cutlass.Float32, self.block_m * NW_N], 16],
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _setup(self):
         """Shared-memory layouts, copy atoms and tiled MMAs (traced inside __call__ / call_balanced; the
@@ -327,17 +326,10 @@ class MLADecodePartial:
         """Balanced launch: grid (m-blocks, num_cols) -- fixed for a decoder (the ranges' length), so
         CUDA graphs replay it with any later schedule of the same buffers."""
         assert self.balanced, "call_balanced needs MLADecodePartial(balanced=True)"
-        mt = self.mma_dtype
         (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
          r2s, mma_s, mma_o) = self._setup()
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
-            sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
 
         nt = self.num_threads
         grid = (
@@ -378,17 +370,10 @@ class MLADecodePartial:
         plus the merge of each split request by the last CTA to finish one of its items (fused_merge.py), and
         out = 0 / lse = -inf for requests with no KV; no combine kernel follows."""
         assert self.balanced and self.fused, "call_balanced_fused needs MLADecodePartial(balanced=True, fused=True)"
-        mt = self.mma_dtype
         (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
          r2s, mma_s, mma_o) = self._setup()
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
-            sKraw: cute.struct.Align[cute.struct.MemRange[self.kv_dtype, raw_elems], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sP_layout)], 1024]
-            sRed: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.block_m * NW_N], 16]
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
 
         nt = self.num_threads
         grid = (
