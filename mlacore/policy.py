@@ -51,6 +51,7 @@ class _Strict(BaseModel):
 # strict scalars: TOML gives exact types, so "32", 32.0 and true are mistakes, not numbers
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+_CAPABILITY = re.compile(r"^[1-9][0-9]*\.[0-9]$")
 
 
 def _int_set() -> Any:
@@ -69,6 +70,9 @@ class ShapeRule(_Strict):
     kv_dtype: Optional[Tuple[DType, ...]] = _int_set()
     q_dtype: Optional[Tuple[QDType, ...]] = _int_set()
     page_size: Optional[Tuple[PositiveInt, ...]] = _int_set()
+    # CUDA compute capabilities ("9.0", "10.0") the rule is for: one policy file can route an H200 and a B200
+    # differently where only one of them was measured (a CPU problem has no capability and matches no such rule)
+    capability: Optional[Tuple[StrictStr, ...]] = _int_set()
     min_batch: Optional[PositiveInt] = None
     max_batch: Optional[PositiveInt] = None
     min_kv_len: Optional[NonNegativeInt] = None
@@ -77,12 +81,20 @@ class ShapeRule(_Strict):
     # how `mla tune` routes e.g. FlashInfer's fa2 and fa3 to different shapes
     options: Dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("num_heads", "seq_len_q", "kv_dtype", "q_dtype", "page_size")
+    @field_validator("num_heads", "seq_len_q", "kv_dtype", "q_dtype", "page_size", "capability")
     @classmethod
     def _non_empty(cls, value: Optional[Tuple[Any, ...]]) -> Optional[Tuple[Any, ...]]:
         if value is not None and not value:
             raise ValueError("expected a non-empty list (an empty one matches no shape and silently "
                              "disables the rule); leave the key out to match every value")
+        return value
+
+    @field_validator("capability")
+    @classmethod
+    def _capabilities(cls, value: Optional[Tuple[str, ...]]) -> Optional[Tuple[str, ...]]:
+        bad = [v for v in value or () if not _CAPABILITY.match(v)]
+        if bad:
+            raise ValueError(f"expected CUDA compute capabilities written like \"9.0\" or \"10.0\", got {bad}")
         return value
 
     @model_validator(mode="after")
@@ -101,6 +113,11 @@ class ShapeRule(_Strict):
             value = getattr(problem, name)
             if allowed is not None and value not in allowed:
                 out.append(f"{name}={value} not in {list(allowed)}")
+        if self.capability is not None:
+            cap = problem.device.capability
+            have = f"{cap[0]}.{cap[1]}" if problem.device.type == "cuda" and cap is not None else None
+            if have not in self.capability:
+                out.append(f"capability={have or problem.device.type} not in {list(self.capability)}")
         if self.min_batch is not None and problem.batch_size < self.min_batch:
             out.append(f"batch={problem.batch_size} < min_batch={self.min_batch}")
         if self.max_batch is not None and problem.batch_size > self.max_batch:

@@ -27,6 +27,25 @@ def test_explain_json_lists_every_verdict(capsys):
     assert names[:4] == ["cute_dsl_mla", "flashinfer_mla", "cutlass_mla", "reference"]
 
 
+def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
+    """The built-in policy's H=128 bf16 rule (measured on an H200 only) takes batches up to 34 on capability 9.0 to
+    our kernels; a larger batch, or the same batch on a B200 (10.0), stays with FlashInfer, each with the policy's
+    reason on our verdict."""
+    chosen, reasons = {}, {}
+    for batch, cap in ((16, "9.0"), (34, "9.0"), (35, "9.0"), (16, "10.0")):
+        code = main(["backends", "explain", "--num-heads", "128", "--batch", str(batch), "--device", "cuda",
+                     "--capability", cap, "--json"])
+        data = json.loads(capsys.readouterr().out)
+        assert code == 0
+        chosen[batch, cap] = data["chosen"]
+        reasons[batch, cap] = " ".join(r for v in data["verdicts"] if v["backend"] == "cute_dsl_mla"
+                                       for r in v["reasons"])
+    assert chosen == {(16, "9.0"): "cute_dsl_mla", (34, "9.0"): "cute_dsl_mla", (35, "9.0"): "flashinfer_mla",
+                      (16, "10.0"): "flashinfer_mla"}
+    assert "batch=35 > max_batch=34" in reasons[35, "9.0"]
+    assert "capability=10.0 not in ['9.0']" in reasons[16, "10.0"]
+
+
 def test_explain_with_error_fallback_exits_1(tmp_path, capsys):
     pol = tmp_path / "p.toml"
     pol.write_text('[mla]\norder = ["flashinfer_mla"]\nfallback = "error"')

@@ -72,6 +72,12 @@ variant = "fa3"
      "backend.reference.allow[0].kv_dtype[0]: Input should be"),
     ('[mla]\norder=["reference"]\n[[backend.reference.allow]]\nmin_batch=8\nmax_batch=4',
      "min_batch=8 is larger than max_batch=4"),
+    ('[mla]\norder=["reference"]\n[[backend.reference.allow]]\ncapability=["9"]',
+     'backend.reference.allow[0].capability: expected CUDA compute capabilities written like "9.0" or "10.0"'),
+    ('[mla]\norder=["reference"]\n[[backend.reference.allow]]\ncapability=[9.0]',
+     "backend.reference.allow[0].capability[0]: Input should be a valid string"),
+    ('[mla]\norder=["reference"]\n[[backend.reference.allow]]\ncapability=[]',
+     "backend.reference.allow[0].capability: expected a non-empty list"),
     ('[mla]\norder=["reference", "reference"]', "backend 'reference' appears twice"),
     ('[mla]\nfallback="error"', "mla.order: required key is missing"),
     ('[policy]\norder=[]', "policy: unknown key"),
@@ -161,3 +167,26 @@ def test_rule_options_only_on_allow():
     with pytest.raises(PolicyError, match="a deny rule takes no options"):
         parse_policy_text('[mla]\norder=["reference"]\n[[backend.reference.deny]]\nseq_len_q=[2]\n'
                           'options={chunk_tokens=64}')
+
+
+def test_capability_rules_match_the_problems_gpu_only():
+    """A rule with `capability` takes problems on a CUDA device of that compute capability and nothing else (other
+    GPUs, the CPU), each refusal with its reason; one file can so route an H200 and a B200 differently."""
+    from mlacore.problem import DeviceSpec
+
+    pol = parse_policy_text("""
+[mla]
+order = ["cute_dsl_mla", "reference"]
+[[backend.cute_dsl_mla.allow]]
+num_heads = [128]
+capability = ["9.0", "10.3"]
+""")
+    rules = pol.backend["cute_dsl_mla"]
+    base = dict(num_heads=128, seq_len_q=1, batch_size=4, max_kv_len=100, min_kv_len=100, page_size=64,
+                q_dtype="bf16", kv_dtype="bf16")
+    on = {cap: DecodeProblem(**base, device=DeviceSpec(type="cuda", capability=cap)) for cap in ((9, 0), (10, 3),
+                                                                                                 (10, 0))}
+    assert rules.rejections(on[(9, 0)]) == [] and rules.rejections(on[(10, 3)]) == []
+    assert "capability=10.0 not in ['9.0', '10.3']" in rules.rejections(on[(10, 0)])[0]
+    cpu = DecodeProblem(**base, device=DeviceSpec(type="cpu"))
+    assert "capability=cpu not in ['9.0', '10.3']" in rules.rejections(cpu)[0]
