@@ -400,33 +400,18 @@ def arrivals_of(workspace):
 
 def launch_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float, out, lse,
                  schedule: Schedule, workspace):
-    """launch() for the fused kernel (get_partial_kernel(..., fused=True)): one launch, no combine kernel."""
+    """launch() / launch_balanced() for the fused kernel (get_partial_kernel(..., fused=True), balanced as the
+    schedule is): one launch, the split requests merged by their last CTA (fused_merge.py) and empty requests
+    written by the kernel; no combine kernel is built or launched. No checks."""
     B, s_q, H, _ = q.shape
     R = s_q * H
     o_part, lse_part = workspace
     cnt = arrivals_of(workspace)
     s = float(sm_scale) * float(kv_scale)
     stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
-    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, out.view(B, R, D_V), lse.view(B, R),
-            schedule.work_info, o_part, lse_part, schedule.split_info, cnt, s * LOG2_E, s, float(kv_scale), s_q, H,
-            stream)
-    return out, lse
-
-
-def launch_balanced_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float, out, lse,
-                          schedule: Schedule, workspace):
-    """launch_balanced for the fused kernel (get_partial_kernel(..., balanced=True, fused=True)): one launch, the
-    split requests merged by their last CTA (fused_merge.py) and empty requests written by the kernel; no combine
-    kernel is built or launched. No checks."""
-    B, s_q, H, _ = q.shape
-    R = s_q * H
-    o_part, lse_part = workspace
-    cnt = arrivals_of(workspace)
-    s = float(sm_scale) * float(kv_scale)
-    stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
-    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, out.view(B, R, D_V), lse.view(B, R),
-            schedule.work_info, schedule.cta_ranges, o_part, lse_part, schedule.split_info, cnt,
-            s * LOG2_E, s, float(kv_scale), s_q, H, stream)
+    items = (schedule.work_info, schedule.cta_ranges) if schedule.balanced else (schedule.work_info,)
+    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, out.view(B, R, D_V), lse.view(B, R), *items,
+            o_part, lse_part, schedule.split_info, cnt, s * LOG2_E, s, float(kv_scale), s_q, H, stream)
     return out, lse
 
 
@@ -466,8 +451,8 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
                                      layout, balanced=True, partial=partial_name(workspace),
                                      wide_store=schedule.wide_store, **({"fused": True} if fused else {}))
         if fused:
-            return launch_balanced_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse,
-                                         schedule, workspace)
+            return launch_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                                workspace)
         return launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse,
                                schedule, workspace)
     if check:
