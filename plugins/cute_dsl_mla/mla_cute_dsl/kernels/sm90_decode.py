@@ -141,23 +141,10 @@ class MLADecodePartial:
         stream,
     ):
         assert not self.balanced, "MLADecodePartial(balanced=True) is launched with call_balanced"
-        (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
-         r2s, mma_s, mma_o) = self._setup()
-
-        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
-
-        nt = self.num_threads
-        grid = (
-            cute.ceil_div(cute.size(mQ.shape[1]), self.block_m),
-            cute.size(mWork.shape[0]),
-            1,
-        )
-        self.kernel(
+        self._launch(self.kernel, mQ, cute.size(mWork.shape[0]), (
             mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
-            sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
-            g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
-        ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
+        ), stream)
 
     @cute.jit
     def call_fused(
@@ -174,23 +161,10 @@ class MLADecodePartial:
         plus the merge of each split request by the last CTA to finish one of its items (fused_merge.py) and
         out = 0 / lse = -inf for requests with no KV; no combine kernel follows."""
         assert self.fused and not self.balanced, "call_fused needs MLADecodePartial(fused=True), not balanced"
-        (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
-         r2s, mma_s, mma_o) = self._setup()
-
-        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
-
-        nt = self.num_threads
-        grid = (
-            cute.ceil_div(cute.size(mQ.shape[1]), self.block_m),
-            cute.size(mWork.shape[0]),
-            1,
-        )
-        self.kernel_fused(
+        self._launch(self.kernel_fused, mQ, cute.size(mWork.shape[0]), (
             mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, mSplit, mCnt,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
-            sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
-            g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
-        ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
+        ), stream)
 
     @cute.kernel
     def kernel_fused(
@@ -226,6 +200,19 @@ class MLADecodePartial:
                 g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
                 m_block, wi, b, tidx, lane, warp_n, mSplit, mCnt,
             )
+
+    def _launch(self, kernel, mQ: cute.Tensor, cols, data: tuple, stream) -> None:
+        """Launch one of the kernels (plain, balanced, fused) over (m-blocks, cols) CTAs: its data arguments, then
+        the shared layouts, copies, MMAs and shared-memory struct every entry builds the same way."""
+        (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
+         r2s, mma_s, mma_o) = self._setup()
+        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
+        grid = (cute.ceil_div(cute.size(mQ.shape[1]), self.block_m), cols, 1)
+        kernel(
+            *data,
+            sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+            g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     def _shared_storage(self, sQ_layout, sK_layout, sP_layout, raw_elems):
         """The CTA's shared-memory struct (every entry: even, balanced, fused): Q, the K ring, the raw fp8 staging
@@ -326,23 +313,10 @@ class MLADecodePartial:
         """Balanced launch: grid (m-blocks, num_cols) -- fixed for a decoder (the ranges' length), so
         CUDA graphs replay it with any later schedule of the same buffers."""
         assert self.balanced, "call_balanced needs MLADecodePartial(balanced=True)"
-        (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
-         r2s, mma_s, mma_o) = self._setup()
-
-        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
-
-        nt = self.num_threads
-        grid = (
-            cute.ceil_div(cute.size(mQ.shape[1]), self.block_m),
-            cute.size(mRanges.shape[0]) - 1,
-            1,
-        )
-        self.kernel_balanced(
+        self._launch(self.kernel_balanced, mQ, cute.size(mRanges.shape[0]) - 1, (
             mQ, mKV, mPT, mLens, mO, mLSE, mWork, mRanges, mOp, mLSEp,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
-            sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
-            g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
-        ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
+        ), stream)
 
     @cute.jit
     def call_balanced_fused(
@@ -370,23 +344,10 @@ class MLADecodePartial:
         plus the merge of each split request by the last CTA to finish one of its items (fused_merge.py), and
         out = 0 / lse = -inf for requests with no KV; no combine kernel follows."""
         assert self.balanced and self.fused, "call_balanced_fused needs MLADecodePartial(balanced=True, fused=True)"
-        (sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout, raw_elems, g2s, g2s_raw, g2r_q, s2r_raw,
-         r2s, mma_s, mma_o) = self._setup()
-
-        SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
-
-        nt = self.num_threads
-        grid = (
-            cute.ceil_div(cute.size(mQ.shape[1]), self.block_m),
-            cute.size(mRanges.shape[0]) - 1,
-            1,
-        )
-        self.kernel_balanced_fused(
+        self._launch(self.kernel_balanced_fused, mQ, cute.size(mRanges.shape[0]) - 1, (
             mQ, mKV, mPT, mLens, mO, mLSE, mWork, mRanges, mOp, mLSEp, mSplit, mCnt,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
-            sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
-            g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
-        ).launch(grid=grid, block=[nt, 1, 1], stream=stream)
+        ), stream)
 
     @cute.jit
     def load_tile(
