@@ -436,9 +436,9 @@ class MLADecodePartial:
                 cute.arch.barrier()
                 self.run_item(
                     mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
-                scale_log2, scale_ln, v_scale, s_q, num_heads,
-                sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
-                g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+                    scale_log2, scale_ln, v_scale, s_q, num_heads,
+                    sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+                    g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
                     m_block, wi, b, tidx, lane, warp_n, mWork, mWork,
                 )
 
