@@ -2,11 +2,14 @@
 
     fp8reg   mla_cute_dsl's fp8 H=16 variant (sm90_decode_fp8, fragments converted in
              registers, no fp16 K tile), schedule for 2 CTAs per SM (--ctas to change)
+    fp8reg_a2, fp8reg_a4
+             the same kernel with 2 / 4 independent S accumulators per warp (s_accs)
     mma      mla_cute_dsl's verified mma.sync kernel (api.mla_decode_sm90), 1 CTA per SM
     fa3      FlashInfer fa3 through mlacore.MLADecoder (dispatcher forced to
              flashinfer_mla, variant fa3)
 
-KV fp8-e4m3 (kv_scale 0.5), q bf16, page 64, every request of length S.  Same
+KV fp8-e4m3 (kv_scale 0.5), q bf16, page 64, every request of length S; partial O in q's dtype
+(the backend's default, partials=auto) unless --partials fp32.  Same
 method as wgmma_speed.py: first call timed alone (compile or disk load), outputs
 compared with fa3's, then each way captured in one CUDA graph over several input
 sets (together >= 4x L2) and the replays timed with CUDA events, median.
@@ -59,17 +62,21 @@ def make_sets(torch, B, H, s_q, S, l2_bytes, n_sets, seed=0):
     return sets, table, lens
 
 
-def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H, ctas):
+def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H, ctas, partial_dtype):
+    import functools
+
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
 
-    if name == "fp8reg":
-        from mla_cute_dsl.kernels.sm90_decode_fp8 import mla_decode_sm90_fp8 as fn
+    if name.startswith("fp8reg"):
+        from mla_cute_dsl.kernels.sm90_decode_fp8 import mla_decode_sm90_fp8
+
+        fn = functools.partial(mla_decode_sm90_fp8, s_accs=int(name[len("fp8reg_a"):]) if "_a" in name else 1)
     else:
         from mla_cute_dsl.kernels import mla_decode_sm90 as fn
         ctas = 1
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     sched = make_schedule(lens_cpu, s_q, H, n_sm, ctas_per_sm=ctas)
-    ws = alloc_workspace(sched)
+    ws = alloc_workspace(sched, partial_dtype=partial_dtype)
 
     def run(i, out, lse):
         st = sets[i]
@@ -99,7 +106,7 @@ def way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S):
     return run, {}, dec
 
 
-def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list):
+def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list, partial_dtype):
     B, H, s_q, S = shape
     sets, table, lens = make_sets(torch, B, H, s_q, S, l2_bytes, n_sets)
     lens_cpu = lens.cpu()
@@ -109,8 +116,8 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list):
     rows, runners, first, closers = {}, {}, {}, []
     todo = []
     for w in ways:
-        if w == "fp8reg":
-            todo += [(f"fp8reg/{c}", w, c) for c in ctas_list]
+        if w.startswith("fp8reg"):
+            todo += [(f"{w}/{c}", w, c) for c in ctas_list]
         else:
             todo.append((w, w, 1))
     for label, w, c in todo:
@@ -123,7 +130,7 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes, ctas_list):
                 run, info, dec = way_fa3(torch, sets, table, lens, lens_cpu, s_q, H, B, S)
                 closers.append(dec)
             else:
-                run, info = way_cute(torch, w, sets, table, lens, lens_cpu, s_q, H, c)
+                run, info = way_cute(torch, w, sets, table, lens, lens_cpu, s_q, H, c, partial_dtype)
             row.update(info)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -156,6 +163,8 @@ def main(argv=None):
     ap.add_argument("--ctas", default="2,1", help="schedules (CTAs per SM) for fp8reg (default 2,1)")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--sets", type=int)
+    ap.add_argument("--partials", choices=("q", "fp32"), default="q",
+                    help="partial-O dtype of the cute ways (default q's: the backend's partials=auto)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     shapes = []
@@ -176,7 +185,8 @@ def main(argv=None):
     rows = []
     for shape in shapes:
         print(f"B={shape[0]} H={shape[1]} s_q={shape[2]} S={shape[3]} ...", flush=True)
-        rows += bench_shape(torch, shape, ways, args.reps, args.sets, l2, ctas_list)
+        pdt = torch.bfloat16 if args.partials == "q" else torch.float32
+        rows += bench_shape(torch, shape, ways, args.reps, args.sets, l2, ctas_list, pdt)
         torch.cuda.empty_cache()
     print_table(rows)
     if args.json:

@@ -51,6 +51,9 @@ def specs():
                             get_partial_kernel_wgmma_t_balanced(q, q, bm, partial=p)))
                 out.append((f"fp8reg {q} {bm} {partial}",
                             lambda q=q, bm=bm, p=partial: get_partial_kernel_fp8(q, bm, partial=p)))
+            # option s_accs=auto: 4 S accumulators at 16 rows (backend.fp8reg_s_accs)
+            out.append((f"fp8reg {q} 16 {partial} s_accs=4",
+                        lambda q=q, p=partial: get_partial_kernel_fp8(q, 16, partial=p, s_accs=4)))
         if q == "bf16":  # partials_ab_gpu.sh's other arms: partials=q with narrow stores, fp32 with wide ones
             for partial, wide in ((q, False), ("fp32", True)):
                 for bm in (16, 32):

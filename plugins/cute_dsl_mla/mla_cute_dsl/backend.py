@@ -33,6 +33,7 @@ plan's choice, not necessarily the newest plan's) correctly after any later plan
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
@@ -201,9 +202,19 @@ class CuteDslOptions(BackendOptions):
                     "s_q*num_heads <= 32: the last CTA to finish one of a request's split items merges them "
                     "(kernels/fused_merge.py; one launch per step). Everywhere else (fp8 caches, wgmma, seesaw, "
                     "fp8reg, the wgmma_t kernel mma=auto picks at 17-32 rows on steps of >= 640 KV blocks, > 32 "
-                    "rows) it falls back to auto's combine kernel. Experimental, for A/B only: correct on an H200 (31 GPU "
-                    "tests) but slower than auto in every measured cell (docs/results/gpu12_fused/: 1.03x at "
-                    "B=64 H=16 s_q=1 S=8192, up to 7.3x at B=1-2: one CTA merges a request's splits serially)")
+                    "rows) it falls back to auto's combine kernel. Experimental, for A/B only: correct on an H200 (GPU "
+                    "tests), and since 0.2.9 (all threads merge, two splits' loads in flight) about as fast as auto "
+                    "where requests split 2-4 ways (docs/results/gpu13_session/, one run: B=64 H=16 s_q=1 S=8192 "
+                    "149.6 against 148.9 us, 0.98-1.01x at B=64-128 S=4096-16384, 1.01-1.05x at B=32-48) and "
+                    "1.4-5.9x slower at B=1-16, where one CTA walks a request's 16-130 splits)")
+    s_accs: Literal["auto", 1, 2, 4] = Field(
+        default="auto",
+        description="independent S accumulators per warp in the fp8reg kernel (sm_90, fp8 cache up to 32 packed "
+                    "rows): the QK k-steps round-robin over them, so each n-block's chain of 36 dependent mma.sync "
+                    "becomes 36/s_accs. auto (default): 4 at up to 16 rows (s_q*num_heads), 1 above. On an H200 "
+                    "(docs/results/gpu13_session/fp8_saccs.txt, one run, fa3 beside): B=64 H=16 s_q=1 S=8192 "
+                    "106.7 -> 104.0 us with 4 (2: 106.3); at 32 rows 4 was slower (B=128 s_q=2 S=4096 147.0 -> "
+                    "159.5, B=64 s_q=2 S=4096 81.4 -> 87.3) and 2 within 1%. Other kernels ignore it")
     sm100_workspace_mb: int = Field(default=128, ge=1,
                                     description="FlashInfer cute-dsl workspace per session, MiB (sm_100 path)")
 
@@ -403,6 +414,18 @@ def pdl_combine(shape: DecodeShape, options: CuteDslOptions) -> bool:
     return shape.seq_len_q * shape.num_heads <= PDL_AUTO_MAX_ROWS
 
 
+# option s_accs=auto: 4 independent S accumulators in the fp8reg kernel up to this many packed rows (BLOCK_M 16),
+# 1 above (measured on an H200, the option's description)
+FP8REG_S_ACCS_AUTO_MAX_ROWS = 16
+
+
+def fp8reg_s_accs(shape: DecodeShape, options: CuteDslOptions) -> int:
+    """The fp8reg kernel's S accumulators per warp for this shape class: option s_accs, or auto's choice."""
+    if options.s_accs != "auto":
+        return options.s_accs
+    return 4 if shape.seq_len_q * shape.num_heads <= FP8REG_S_ACCS_AUTO_MAX_ROWS else 1
+
+
 def ctas_per_sm(kernel: PartialKernel, options: CuteDslOptions) -> int:
     """Split-KV work items per SM for the schedule: the option, or auto's choice for the kernel."""
     if options.ctas_per_sm != "auto":
@@ -583,8 +606,10 @@ class CuteDslPlanned(Planned):
 
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
-                 kernel: PartialKernel = "mma_sync", balanced: bool = False) -> None:
+                 kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1) -> None:
         run_fn = run_function(kernel, balanced)
+        if kernel == "fp8reg" and s_accs != 1:  # fp8reg_s_accs; the entry's default is 0.2.8's 1
+            run_fn = functools.update_wrapper(functools.partial(run_fn, s_accs=s_accs), run_fn)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
         self.lse_scratch, self.sm_scale, self.kv_scale = lse_scratch, sm_scale, kv_scale
         self.run_fn, self.kernel, self.balanced = run_fn, kernel, balanced
@@ -712,7 +737,8 @@ class CuteDslSession(Session):
             log.debug("cute_dsl_mla: %s runs the %s", problem.describe(),
                       kernel_summary(problem, self.options, blocks))
         return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
-                              self.config.kv_scale, kernel=kernel, balanced=balanced_split(problem, self.options))
+                              self.config.kv_scale, kernel=kernel, balanced=balanced_split(problem, self.options),
+                              s_accs=fp8reg_s_accs(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()

@@ -116,6 +116,13 @@ class TestCuteDslFp8RegConformance(TestCuteDslConformance):
     kv_dtypes = ("fp8_e4m3",)
 
 
+class TestCuteDslFp8RegOneAccConformance(TestCuteDslFp8RegConformance):
+    """fp8reg with one S accumulator per warp at every row count (s_accs=1: 0.2.8's kernel; auto takes 4 up to 16
+    rows)."""
+
+    options = {"mma": "fp8reg", "s_accs": 1}
+
+
 class TestCuteDslWgmmaTConformance(TestCuteDslConformance):
     """The transposed WGMMA kernel forced (auto runs it only on steps of >= 640 KV blocks at 17-32 rows with a
     16-bit cache), bf16 and fp8 caches up to 32 rows; shapes it refuses (s_q*H > 32) are skipped with the

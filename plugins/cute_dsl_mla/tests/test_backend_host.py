@@ -759,6 +759,34 @@ def test_option_pdl_takes_auto_or_a_bool_with_one_message():
         CuteDslOptions(pdl="yes")
 
 
+@pytest.mark.parametrize("s_accs,heads,s_q,want", [("auto", 16, 1, 4), ("auto", 8, 2, 4), ("auto", 16, 2, 1),
+                                                   ("auto", 3, 8, 1), (2, 16, 2, 2), (1, 16, 1, 1), (4, 5, 1, 4)])
+def test_option_s_accs_reaches_the_fp8reg_entry(monkeypatch, s_accs, heads, s_q, want):
+    """Option s_accs (auto: 4 up to 16 packed rows, 1 above) reaches the fp8reg host entry the plan runs as a
+    keyword (none for 1, the entry's default: 0.2.8's kernel and cache key); shapes on other kernels ignore it."""
+    from mla_cute_dsl import backend as be
+    from mlacore import StepInputs
+
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    lens = torch.tensor([3000, 17, 0, 4096], dtype=torch.int32)
+    opts = CuteDslOptions(s_accs=s_accs)
+    problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=4, kv_dtype="fp8_e4m3")
+    planned = _cpu_session(monkeypatch, opts, heads=heads, kv_dtype="fp8_e4m3").plan(
+        problem, StepInputs(lens, table, lens, table))
+    assert planned.kernel == "fp8reg" and be.fp8reg_s_accs(problem, opts) == want
+    assert planned.run_fn.__name__ == "mla_decode_sm90_fp8"
+    assert getattr(planned.run_fn, "keywords", {}) == ({} if want == 1 else {"s_accs": want})
+    bf16 = _cpu_session(monkeypatch, opts, heads=heads).plan(prob(num_heads=heads, seq_len_q=s_q, batch_size=4),
+                                                             StepInputs(lens, table, lens, table))
+    assert not hasattr(bf16.run_fn, "keywords")
+
+
+def test_option_s_accs_is_validated():
+    with pytest.raises(ValueError, match="s_accs"):
+        CuteDslOptions(s_accs=3)
+    assert CuteDslOptions().s_accs == "auto"
+
+
 @pytest.mark.parametrize("stores,want", [("auto", True), ("narrow", False), ("wide", True)])
 def test_option_stores_reaches_the_schedule_and_the_prebuilt_partials(monkeypatch, stores, want):
     """Option stores (auto: wide) reaches the schedule plan returns (Schedule.wide_store, read by the

@@ -39,11 +39,11 @@ if _has_cutlass():
     import cutlass.cute as cute
 
 
-def _kernel(q="bf16", bm=16):
+def _kernel(q="bf16", bm=16, s_accs=1):
     from mla_cute_dsl.kernels.sm90_decode_fp8 import MLADecodePartialFP8Reg
 
     dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[q]
-    return MLADecodePartialFP8Reg(dt, cutlass.Float8E4M3FN, bm)
+    return MLADecodePartialFP8Reg(dt, cutlass.Float8E4M3FN, bm, s_accs=s_accs)
 
 
 def _staging_byte(t, d, st, stages=2):
@@ -170,12 +170,14 @@ def _nv_info_attrs(cubin: bytes):
     return f(cubin)
 
 
-@pytest.mark.parametrize("q", ["bf16", "fp16"])
+@pytest.mark.parametrize("q,s_accs", [("bf16", 1), ("fp16", 1), ("bf16", 2), ("bf16", 4)])
 @pytest.mark.parametrize("bm", [16, 32])
-def test_compiles_registers_and_ptx_counts(q, bm, tmp_path):
+def test_compiles_registers_and_ptx_counts(q, bm, s_accs, tmp_path):
+    """Also with s_accs 2 / 4 independent S accumulators: the same MMAs, conversions and loads, no spills; the
+    partial sums add up in s_accs - 1 extra fp32 adds per S value."""
     from mla_cute_dsl.kernels import api
 
-    k = _kernel(q, bm)
+    k = _kernel(q, bm, s_accs)
     cute.compile(k, *api._fake_args_partial(q, "fp8_e4m3"),
                  options=api.COMPILE_OPTIONS + f" --keep-ptx --keep-cubin --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
@@ -184,7 +186,7 @@ def test_compiles_registers_and_ptx_counts(q, bm, tmp_path):
     attrs = _nv_info_attrs(cubin)
     regs = max(v for a, v in attrs if a == 0x2F)  # EIATTR_REGCOUNT
     frame = max((v for a, v in attrs if a == 0x11), default=0)  # EIATTR_FRAME_SIZE
-    print(f"fp8reg q={q} BLOCK_M={bm}: {regs} registers, frame {frame} B")
+    print(f"fp8reg q={q} BLOCK_M={bm} s_accs={s_accs}: {regs} registers, frame {frame} B")
     assert regs <= 255 and frame == 0, (regs, frame)
     assert ".reqntid 128, 1, 1" in ptx or ".maxntid 128, 1, 1" in ptx or "128, 1, 1" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -211,6 +213,18 @@ def test_kernel_cache_helper(q, bm):
     assert fn is not None and get_partial_kernel_fp8(q, bm) is fn
     assert kernel_cache.origin("partial_fp8reg", (q, "fp8_e4m3", bm, None, 2)) in ("compiled", "disk")
     assert api.get_partial_kernel(q, "fp8_e4m3", bm) is not fn  # the verified kernel is separate
+
+
+def test_s_accs_keys_and_refusals():
+    """s_accs 1 keeps the verified kernel's cache key (no tag); 2 / 4 add one tag the builder reads back; any other
+    count is refused before compiling."""
+    from mla_cute_dsl.kernels.sm90_decode_fp8 import s_accs_from_tags, s_accs_spec
+
+    assert s_accs_spec(1) == () and s_accs_from_tags(()) == 1
+    for n in (2, 4):
+        assert s_accs_from_tags(("partial_bf16",) + s_accs_spec(n)) == n
+    with pytest.raises(ValueError, match="s_accs"):
+        _kernel("bf16", 16, 3)
 
 
 def test_fp8reg_host_checks_refuse_other_inputs():

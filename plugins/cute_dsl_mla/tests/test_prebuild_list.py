@@ -35,7 +35,8 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
     for key in [  # the defaults: 16-bit partials in q's dtype, wide stores where a kernel has them
         ("partial_balanced", ("bf16", "bf16", 32, None, "partial_bf16", "wide_store")),  # mma=auto, 17-32 rows
         ("partial_wgmma_t_balanced", ("bf16", "bf16", 32, "partial_bf16")),  # ... from 640 blocks
-        ("partial_fp8reg", ("bf16", "fp8_e4m3", 16, None, 2, "partial_bf16")),  # fp8 cache up to 32 rows
+        ("partial_fp8reg", ("bf16", "fp8_e4m3", 16, None, 2, "partial_bf16", "s_accs4")),  # fp8 cache, 16 rows
+        ("partial_fp8reg", ("bf16", "fp8_e4m3", 16, None, 2, "partial_bf16")),  # ... s_accs=1 (the A/B arm)
         ("partial_fp8reg", ("fp16", "fp8_e4m3", 32, None, 2, "partial_fp16")),
         ("partial_wgmma_seesaw", ("bf16", "fp8_e4m3", 64, "l2pf", "partial_bf16", "wide_store")),  # H=128 fp8
         ("partial_wgmma_seesaw", ("bf16", "bf16", 64, "partial_bf16", "wide_store")),

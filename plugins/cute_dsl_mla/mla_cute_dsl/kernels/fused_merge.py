@@ -50,7 +50,6 @@ import cutlass
 import cutlass.cute as cute
 
 D_V = 512
-WARP = 32
 FUSED_TAG = "fused"
 
 
@@ -102,55 +101,93 @@ def release_counter(mCnt: cute.Tensor, b, tidx):
         cute.arch.store((mCnt.iterator + b), cutlass.Int32(0), sem="relaxed", scope="gpu")
 
 
+# (row, 8-column group) units one thread merges per pass, by partial width: 16-bit partials take 8 (R = 16 rows
+# is one pass of 128 threads), fp32 ones 4 (the same register bytes in flight; more would spill)
+UNITS = {16: 8, 32: 4}
+
+
+@cute.jit
+def _load_units(mOp: cute.Tensor, mLSEp: cute.Tensor, slot, base, tidx, num_threads: cutlass.Constexpr, R,
+                l: cute.Tensor, v: cute.Tensor):
+    """merge_request's loads of one split slot for this thread's units (UNITS by partial width): l[k] = its row's
+    LSE, v[8k .. 8k + 7] = its 8 partial columns (ld.global.cg, 16 bytes at a time); units past R * 64 read row
+    R - 1."""
+    pdt = mOp.element_type
+    vec = 128 // pdt.width  # partial elements per 16-byte load: 8 (16-bit) or 4 (fp32)
+    groups = D_V // 8
+    atom = _cg_atom(pdt, 128)
+    for k in cutlass.range_constexpr(UNITS[pdt.width]):
+        u = base + tidx + k * num_threads
+        row = cutlass.min(u // groups, R - 1)
+        l[k] = _ld_lse(mLSEp, slot, row)
+        for t in cutlass.range_constexpr(8 // vec):
+            cute.copy(atom, cute.local_tile(mOp[slot, row, None], (vec,), ((u % groups) * (8 // vec) + t,)),
+                      cute.local_tile(v, (vec,), (k * (8 // vec) + t,)))
+
+
 @cute.jit
 def merge_request(
     mO: cute.Tensor, mLSE: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
-    b, first, cnt, tidx, num_warps: cutlass.Constexpr, q_dtype: cutlass.Constexpr,
+    b, first, cnt, tidx, num_threads: cutlass.Constexpr, q_dtype: cutlass.Constexpr,
 ):
-    """Merge request b's cnt split slots first .. first + cnt - 1 into out[b] / lse[b] (all R rows): one warp
-    per row (rows warp, warp + num_warps, ...), lanes reduce the LSEs as combine.MLACombine, then lane l
-    accumulates columns 8l .. 8l + 7 and 256 + 8l .. 256 + 8l + 7 over the splits with 16-byte ld.global.cg
-    loads (two per 8 fp32 columns) and stores them with 16-byte stores. Call after the acquire fence."""
+    """Merge request b's cnt split slots first .. first + cnt - 1 into out[b] / lse[b] (all R rows). Call after
+    the acquire fence.
+
+    Why this shape: the merge sits on the critical path of the CTA that finishes a request last (at the end of
+    the kernel when the splits are even), so it has to cost about one L2 round trip, not one per row and split.
+    Every thread takes UNITS (row, 8-column group) units at once (8 with 16-bit partials, 4 with fp32; unit
+    u = pass base + tidx + k * num_threads: row u // 64, columns 8 * (u % 64) ..) and walks the splits with an
+    online max, loading split i + 1's LSEs and 16-byte partial chunks (ld.global.cg) before split i's math, so
+    two splits' loads are in flight. Units past R * 64 load row R - 1 (valid memory, unconditional loads) and
+    store nothing. The math is combine.MLACombine's in online form (per
+    split: m' = max(m, lse_k), m_use = 0 if m' == -inf else m', a = exp(m - m_use), w = exp(lse_k - m_use),
+    s = s a + w, acc = acc a + w O_k; then out = acc / s, lse = m_use + log s; 0 / -inf when s == 0): equal
+    to it within rounding (natural exp/log, not fast-math); 16-bit partials are widened to fp32."""
     R = mO.shape[1]
-    lane = tidx % WARP
-    warp = tidx // WARP
     pdt = mOp.element_type
-    vec = 128 // pdt.width  # partial elements per 16-byte load: 8 (16-bit) or 4 (fp32)
-    sub = 8 // vec  # loads per 8 columns
-    halves = D_V // (8 * WARP)  # 2: 8-column groups per lane
-    atom = _cg_atom(pdt, 128)
-    for row in cutlass.range(warp, R, num_warps):
-        m = -cutlass.Float32.inf
-        for i in cutlass.range(lane, cnt, WARP):
-            m = cute.arch.fmax(m, _ld_lse(mLSEp, first + i, row))
-        for off in cutlass.range_constexpr(5):
-            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> off, mask=-1, mask_and_clamp=31))
-        m_use = 0.0 if m == -cutlass.Float32.inf else m
-        ssum = cutlass.Float32(0.0)
-        for i in cutlass.range(lane, cnt, WARP):
-            ssum = ssum + cute.math.exp(_ld_lse(mLSEp, first + i, row) - m_use, fastmath=False)
-        for off in cutlass.range_constexpr(5):
-            ssum = ssum + cute.arch.shuffle_sync_bfly(ssum, offset=16 >> off, mask=-1, mask_and_clamp=31)
-        acc = cute.make_rmem_tensor((8 * halves,), cutlass.Float32)
+    units = UNITS[pdt.width]
+    groups = D_V // 8  # 8-column groups per row
+    total = R * groups
+    for base in cutlass.range(0, total, num_threads * units):
+        m = cute.make_rmem_tensor((units,), cutlass.Float32)
+        s = cute.make_rmem_tensor((units,), cutlass.Float32)
+        acc = cute.make_rmem_tensor((8 * units,), cutlass.Float32)
+        m.fill(-cutlass.Float32.inf)
+        s.fill(0.0)
         acc.fill(0.0)
-        if ssum > 0.0:
-            for i in cutlass.range(0, cnt, 1, unroll=2):
-                w = cute.math.exp(_ld_lse(mLSEp, first + i, row) - m_use, fastmath=False)
-                src = mOp[first + i, row, None]
-                for h in cutlass.range_constexpr(halves):
-                    for t in cutlass.range_constexpr(sub):
-                        v = cute.make_rmem_tensor((vec,), pdt)
-                        cute.copy(atom, cute.local_tile(src, (vec,), ((h * WARP + lane) * sub + t,)), v)
-                        a = cute.local_tile(acc, (vec,), (h * sub + t,))
-                        a.store(a.load() + w * v.load().to(cutlass.Float32))
-        inv = 1.0 / ssum if ssum > 0.0 else 0.0
-        dst = mO[b, row, None]
-        for h in cutlass.range_constexpr(halves):
-            o = cute.make_rmem_tensor((8,), q_dtype)
-            o.store((cute.local_tile(acc, (8,), (h,)).load() * inv).to(q_dtype))
-            cute.local_tile(dst, (8,), (h * WARP + lane,)).store(o.load())
-        if lane == 0:
-            mLSE[b, row] = m_use + cute.math.log(ssum, fastmath=False) if ssum > 0.0 else -cutlass.Float32.inf
+        # split i's loads are issued one turn ahead of its math (split 0 before the loop; the last turn
+        # re-loads the last split, whose values are never used): two splits' loads in flight
+        lc = cute.make_rmem_tensor((units,), cutlass.Float32)
+        vc = cute.make_rmem_tensor((8 * units,), pdt)
+        ln = cute.make_rmem_tensor((units,), cutlass.Float32)
+        vn = cute.make_rmem_tensor((8 * units,), pdt)
+        _load_units(mOp, mLSEp, first, base, tidx, num_threads, R, lc, vc)
+        for i in cutlass.range(0, cnt, 1, unroll=1):
+            _load_units(mOp, mLSEp, first + cutlass.min(i + 1, cnt - 1), base, tidx, num_threads, R, ln, vn)
+            for k in cutlass.range_constexpr(units):
+                l = lc[k]
+                m_new = cute.arch.fmax(m[k], l)
+                m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
+                a = cute.math.exp(m[k] - m_use, fastmath=False)
+                w = cute.math.exp(l - m_use, fastmath=False)
+                s[k] = s[k] * a + w
+                a8 = cute.local_tile(acc, (8,), (k,))
+                a8.store(a8.load() * a + w * cute.local_tile(vc, (8,), (k,)).load().to(cutlass.Float32))
+                m[k] = m_new
+            lc.store(ln.load())
+            vc.store(vn.load())
+        for k in cutlass.range_constexpr(units):
+            u = base + tidx + k * num_threads
+            if u < total:
+                row = u // groups
+                ok = s[k] > 0.0
+                inv = 1.0 / s[k] if ok else 0.0
+                o = cute.make_rmem_tensor((8,), q_dtype)
+                o.store((cute.local_tile(acc, (8,), (k,)).load() * inv).to(q_dtype))
+                cute.local_tile(mO[b, row, None], (8,), (u % groups,)).store(o.load())
+                if u % groups == 0:
+                    m_use = 0.0 if m[k] == -cutlass.Float32.inf else m[k]
+                    mLSE[b, row] = m_use + cute.math.log(s[k], fastmath=False) if ok else -cutlass.Float32.inf
 
 
 @cute.jit

@@ -775,7 +775,7 @@ class MLADecodePartial:
                 last = fm.arrive(mCnt, b, target, sRed, tidx)
                 if last:
                     cute.arch.fence_acq_rel_gpu()
-                    fm.merge_request(mO, mLSE, mOp, mLSEp, b, mSplit[b, 0], mSplit[b, 1], tidx, self.num_warps,
+                    fm.merge_request(mO, mLSE, mOp, mLSEp, b, mSplit[b, 0], mSplit[b, 1], tidx, self.num_threads,
                                      self.q_dtype)
                     fm.release_counter(mCnt, b, tidx)
 

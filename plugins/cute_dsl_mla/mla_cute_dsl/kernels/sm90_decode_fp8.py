@@ -108,7 +108,7 @@ class MLADecodePartialFP8Reg:
 
     DEFAULT_LAYOUT = {16: (1, 1), 32: (1, 2)}
 
-    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, stages: int = 2):
+    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, stages: int = 2, s_accs: int = 1):
         if kv_dtype is not cutlass.Float8E4M3FN:
             raise NotImplementedError("MLADecodePartialFP8Reg needs an fp8-e4m3 KV cache")
         if block_m not in (16, 32):
@@ -123,6 +123,11 @@ class MLADecodePartialFP8Reg:
         self.num_threads = self.num_warps * 32
         assert stages >= 2
         self.stages = stages
+        # s_accs: independent S accumulators per warp (the QK k-steps round-robin over them), so the 36-long
+        # chain of dependent MMAs per n-block becomes 36 / s_accs; 1 (default) is the GPU-verified kernel
+        if s_accs not in (1, 2, 4):
+            raise ValueError(f"s_accs must be 1, 2 or 4, got {s_accs}")
+        self.s_accs = s_accs
 
     def smem_bytes(self) -> int:
         parts = [
@@ -394,8 +399,11 @@ class MLADecodePartialFP8Reg:
                 cute.arch.cp_async_commit_group()
 
                 # ---------------- S = Q K^T (this warp's 16 kv columns) ----------------
-                acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                acc_S.fill(0.0)
+                accs = []
+                for a in cutlass.range_constexpr(self.s_accs):
+                    acc_a = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                    acc_a.fill(0.0)
+                    accs.append(acc_a)
                 rK8 = cute.make_rmem_tensor(cute.make_layout(((2, 2), 4)), self.kv_dtype)
                 for c in cutlass.range_constexpr(N_CHUNK):
                     for nb in cutlass.range_constexpr(n_nb):
@@ -406,7 +414,13 @@ class MLADecodePartialFP8Reg:
                     for i in cutlass.range_constexpr(4):
                         k = 4 * c + i
                         cute.copy(s2r_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
-                        cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, (i, c)], acc_S)
+                        acc_k = accs[k % self.s_accs]
+                        cute.gemm(mma, acc_k, tSrQ[None, None, k], tSrK[None, None, (i, c)], acc_k)
+                acc_S = accs[0]
+                if cutlass.const_expr(self.s_accs == 4):
+                    acc_S.store((accs[0].load() + accs[1].load()) + (accs[2].load() + accs[3].load()))
+                if cutlass.const_expr(self.s_accs == 2):
+                    acc_S.store(accs[0].load() + accs[1].load())
 
                 # ---------------- mask, local row max -> sRed ----------------
                 acc_S_mn = _acc_mn_view(acc_S)
@@ -519,15 +533,31 @@ class MLADecodePartialFP8Reg:
 # ---- host helpers (api.mla_decode_sm90 keeps using sm90_decode) ----
 
 
+S_ACCS_TAG = "s_accs"
+
+
+def s_accs_spec(s_accs: int) -> tuple:
+    """Kernel-cache key suffix for MLADecodePartialFP8Reg's s_accs: () for the default 1 (keys and symbols
+    unchanged), ("s_accs<n>",) otherwise."""
+    return () if s_accs == 1 else (f"{S_ACCS_TAG}{s_accs}",)
+
+
+def s_accs_from_tags(tags) -> int:
+    """The s_accs a kernel-cache key's trailing tags name (s_accs_spec), 1 without one."""
+    found = [int(t[len(S_ACCS_TAG):]) for t in tags if isinstance(t, str) and t.startswith(S_ACCS_TAG)]
+    return found[-1] if found else 1
+
+
 def _build_partial_fp8(q_name: str, kv_name: str, block_m: int, layout, stages: int, *tags: str):
     from . import api
 
     k = MLADecodePartialFP8Reg(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
-                               layout, stages)
+                               layout, stages, s_accs=s_accs_from_tags(tags))
     return api.compile_partial(k, q_name, kv_name, tags)
 
 
-def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int = 2, partial: str = "fp32"):
+def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int = 2, partial: str = "fp32",
+                           s_accs: int = 1):
     """Compiled fp8-register partial kernel for (q dtype, BLOCK_M); KV fp8-e4m3.
 
     Same kernel cache as api.get_partial_kernel (memory, disk, else compile),
@@ -538,12 +568,12 @@ def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int =
     if layout is not None:
         layout = tuple(layout)
     return kernel_cache.get_or_build("partial_fp8reg", (q_name, "fp8_e4m3", block_m, layout, stages)
-                                     + api.partial_spec(partial), _build_partial_fp8)
+                                     + api.partial_spec(partial) + s_accs_spec(s_accs), _build_partial_fp8)
 
 
 def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                         out, lse, schedule, workspace, *, check: bool = True, layout=None,
-                        stages: int = 2):
+                        stages: int = 2, s_accs: int = 1):
     """``api.mla_decode_sm90`` with this partial kernel (same arguments and contract).
 
     Needs an fp8-e4m3 KV cache and s_q * H <= 32 (BLOCK_M 16 / 32).  Meant to run
@@ -561,6 +591,6 @@ def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_sc
         if schedule.block_m not in (16, 32):
             raise ValueError(f"fp8 variant: s_q * H must be <= 32, got {schedule.rows}")
     partial = get_partial_kernel_fp8(api._TORCH_TO_NAME[q.dtype], schedule.block_m, layout, stages,
-                                     partial=api.partial_name(workspace))
+                                     partial=api.partial_name(workspace), s_accs=s_accs)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
