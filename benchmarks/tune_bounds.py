@@ -50,7 +50,7 @@ import mlacore.tools.tune as T
 from mlacore.policy import parse_policy
 from mlacore.tools import cli
 
-R = "docs/results/"
+R = os.environ.get("R", "docs/results").rstrip("/") + "/"
 GRIDS = os.environ.get("GRIDS", "h200_tune9_bench h200_tune9_offgrid_bench h200_tune9_offgrid2_bench "
                        "h200_validate9_lengths8_bench").split()
 SLOW = 0.05  # the target's bound on any one cell
@@ -133,6 +133,14 @@ def line_arm_else_minimax(train: Group, b: int, n: int) -> str:
     return minimax_corners(train, b, n)
 
 
+def batch_split_minimax(train: Group, b: int, n: int) -> str:
+    """`mla tune --rules batch` (tune.batch_split, the second arm from the geometric midpoint tune.split_point)."""
+    members = [(0, 0, "", "", 0, bb, nn) for bb, nn in train]
+    t, lo, hi = T.batch_split(members, {(0, 0, "", "", 0, bb, nn): ts for (bb, nn), ts in train.items()})
+    above = [bb for bb, _ in train if bb > t]
+    return lo if not above or b <= T.split_point(t, min(above)) else hi
+
+
 Regrets = List[Tuple[float, tuple, Point]]  # (regret, group, point), worst first
 
 
@@ -174,6 +182,14 @@ def committed_tuner(reports: dict, held_name: str) -> Regrets:
                     (c.problem.batch_size, c.problem.max_kv_len)) for c in v.cells), reverse=True)
 
 
+def builtin_default(reports: dict, held_name: str) -> Regrets:
+    """The built-in policy (mlacore/default_policy.toml) as shipped: no training, its hand-written rules."""
+    base = pathlib.Path("mlacore/default_policy.toml").read_text()
+    v = T.validate(parse_policy(tomllib.loads(base)), reports[held_name])
+    return sorted(((c.regret if c.regret is not None else math.inf, T._cell(c.problem)[:5],
+                    (c.problem.batch_size, c.problem.max_kv_len)) for c in v.cells), reverse=True)
+
+
 def _fmt(rs: Regrets) -> str:
     vals = [r for r, _, _ in rs]
     return f"{100 * statistics.fmean(vals):.2f}/{100 * vals[0]:.1f}/{sum(v > SLOW for v in vals)}"
@@ -185,6 +201,7 @@ def main() -> None:
     show = int(os.environ.get("WORST", "0"))
     rows: List[Tuple[str, Callable[[str, Dict[tuple, Group], Dict[tuple, Group]], Regrets]]] = [
         ("committed tuner", lambda g, tr, hd: committed_tuner(reports, g)),
+        ("built-in default policy", lambda g, tr, hd: builtin_default(reports, g)),
         ("single arm/group, hindsight", lambda g, tr, hd: single_arm_hindsight(tr, hd)),
         ("best corner winner, hindsight", lambda g, tr, hd: corner_winner_hindsight(tr, hd)),
         ("best corner arm <=3%, hindsight", lambda g, tr, hd: corner_winner_hindsight(tr, hd, T.TIE)),
@@ -194,6 +211,7 @@ def main() -> None:
         ("minimax over corners", minimax_corners),
         ("group arm <=5%, else minimax", group_arm_else_minimax),
         ("line arm <=5%, else minimax", line_arm_else_minimax),
+        ("batch split, minimax (--rules batch)", batch_split_minimax),
     )]
     print(f"{'mean%/worst%/cells>5%':33}" + "  ".join(f"{g.replace('_bench', ''):>16}" for g in GRIDS))
     for name, fn in rows:

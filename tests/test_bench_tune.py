@@ -766,3 +766,72 @@ def test_bench_output_file_holds_the_cells_so_far_while_it_runs(tmp_path, monkey
     final = json.loads(out.read_text())
     assert len(final["rows"]) == 4 and "partial" not in final["grid"]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+# -- mla tune --rules batch: per group one arm, or two split at one batch --------------------------------------------
+def test_batch_split_minimises_the_worst_ratio_over_the_groups_cells():
+    from mlacore.tools.tune import batch_split
+
+    cells = [(16, 1, "bf16", "bf16", 64, b, n) for b in (1, 16, 128) for n in (1024, 16384)]
+    # a: fastest at batch 1; b: fastest from 16 up, except one 4% win of a at (128, 1024) that must not
+    # buy a a third region: the split at 1 | 16 has worst ratio 1.04 and beats any one-arm rule
+    times = {c: ({"a": 1.0, "b": 2.0} if c[5] == 1 else {"a": 1.5, "b": 1.0}) for c in cells}
+    times[cells[-2]] = {"a": 1.0, "b": 1.04}
+    assert batch_split(cells, times) == (1, "a", "b")
+    # one arm within 3% everywhere: no split (a single arm is preferred at equal worst and mean)
+    flat = {c: {"a": 1.0, "b": 1.03} for c in cells}
+    assert batch_split(cells, flat) == (128, "a", "a")
+    # an arm missing at one cell is never picked
+    flat[cells[0]] = {"b": 1.03}
+    assert batch_split(cells, flat) == (128, "b", "b")
+
+
+def test_tune_rules_batch_routes_by_one_batch_split_and_keeps_a_catch_all():
+    from mlacore.tools.tune import batch_split
+
+    # fa2 wins batch 1 (every length) and batch 16 at 16384 only by 2%; fa3 the rest
+    def times(arm, h, b, n):
+        if b == 1:
+            return 1.0 if arm == "fa2" else 2.0
+        if b == 16 and n == 16384:
+            return 1.0 if arm == "fa2" else 1.02
+        return 2.0 if arm == "fa2" else 1.0
+
+    report = _grid_report(times, heads=(16, 128))
+    text, cells = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "batch")
+    pol = parse_policy_text(text)
+    rules = pol.backend["X"].allow
+    # per head count: fa2 up to the midpoint of 1 and 16 (4), then the default arm fa3 by its catch-all rule
+    fa2 = [r for r in rules if r.options == {"variant": "fa2"}]
+    assert sorted(r.num_heads for r in fa2) == [(16,), (128,)] and all(r.max_batch == 4 for r in fa2)
+    assert rules[-1].options == {"variant": "fa3"} and rules[-1].num_heads is None
+    assert _route(text, _problem(4, 4096)) == "X:variant=fa2"
+    assert _route(text, _problem(16, 16384)) == "X:variant=fa3"  # its 2% fa2 win gets no rule of its own
+    assert _route(text, _problem(8, 1024, h=64)) == "X:variant=fa3"  # a head count nobody measured
+    assert cells[(16, 1, "bf16", "bf16", 64, 16, 16384)] == ("X:variant=fa2", "X:variant=fa3")
+    # the boxes (default) route that cell to its winner instead
+    text_boxes, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    assert _route(text_boxes, _problem(16, 16384)) == "X:variant=fa2"
+    with pytest.raises(Exception, match="rules: expected one of boxes, batch"):
+        tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "corners")
+    assert batch_split([(16, 1, "bf16", "bf16", 64, b, n) for b in (1, 16, 128) for n in (1024, 16384)],
+                       {(16, 1, "bf16", "bf16", 64, b, n): {"X:variant=fa2": times("fa2", 16, b, n),
+                                                            "X:variant=fa3": times("fa3", 16, b, n)}
+                        for b in (1, 16, 128) for n in (1024, 16384)}) == (1, "X:variant=fa2", "X:variant=fa3")
+
+
+def test_cli_tune_rules_batch_from_measurements(tmp_path):
+    from mlacore.tools.bench import report_json
+
+    tune_json = tmp_path / "t.json"
+    tune_json.write_text(json.dumps(report_json(_grid_report(_fa_times))))
+    pol = tmp_path / "mla.toml"
+    pol.write_text('[mla]\norder = ["reference"]\n')
+    proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--from", str(tune_json), "--write", str(pol),
+                           "--rules", "batch"], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _route(pol.read_text(), _problem(2, 4096)) == "X:variant=fa2"
+    assert _route(pol.read_text(), _problem(256, 4096)) == "X:variant=fa3"
+    proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--from", str(tune_json), "--write", str(pol),
+                           "--rules", "cells"], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode != 0 and "--rules" in proc.stderr and "batch" in proc.stderr

@@ -28,22 +28,25 @@ def test_explain_json_lists_every_verdict(capsys):
 
 
 def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
-    """The built-in policy's H=128 bf16 rule (measured on an H200 only) takes batches up to 34 on capability 9.0 to
-    our kernels; a larger batch, or the same batch on a B200 (10.0), stays with FlashInfer, each with the policy's
-    reason on our verdict."""
+    """The built-in policy's H=128 bf16 rules (measured on an H200 only) take batches up to 50 at s_q=1 and up to 34
+    at s_q=2 on capability 9.0 to our kernels; a larger batch, or the same batch on a B200 (10.0), stays with
+    FlashInfer, each with the policy's reason on our verdict."""
     chosen, reasons = {}, {}
-    for batch, cap in ((16, "9.0"), (34, "9.0"), (35, "9.0"), (16, "10.0")):
-        code = main(["backends", "explain", "--num-heads", "128", "--batch", str(batch), "--device", "cuda",
-                     "--capability", cap, "--json"])
+    for s_q, batch, cap in ((1, 16, "9.0"), (1, 50, "9.0"), (1, 51, "9.0"), (2, 34, "9.0"), (2, 35, "9.0"),
+                            (1, 16, "10.0")):
+        code = main(["backends", "explain", "--num-heads", "128", "--seq-len-q", str(s_q), "--batch", str(batch),
+                     "--device", "cuda", "--capability", cap, "--json"])
         data = json.loads(capsys.readouterr().out)
         assert code == 0
-        chosen[batch, cap] = data["chosen"]
-        reasons[batch, cap] = " ".join(r for v in data["verdicts"] if v["backend"] == "cute_dsl_mla"
-                                       for r in v["reasons"])
-    assert chosen == {(16, "9.0"): "cute_dsl_mla", (34, "9.0"): "cute_dsl_mla", (35, "9.0"): "flashinfer_mla",
-                      (16, "10.0"): "flashinfer_mla"}
-    assert "batch=35 > max_batch=34" in reasons[35, "9.0"]
-    assert "capability=10.0 not in ['9.0']" in reasons[16, "10.0"]
+        chosen[s_q, batch, cap] = data["chosen"]
+        reasons[s_q, batch, cap] = " ".join(r for v in data["verdicts"] if v["backend"] == "cute_dsl_mla"
+                                            for r in v["reasons"])
+    assert chosen == {(1, 16, "9.0"): "cute_dsl_mla", (1, 50, "9.0"): "cute_dsl_mla", (1, 51, "9.0"): "flashinfer_mla",
+                      (2, 34, "9.0"): "cute_dsl_mla", (2, 35, "9.0"): "flashinfer_mla",
+                      (1, 16, "10.0"): "flashinfer_mla"}
+    assert "batch=51 > max_batch=50" in reasons[1, 51, "9.0"]
+    assert "batch=35 > max_batch=34" in reasons[2, 35, "9.0"]
+    assert "capability=10.0 not in ['9.0']" in reasons[1, 16, "10.0"]
 
 
 def test_explain_with_error_fallback_exits_1(tmp_path, capsys):

@@ -664,7 +664,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     except OSError as err:
         raise CLIError(f"--write {path}: cannot read: {err.strerror or err}") from None
     try:
-        text, cells = tune(report, path, base)
+        text, cells = tune(report, path, base, args.rules)
     except TuneError as err:
         raise CLIError(str(err)) from None
 
@@ -842,6 +842,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_args(p)
     p.add_argument("--write", required=True, metavar="FILE",
                    help="policy file to write or merge into (atomically; keeps its mode and symlink)")
+    p.add_argument("--rules", choices=("boxes", "batch"), default="boxes",
+                   help="boxes (default): every measured cell to its fastest arm, boxes over batch and kv length "
+                        "between; batch: per group (heads, s_q, dtypes, page size) one arm, or two split at one "
+                        "batch, with the smallest worst regret over the group's cells (coarser; on the H200 runs a "
+                        "lower worst regret on grids left out: docs/results/h200_tune.md)")
     p.add_argument("--from", dest="from_json", metavar="FILE", action="append",
                    help="use measurements from `mla bench -o FILE` instead of measuring (repeat to join several "
                         "runs of one machine: a denser grid)")

@@ -393,6 +393,76 @@ def build_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], 
     return backends, rules, default
 
 
+# the rule shapes `mla tune --rules` writes: "boxes" (every measured cell to its winner, boxes between) or "batch"
+# (per group at most two arms, split at one batch)
+RULE_MODES = ("boxes", "batch")
+
+
+def batch_split(members: List[tuple], times: Dict[tuple, Dict[str, float]]) -> Tuple[int, str, str]:
+    """(t, arm for batch <= t, arm for batch > t) for one group: the rule with the smallest worst ratio to the
+    fastest over the group's measured cells (then the smallest mean, then one arm rather than two, then the
+    labels), over every one-arm rule and every two-arm split between two measured batches; arms timed
+    correctly at every cell of the group only. One arm: t is the group's largest batch.
+
+    Why: decode times step along batch and length where no neighbouring measurement says so, and rules that
+    send every measured cell to its winner carry a winner's margin at one cell into the unmeasured space
+    around it. On the H200 runs (docs/results/h200_tune.md, thirteenth session), leave one grid out of six,
+    this rule had a lower worst held-out regret than the boxes in 5 of 6 folds of mla-cute-dsl 0.2.9's runs
+    (mean of the folds' worst 15.6% against 23.3%) and 5 of 6 (one tie) of 0.2.7's."""
+    arms = sorted(set.intersection(*(set(times[c]) for c in members)))
+    if not arms:
+        raise TuneError(f"group {members[0][:5]}: no arm ran correctly at every measured cell")
+    batches = sorted({c[5] for c in members})
+    ratio = {a: {c: times[c][a] / min(times[c].values()) for c in members} for a in arms}
+    best = None
+    for t in batches:
+        for lo in arms:
+            for hi in ([a for a in arms if a != lo] if t < batches[-1] else [lo]):
+                rs = [ratio[lo if c[5] <= t else hi][c] for c in members]
+                key = (max(rs), statistics.fmean(rs), lo != hi, lo, hi)
+                if best is None or key < best[0]:
+                    best = (key, (t, lo, hi))
+    return best[1]
+
+
+def build_batch_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[dict]], str, Dict[tuple, str]]:
+    """(backend order, allow rules per backend, default backend, the arm each measured cell is routed to) for
+    `--rules batch`: per group (heads, s_q, dtypes, page size) batch_split's one or two arms, the second from
+    the geometric midpoint between the split's two measured batches (split_point). The backend routed the most
+    cells comes last in the order with a catch-all rule for its most-routed arm (groups nobody measured)."""
+    times = _times(report)
+    if not times:
+        raise TuneError("no backend produced a correct, timed result on any cell")
+    picks: Dict[tuple, str] = {}
+    boxes: List[Tuple[tuple, str, tuple]] = []
+    for cat, members in sorted(_groups(times).items()):
+        t, lo, hi = batch_split(members, times)
+        if lo == hi:
+            boxes.append((cat, lo, (1, None, 0, None)))
+        else:
+            cut = split_point(t, min(c[5] for c in members if c[5] > t))
+            boxes += [(cat, lo, (1, cut, 0, None)), (cat, hi, (cut + 1, None, 0, None))]
+        picks.update((c, lo if c[5] <= t else hi) for c in members)
+    arm_cells: Dict[str, int] = defaultdict(int)
+    for label in picks.values():
+        arm_cells[label] += 1
+    backend_cells: Dict[str, int] = defaultdict(int)
+    for label, n in arm_cells.items():
+        backend_cells[_arm(label)[0]] += n
+    order = sorted(backend_cells, key=lambda n: (backend_cells[n], n))
+    default = order[-1]
+    default_arm = max((a for a in arm_cells if _arm(a)[0] == default), key=lambda a: (arm_cells[a], a))
+    rules: Dict[str, List[dict]] = defaultdict(list)
+    for cat, label, box in boxes:
+        if label != default_arm:  # the default arm takes what no rule claims
+            name, options = _arm(label)
+            rules[name].append(_rule(cat, box, options))
+    name, options = _arm(default_arm)
+    if rules.get(name) or options:
+        rules[name].append({"options": options} if options else {})
+    return order, dict(rules), default, picks
+
+
 def _group_defaults(groups: Dict[tuple, List[tuple]], win: Dict[tuple, str], stat: Dict[tuple, str],
                     backends: List[str], arms: List[str]) -> Dict[str, List[dict]]:
     """Rules that give each group's unmeasured space to the arm that wins most of that group.
@@ -690,17 +760,26 @@ def record_validation(text: str, summary: Dict[str, object], source: str = "<tun
     return new
 
 
-def tune(report: BenchReport, policy_path: Path, base_text: str) -> Tuple[str, Dict[tuple, Tuple[str, str]]]:
-    """New policy text and, per cell, (winner, routed) for the report."""
+def tune(report: BenchReport, policy_path: Path, base_text: str,
+         rules_mode: str = "boxes") -> Tuple[str, Dict[tuple, Tuple[str, str]]]:
+    """New policy text and, per cell, (winner, routed) for the report. rules_mode (RULE_MODES): "boxes" routes
+    every measured cell to its winner (build_rules), "batch" each group by one batch split (build_batch_rules)."""
     import tomlkit
 
-    order, rules, default = build_rules(report)
+    if rules_mode not in RULE_MODES:
+        raise TuneError(f"rules: expected one of {', '.join(RULE_MODES)}, got {rules_mode!r}")
     win = winners(report)
+    if rules_mode == "batch":
+        order, rules, default, want = build_batch_rules(report)
+        what = "its batch rule's arm"
+    else:
+        order, rules, default = build_rules(report)
+        want, what = win, "its winner"
     picks = routes(order, rules, report, base_text)
-    bad = {c: (w, picks.get(c)) for c, w in win.items() if picks.get(c) != w}
+    bad = {c: (w, picks.get(c)) for c, w in want.items() if picks.get(c) != w}
     if bad:
         cell, (w, got) = sorted(bad.items())[0]
-        raise TuneError(f"the written rules would route cell {cell} to {got!r}, not its winner {w!r} "
+        raise TuneError(f"the written rules would route cell {cell} to {got!r}, not {what} {w!r} "
                         "(a hand-written deny rule or option in the policy conflicts?)")
     doc = tomlkit.parse(base_text)
     mla = doc.setdefault("mla", tomlkit.table())
