@@ -30,7 +30,8 @@ Rows:
   - `line arm <=5%, else minimax`: the same one level down: where one arm is within 5% of the fastest at every
     measured cell of the corners' batch lines (all their lengths), that arm, else `minimax over corners`.
 
-    python benchmarks/tune_bounds.py            (from the repository root; WORST=3 lists each fold's worst cells)
+    python benchmarks/tune_bounds.py            (from the repository root; WORST=3 lists each fold's worst cells;
+                                                R=docs/results/gpu13_tune GRIDS="..." for another run set)
 """
 
 from __future__ import annotations
@@ -141,6 +142,39 @@ def batch_split_minimax(train: Group, b: int, n: int) -> str:
     return lo if not above or b <= T.split_point(t, min(above)) else hi
 
 
+def _length_split(cells: List[Tuple[int, Times]], arms: List[str]):
+    """((worst, mean, two arms), (t, arm for length <= t, arm above)) minimax over one batch side's cells."""
+    lens = sorted({n for n, _ in cells})
+    best = None
+    for t in lens:
+        for a in arms:
+            for c in ([x for x in arms if x != a] if t < lens[-1] else [a]):
+                rs = [ratio(ts, a if n <= t else c) for n, ts in cells]
+                key = (max(rs), statistics.fmean(rs), a != c)
+                if best is None or key < best[0]:
+                    best = (key, (t, a, c))
+    return best
+
+
+def batch_length_split_minimax(train: Group, b: int, n: int) -> str:
+    """The batch split with, on each side of it, one more split along kv length (up to four boxes per group)."""
+    arms = _arms(train)
+    best = None
+    for t in sorted({x for x, _ in train}):
+        lo = [(nn, ts) for (bb, nn), ts in train.items() if bb <= t]
+        hi = [(nn, ts) for (bb, nn), ts in train.items() if bb > t]
+        rl, rh = _length_split(lo, arms), (_length_split(hi, arms) if hi else None)
+        key = (max(rl[0][0], rh[0][0] if rh else 0.0),
+               (rl[0][1] * len(lo) + (rh[0][1] * len(hi) if rh else 0.0)) / len(train))
+        if best is None or key < best[0]:
+            best = (key, t, rl[1], rh[1] if rh else None, lo, hi)
+    _, t, rl, rh, lo, hi = best
+    above = [bb for bb, _ in train if bb > t]
+    (lt, a, c), cells = (rl, lo) if not above or b <= T.split_point(t, min(above)) else (rh, hi)
+    longer = [x for x, _ in cells if x > lt]
+    return a if not longer or n <= T.split_point(lt, min(longer)) else c
+
+
 Regrets = List[Tuple[float, tuple, Point]]  # (regret, group, point), worst first
 
 
@@ -212,6 +246,7 @@ def main() -> None:
         ("group arm <=5%, else minimax", group_arm_else_minimax),
         ("line arm <=5%, else minimax", line_arm_else_minimax),
         ("batch split, minimax (--rules batch)", batch_split_minimax),
+        ("batch x length split, minimax", batch_length_split_minimax),
     )]
     print(f"{'mean%/worst%/cells>5%':33}" + "  ".join(f"{g.replace('_bench', ''):>16}" for g in GRIDS))
     for name, fn in rows:

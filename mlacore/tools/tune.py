@@ -335,10 +335,14 @@ def arm_order(report: BenchReport) -> Tuple[List[str], List[str]]:
     last, and its best arm last of all, so that it can take every cell that
     no earlier rule claims.
     """
-    win = winners(report)
     arm_wins: Dict[str, int] = defaultdict(int)
-    for label in win.values():
+    for label in winners(report).values():
         arm_wins[label] += 1
+    return _order_by_cells(arm_wins)
+
+
+def _order_by_cells(arm_wins: Dict[str, int]) -> Tuple[List[str], List[str]]:
+    """arm_order's (backend order, arm order) from the cells each arm is routed to."""
     backend_wins: Dict[str, int] = defaultdict(int)
     for label, n in arm_wins.items():
         backend_wins[_arm(label)[0]] += n
@@ -447,12 +451,8 @@ def build_batch_rules(report: BenchReport) -> Tuple[List[str], Dict[str, List[di
     arm_cells: Dict[str, int] = defaultdict(int)
     for label in picks.values():
         arm_cells[label] += 1
-    backend_cells: Dict[str, int] = defaultdict(int)
-    for label, n in arm_cells.items():
-        backend_cells[_arm(label)[0]] += n
-    order = sorted(backend_cells, key=lambda n: (backend_cells[n], n))
-    default = order[-1]
-    default_arm = max((a for a in arm_cells if _arm(a)[0] == default), key=lambda a: (arm_cells[a], a))
+    order, arms = _order_by_cells(arm_cells)
+    default, default_arm = order[-1], arms[-1]
     rules: Dict[str, List[dict]] = defaultdict(list)
     for cat, label, box in boxes:
         if label != default_arm:  # the default arm takes what no rule claims
