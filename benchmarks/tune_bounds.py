@@ -217,8 +217,10 @@ def committed_tuner(reports: dict, held_name: str) -> Regrets:
 
 
 def builtin_default(reports: dict, held_name: str) -> Regrets:
-    """The built-in policy (mlacore/default_policy.toml) as shipped: no training, its hand-written rules."""
+    """The built-in policy (mlacore/default_policy.toml) as shipped: no training, its hand-written rules. Its
+    FlashInfer rules carry no variant (auto), which on sm_90 runs fa3: the runs' fa3 arm stands for it."""
     base = pathlib.Path("mlacore/default_policy.toml").read_text()
+    base = base.replace("[mla]", '[backend.flashinfer_mla.options]\nvariant = "fa3"\n\n[mla]', 1)
     v = T.validate(parse_policy(tomllib.loads(base)), reports[held_name])
     return sorted(((c.regret if c.regret is not None else math.inf, T._cell(c.problem)[:5],
                     (c.problem.batch_size, c.problem.max_kv_len)) for c in v.cells), reverse=True)

@@ -781,9 +781,13 @@ def test_batch_split_minimises_the_worst_ratio_over_the_groups_cells():
     # one arm within 3% everywhere: no split (a single arm is preferred at equal worst and mean)
     flat = {c: {"a": 1.0, "b": 1.03} for c in cells}
     assert batch_split(cells, flat) == (128, "a", "a")
-    # an arm missing at one cell is never picked
+    # an arm missing at one cell is avoided there only: b at batch 1, a above
     flat[cells[0]] = {"b": 1.03}
-    assert batch_split(cells, flat) == (128, "b", "b")
+    assert batch_split(cells, flat) == (1, "b", "a")
+    # each arm missing at one cell, at opposite ends of the group: the split avoids both
+    gone = {c: {"a": 1.0, "b": 1.01} for c in cells}
+    gone[cells[0]], gone[cells[-1]] = {"b": 1.0}, {"a": 1.0}  # no a at batch 1 (1024), no b at 128 (16384)
+    assert batch_split(cells, gone) == (1, "b", "a")
 
 
 def test_tune_rules_batch_routes_by_one_batch_split_and_keeps_a_catch_all():
@@ -835,3 +839,30 @@ def test_cli_tune_rules_batch_from_measurements(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--from", str(tune_json), "--write", str(pol),
                            "--rules", "cells"], capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert proc.returncode != 0 and "--rules" in proc.stderr and "batch" in proc.stderr
+
+
+def test_rules_batch_survives_an_arm_failing_at_one_cell_of_each_side_and_the_cli_offers_every_mode():
+    """Each arm misses a different cell of one group (skipped or wrong there): --rules batch still writes rules,
+    routes every cell where its arm ran to that arm, avoids an arm where it failed when another rule can, and
+    keeps an arm that failed at one cell on the other side of the split."""
+    from mlacore.tools import cli
+    from mlacore.tools.tune import RULE_MODES, batch_split
+
+    def times(arm, h, b, n):
+        if arm == "fa2" and (b, n) == (1, 1024):
+            return None  # fa2 skipped at one small-batch cell
+        if arm == "fa3" and (b, n) == (128, 16384):
+            return None  # fa3 skipped at one large-batch cell
+        return (1.0 if arm == "fa2" else 1.5) if b >= 16 else (1.5 if arm == "fa2" else 1.0)
+
+    report = _grid_report(times)
+    text, cells = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "batch")
+    assert _route(text, _problem(1, 4096)) == "X:variant=fa3" and _route(text, _problem(128, 1024)) == "X:variant=fa2"
+    members = sorted({k for k in cells})
+    t, lo, hi = batch_split(members, {c: {a: v for a, v in ((f"X:variant={x}", times(x, 16, c[5], c[6]))
+                                                             for x in ("fa2", "fa3")) if v is not None}
+                                      for c in members})
+    assert (t, lo, hi) == (1, "X:variant=fa3", "X:variant=fa2")
+    choices = next(a.choices for a in cli.build_parser()._subparsers._group_actions[0].choices["tune"]._actions
+                   if a.dest == "rules")
+    assert tuple(choices) == RULE_MODES

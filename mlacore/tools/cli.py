@@ -842,7 +842,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_args(p)
     p.add_argument("--write", required=True, metavar="FILE",
                    help="policy file to write or merge into (atomically; keeps its mode and symlink)")
-    p.add_argument("--rules", choices=("boxes", "batch"), default="boxes",
+    p.add_argument("--rules", choices=("boxes", "batch"), default="boxes",  # tune.RULE_MODES (lazy import here)
                    help="boxes (default): every measured cell to its fastest arm, boxes over batch and kv length "
                         "between; batch: per group (heads, s_q, dtypes, page size) one arm, or two split at one "
                         "batch, with the smallest worst regret over the group's cells (coarser; on the H200 runs a "

@@ -404,9 +404,11 @@ RULE_MODES = ("boxes", "batch")
 
 def batch_split(members: List[tuple], times: Dict[tuple, Dict[str, float]]) -> Tuple[int, str, str]:
     """(t, arm for batch <= t, arm for batch > t) for one group: the rule with the smallest worst ratio to the
-    fastest over the group's measured cells (then the smallest mean, then one arm rather than two, then the
-    labels), over every one-arm rule and every two-arm split between two measured batches; arms timed
-    correctly at every cell of the group only. One arm: t is the group's largest batch.
+    fastest over the group's measured cells (then the fewest cells routed to an arm without a correct time
+    there, then the smallest mean over the others, then one arm rather than two, then the labels), over every
+    one-arm rule and every two-arm split between two measured batches. An arm that failed or was skipped at a
+    cell counts as infinitely slow there, so a rule avoids it where any rule can: one flaky cell neither aborts
+    the tune nor takes the arm off the other side of a split. One arm: t is the group's largest batch.
 
     Why: decode times step along batch and length where no neighbouring measurement says so, and rules that
     send every measured cell to its winner carry a winner's margin at one cell into the unmeasured space
@@ -414,17 +416,18 @@ def batch_split(members: List[tuple], times: Dict[tuple, Dict[str, float]]) -> T
     this rule's worst regret on the grid left out was lower than the boxes' in 9 of 12 folds (two run sets,
     mla-cute-dsl 0.2.9 and 0.2.7), equal in 2, higher in 1; mean of the folds' worst 9.6% against 23.3% (0.2.9)
     and 17.3% against 28.3% (0.2.7)."""
-    arms = sorted(set.intersection(*(set(times[c]) for c in members)))
-    if not arms:
-        raise TuneError(f"group {members[0][:5]}: no arm ran correctly at every measured cell")
+    arms = sorted(set.union(*(set(times[c]) for c in members)))
     batches = sorted({c[5] for c in members})
-    ratio = {a: {c: times[c][a] / min(times[c].values()) for c in members} for a in arms}
+    ratio = {a: {c: times[c][a] / min(times[c].values()) if a in times[c] else math.inf for c in members}
+             for a in arms}
     best = None
     for t in batches:
         for lo in arms:
             for hi in ([a for a in arms if a != lo] if t < batches[-1] else [lo]):
                 rs = [ratio[lo if c[5] <= t else hi][c] for c in members]
-                key = (max(rs), statistics.fmean(rs), lo != hi, lo, hi)
+                finite = [r for r in rs if r != math.inf]
+                key = (max(rs), len(rs) - len(finite), statistics.fmean(finite) if finite else math.inf,
+                       lo != hi, lo, hi)
                 if best is None or key < best[0]:
                     best = (key, (t, lo, hi))
     return best[1]
@@ -772,6 +775,9 @@ def tune(report: BenchReport, policy_path: Path, base_text: str,
     win = winners(report)
     if rules_mode == "batch":
         order, rules, default, want = build_batch_rules(report)
+        # where the rule's arm has no correct time the dispatcher may pass over it (skipped there): not checked
+        stat = statuses(report)
+        want = {c: a for c, a in want.items() if stat.get((c, a)) == OK}
         what = "its batch rule's arm"
     else:
         order, rules, default = build_rules(report)

@@ -205,7 +205,7 @@ class CuteDslOptions(BackendOptions):
                     "rows) it falls back to auto's combine kernel. Experimental, for A/B only: correct on an H200 (GPU "
                     "tests), and since 0.2.9 (all threads merge, two splits' loads in flight) about as fast as auto "
                     "where requests split 2-4 ways (docs/results/gpu13_session/, one run: B=64 H=16 s_q=1 S=8192 "
-                    "149.6 against 148.9 us, 0.98-1.01x at B=64-128 S=4096-16384, 1.01-1.05x at B=32-48) and "
+                    "149.6 against 148.9 us, 0.98-1.01x at B=64-128 S=4096-16384, 1.01-1.08x at B=32-48) and "
                     "1.08-5.9x slower at B=1-16 (one CTA walks a request's many splits) and at s_q=2 B=16-32 below 640 KV "
                     "blocks)")
     s_accs: Literal["auto", 1, 2, 4] = Field(
@@ -214,7 +214,7 @@ class CuteDslOptions(BackendOptions):
                     "rows): the QK k-steps round-robin over them, so each n-block's chain of 36 dependent mma.sync "
                     "becomes 36/s_accs. auto (default): 4 at up to 16 rows (s_q*num_heads), 1 above. On an H200 "
                     "(docs/results/gpu13_session/fp8_saccs_ab.txt, mla bench, one run): at H=16 s_q=1, B=1-128, "
-                    "S=1024-8192, 4 took 0.948-1.000x the time of 1 (17 of 18 cells faster, 2-5% from B=16; B=64 "
+                    "S=1024-8192, 4 took 0.948-0.997x the time of 1 (all 18 cells faster, 1-5% from B=16; B=64 "
                     "S=8192 107.9 -> 104.9 us); at 32 rows (fp8_saccs.txt) 4 was slower (B=128 s_q=2 S=4096 "
                     "147.0 -> 159.5 us) and 2 within 1%. Other kernels ignore it")
     sm100_workspace_mb: int = Field(default=128, ge=1,
