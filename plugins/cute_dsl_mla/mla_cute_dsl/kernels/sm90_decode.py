@@ -744,31 +744,11 @@ class MLADecodePartial:
         cO = cute.make_identity_tensor((self.block_m, D_V))
         tOcO = _acc_mn_view(thr_o.partition_C(cO))
         if slot < 0:
-            if cutlass.const_expr(self.wide_store):
-                self.store_rows_wide(mO[b, None, None], mLSE[b, None], acc_O_mn, row_scale, row_lse, tOcO,
-                                     m_block, R, lane, lse_writer)
-            else:
-                gO = cute.local_tile(mO[b, None, None], (self.block_m, D_V), (m_block, 0))
-                tOgO = _acc_mn_view(thr_o.partition_C(gO))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * self.block_m + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
-                        if lse_writer:
-                            mLSE[b, grow] = row_lse[r]
+            self.store_rows(mO, mLSE, b, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block, R, lane, lse_writer,
+                            self.wide_store)
         else:
-            if cutlass.const_expr(self.wide_store and mOp.element_type.width == 16):
-                self.store_rows_wide(mOp[slot, None, None], mLSEp[slot, None], acc_O_mn, row_scale, row_lse,
-                                     tOcO, m_block, R, lane, lse_writer)
-            else:
-                gO = cute.local_tile(mOp[slot, None, None], (self.block_m, D_V), (m_block, 0))
-                tOgO = _acc_mn_view(thr_o.partition_C(gO))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * self.block_m + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
-                        if lse_writer:
-                            mLSEp[slot, grow] = row_lse[r]
+            self.store_rows(mOp, mLSEp, slot, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block, R, lane,
+                            lse_writer, self.wide_store and mOp.element_type.width == 16)
             if cutlass.const_expr(self.fused):
                 # combine=fused: arrive; the last of the request's target arrivals merges it (fused_merge.py)
                 target = mSplit[b, 1] * cute.arch.grid_dim()[0]
@@ -778,6 +758,28 @@ class MLADecodePartial:
                     fm.merge_request(mO, mLSE, mOp, mLSEp, b, mSplit[b, 0], mSplit[b, 1], tidx, self.num_threads,
                                      self.q_dtype)
                     fm.release_counter(mCnt, b, tidx)
+
+    @cute.jit
+    def store_rows(
+        self, mRows: cute.Tensor, mL: cute.Tensor, i: cutlass.Int32, acc_O_mn: cute.Tensor, row_scale: cute.Tensor,
+        row_lse: cute.Tensor, tOcO: cute.Tensor, thr_o, m_block: cutlass.Int32, R: cutlass.Int32,
+        lane: cutlass.Int32, lse_writer, wide: cutlass.Constexpr,
+    ):
+        """The epilogue's rows of mRows[i] (R, 512): out[b] in q's dtype (i = b, slot -1) or partial slot i in the
+        partial buffer's dtype, and their lse into mL[i]: 16 bytes per store (store_rows_wide) when `wide`, else
+        each thread's accumulator column pairs directly."""
+        if cutlass.const_expr(wide):
+            self.store_rows_wide(mRows[i, None, None], mL[i, None], acc_O_mn, row_scale, row_lse, tOcO, m_block, R,
+                                 lane, lse_writer)
+        else:
+            gO = cute.local_tile(mRows[i, None, None], (self.block_m, D_V), (m_block, 0))
+            tOgO = _acc_mn_view(thr_o.partition_C(gO))
+            for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+                grow = m_block * self.block_m + tOcO[r, 0][0]
+                if grow < R:
+                    tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mRows.element_type))
+                    if lse_writer:
+                        mL[i, grow] = row_lse[r]
 
     @cute.jit
     def store_rows_wide(

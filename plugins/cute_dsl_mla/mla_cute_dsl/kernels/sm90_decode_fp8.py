@@ -511,23 +511,28 @@ class MLADecodePartialFP8Reg:
             cO = cute.make_identity_tensor((bm, D_V))
             tOcO = _acc_mn_view(thr.partition_C(cO))
             if slot < 0:
-                gO = cute.local_tile(mO[b, None, None], (bm, D_V), (m_block, 0))
-                tOgO = _acc_mn_view(thr.partition_C(cute.composition(gO, lo)))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * bm + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
-                        if lse_writer:
-                            mLSE[b, grow] = row_lse[r]
+                self.store_rows(mO, mLSE, b, acc_O_mn, row_scale, row_lse, tOcO, thr, lo, m_block, R, lse_writer)
             else:
-                gO = cute.local_tile(mOp[slot, None, None], (bm, D_V), (m_block, 0))
-                tOgO = _acc_mn_view(thr.partition_C(cute.composition(gO, lo)))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * bm + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
-                        if lse_writer:
-                            mLSEp[slot, grow] = row_lse[r]
+                self.store_rows(mOp, mLSEp, slot, acc_O_mn, row_scale, row_lse, tOcO, thr, lo, m_block, R,
+                                lse_writer)
+
+    @cute.jit
+    def store_rows(
+        self, mRows: cute.Tensor, mL: cute.Tensor, i: cutlass.Int32, acc_O_mn: cute.Tensor, row_scale: cute.Tensor,
+        row_lse: cute.Tensor, tOcO: cute.Tensor, thr, lo: cute.Layout, m_block: cutlass.Int32, R: cutlass.Int32,
+        lse_writer,
+    ):
+        """The epilogue's rows into mRows[i] (R, 512): out[b] in q's dtype (i = b, slot -1) or partial slot i in the
+        partial buffer's dtype, through the permuted output columns `lo`, and their lse into mL[i]."""
+        bm = self.block_m
+        gO = cute.local_tile(mRows[i, None, None], (bm, D_V), (m_block, 0))
+        tOgO = _acc_mn_view(thr.partition_C(cute.composition(gO, lo)))
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+            grow = m_block * bm + tOcO[r, 0][0]
+            if grow < R:
+                tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mRows.element_type))
+                if lse_writer:
+                    mL[i, grow] = row_lse[r]
 
 
 # ---- host helpers (api.mla_decode_sm90 keeps using sm90_decode) ----

@@ -616,33 +616,33 @@ class MLADecodePartialWGMMA:
         and the lse (slot -1: the item covers the whole request), else of partial slot `slot` in the partial
         buffer's dtype; 16-bit rows 16 bytes per store with wide_store (store_rows_wide), else each thread's
         column pairs directly."""
-        n_rows = cute.size(acc_O_mn.shape[0])
         if slot < 0:
-            if cutlass.const_expr(self.wide_store):
-                self.store_rows_wide(mO[b, None, None], mLSE[b, None], acc_O_mn, row_scale, row_lse, tOcO,
-                                     m_block, wg, R, lane, lse_writer)
-            else:
-                gO = cute.local_tile(mO[b, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
-                tOgO = _acc_mn_view(thr_o.partition_C(gO))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * BLOCK_M + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
-                        if lse_writer:
-                            mLSE[b, grow] = row_lse[r]
+            self.store_rows(mO, mLSE, b, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block, wg, R, lane,
+                            lse_writer, self.wide_store)
         else:
-            if cutlass.const_expr(self.wide_store and mOp.element_type.width == 16):
-                self.store_rows_wide(mOp[slot, None, None], mLSEp[slot, None], acc_O_mn, row_scale, row_lse,
-                                     tOcO, m_block, wg, R, lane, lse_writer)
-            else:
-                gO = cute.local_tile(mOp[slot, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
-                tOgO = _acc_mn_view(thr_o.partition_C(gO))
-                for r in cutlass.range_constexpr(n_rows):
-                    grow = m_block * BLOCK_M + tOcO[r, 0][0]
-                    if grow < R:
-                        tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mOp.element_type))
-                        if lse_writer:
-                            mLSEp[slot, grow] = row_lse[r]
+            self.store_rows(mOp, mLSEp, slot, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block, wg, R, lane,
+                            lse_writer, self.wide_store and mOp.element_type.width == 16)
+
+    @cute.jit
+    def store_rows(
+        self, mRows: cute.Tensor, mL: cute.Tensor, i: cutlass.Int32, acc_O_mn: cute.Tensor, row_scale: cute.Tensor,
+        row_lse: cute.Tensor, tOcO: cute.Tensor, thr_o, m_block: cutlass.Int32, wg: cutlass.Int32,
+        R: cutlass.Int32, lane: cutlass.Int32, lse_writer, wide: cutlass.Constexpr,
+    ):
+        """store_epilogue's rows into mRows[i] (R, 512; this warpgroup's 256 columns) in mRows' dtype and their
+        lse into mL[i]: store_rows_wide when `wide`, else each thread's column pairs directly."""
+        if cutlass.const_expr(wide):
+            self.store_rows_wide(mRows[i, None, None], mL[i, None], acc_O_mn, row_scale, row_lse, tOcO, m_block, wg,
+                                 R, lane, lse_writer)
+        else:
+            gO = cute.local_tile(mRows[i, None, None], (BLOCK_M, D_V_HALF), (m_block, wg))
+            tOgO = _acc_mn_view(thr_o.partition_C(gO))
+            for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+                grow = m_block * BLOCK_M + tOcO[r, 0][0]
+                if grow < R:
+                    tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(mRows.element_type))
+                    if lse_writer:
+                        mL[i, grow] = row_lse[r]
 
     @cute.jit
     def store_rows_wide(
