@@ -21,8 +21,10 @@ import torch
 from . import kernel_cache
 from .cache_key import COMPILE_OPTIONS
 from .fused_merge import fused_from_tags, fused_spec
+from .pair_merge import pair_from_tags, pair_spec
 from .schedule import (  # noqa: F401  (re-exported)
     BLOCK_N,
+    PAIR_FORM,
     Schedule,
     Workspace,
     alloc_workspace,
@@ -218,7 +220,8 @@ def _build_partial_balanced(q_name: str, kv_name: str, block_m: int, layout, *ta
 
     fused = fused_from_tags(tags)
     k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True,
-                         wide_store=wide_from_tags(tags), fused=fused)
+                         wide_store=wide_from_tags(tags), fused=fused,
+                         **({"pair": True} if pair_from_tags(tags) else {}))
     return compile_partial(k.call_balanced_fused if fused else k.call_balanced, q_name, kv_name, tags, balanced=True)
 
 
@@ -250,7 +253,7 @@ def _build_combine_wide_pdl(q_name: str, *tags: str):
 
 
 def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, balanced: bool = False,
-                       partial: str = "fp32", wide_store: bool = False, fused: bool = False):
+                       partial: str = "fp32", wide_store: bool = False, fused: bool = False, pair: bool = False):
     """Compiled partial kernel for one specialization (memory, disk, else compile).
 
     layout: optional (m_warps, m_atoms_per_warp, n_acc) override, for tuning.
@@ -261,10 +264,16 @@ def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, bal
     default keeps the old keys).
     fused: combine=fused, the kernel merges the splits itself (call_fused / call_balanced_fused; bf16/fp16 KV,
     16/32 rows only, fused_supported; key tag "fused" only when on).
+    pair: experimental cluster pair merge (pair_merge.py; balanced only, bf16/fp16 KV, 16/32 rows, not with fused;
+    key tag "pair" only when on): the balanced kernel launched with (1, 2, 1) clusters that merges schedule form
+    "pair"'s two halves of a request through DSMEM (launch_pair).
     """
     if layout is not None:
         layout = tuple(layout)
-    tags = partial_spec(partial) + store_spec(wide_store) + fused_spec(fused)
+    tags = partial_spec(partial) + store_spec(wide_store) + fused_spec(fused) + pair_spec(pair)
+    if pair and not (balanced and block_m <= 32 and kv_name != "fp8_e4m3" and not fused):
+        raise ValueError("the cluster pair merge is built for the balanced mma.sync kernel with a bf16/fp16 cache at "
+                         "16/32 rows only, not with fused")
     if fused and not (block_m <= 32 and kv_name != "fp8_e4m3"):
         raise ValueError("the fused merge is built for the mma.sync kernel with a bf16/fp16 cache at 16/32 rows "
                          "only")
@@ -383,6 +392,23 @@ def launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, 
     return out, lse
 
 
+def launch_pair(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float, out, lse,
+                schedule: Schedule, workspace):
+    """launch_balanced() for the cluster pair kernel (get_partial_kernel(..., balanced=True, pair=True)) and a
+    schedule of form "pair" (make_schedule(..., balanced=True, form="pair")): the same arguments and grid, launched
+    with (1, 2, 1) clusters (so num_cols must be even). The pair items merge in the kernel (pair_merge.py); the
+    combine kernel still follows, unchanged: it skips every request with KV (split count 1) and writes out = 0 /
+    lse = -inf for the length-0 ones. Its cost is its launch and a run whose CTAs only read split_info (unmeasured;
+    bounded by the 3.3 us it took at B=64 H=16 on an H200 when it merged every request); a later version can skip
+    it, or write the empty requests in the pair kernel as fused_merge.fill_empty_requests does. No checks beyond
+    the column count."""
+    if schedule.num_cols % 2:
+        raise ValueError(f"the pair kernel's (1, 2, 1) clusters need an even number of CTA columns, got "
+                         f"{schedule.num_cols}")
+    return launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                           workspace)
+
+
 def fused_supported(schedule: Schedule, kv_name: str) -> bool:
     """Whether the mma.sync entries (mla_decode_sm90, even or balanced) merge this step's splits in the partial
     kernel (combine=fused, Schedule.fused_combine): up to 32 rows (BLOCK_M 16/32) and a bf16/fp16 cache. Every
@@ -415,12 +441,16 @@ def launch_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
     return out, lse
 
 
-def check_balanced(schedule: Schedule, kv_cache) -> None:
+def check_balanced(schedule: Schedule, kv_cache, pair_ok: bool = False) -> None:
     """What every balanced entry needs, checked even with check=False (a wrong schedule or cache would make
     the column loop read another kernel's buffers): a make_schedule(..., balanced=True) schedule and a
-    bf16/fp16 cache (the balanced kernels have no fp8 path)."""
+    bf16/fp16 cache (the balanced kernels have no fp8 path). A schedule of form "pair" only on an entry that runs
+    the pair kernel (pair_ok: mla_decode_sm90(balanced=True)): any other kernel would write both halves directly."""
     if not schedule.balanced:
         raise ValueError("balanced=True needs a schedule made with make_schedule(..., balanced=True)")
+    if schedule.form == PAIR_FORM and not pair_ok:
+        raise ValueError("a schedule of form 'pair' runs only on the mma.sync balanced kernel "
+                         "(mla_decode_sm90(..., balanced=True))")
     if kv_cache.dtype == torch.float8_e4m3fn:
         raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only")
 
@@ -439,13 +469,20 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     balanced=True (the backend's split_kv="balanced"): the balanced split-KV kernel, a fixed grid of CTA
     columns each walking its range of the schedule's items; needs a schedule from
     make_schedule(..., balanced=True) and a bf16/fp16 cache (ValueError otherwise, also with check=False).
-    The default kernel accepts a balanced schedule too (one CTA per work row, the same items).
+    The default kernel accepts a balanced schedule too (one CTA per work row, the same items), except one of form
+    "pair" (make_schedule(..., form="pair"), experimental): that runs only with balanced=True, on the cluster pair
+    kernel (get_partial_kernel(..., pair=True), launch_pair), whatever the schedule's combine setting.
     """
     if balanced:
-        check_balanced(schedule, kv_cache)
+        check_balanced(schedule, kv_cache, pair_ok=True)
         if check:
             check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
         kv_name = _TORCH_TO_NAME[kv_cache.dtype]
+        if schedule.form == PAIR_FORM:  # experimental cluster pair merge (pair_merge.py); fused does not apply
+            partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], kv_name, schedule.block_m, layout, balanced=True,
+                                         partial=partial_name(workspace), wide_store=schedule.wide_store, pair=True)
+            return launch_pair(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                               workspace)
         fused = fused_supported(schedule, kv_name)
         partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], kv_name, schedule.block_m,
                                      layout, balanced=True, partial=partial_name(workspace),
@@ -455,6 +492,8 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
                                 workspace)
         return launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse,
                                schedule, workspace)
+    if schedule.cta_ranges is not None and schedule.form == PAIR_FORM:
+        raise ValueError("a schedule of form 'pair' needs balanced=True (the pair kernel)")
     if check:
         check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     kv_name = _TORCH_TO_NAME[kv_cache.dtype]

@@ -33,6 +33,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 from . import fused_merge as fm
+from . import pair_merge as pm
 from . import wide_store as ws
 
 D_QK = 576
@@ -73,8 +74,14 @@ class MLADecodePartial:
     DEFAULT_LAYOUT = {16: (1, 1, 1), 32: (1, 2, 1), 64: (2, 2, 2)}
 
     def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, balanced: bool = False,
-                 wide_store: bool = False, fused: bool = False):
+                 wide_store: bool = False, fused: bool = False, pair: bool = False):
         self.q_dtype = q_dtype
+        # pair (experimental): the balanced kernel launched with 2-CTA clusters along the columns; a request split in
+        # two halves by schedule form "pair" (slots -2 / -3) is merged through DSMEM (pair_merge.py)
+        self.pair = bool(pair)
+        if self.pair and not (balanced and block_m <= 32 and kv_dtype is q_dtype and not fused):
+            raise ValueError("the cluster pair merge is built for the balanced kernel with bf16/fp16 KV at 16/32 rows "
+                             "only (not with fused)")
         # fused: combine=fused, the last CTA to finish a request's split items merges them (fused_merge.py);
         # launched through call_fused / call_balanced_fused (bf16/fp16 KV, blocks of up to 32 rows)
         self.fused = bool(fused)
@@ -208,11 +215,16 @@ class MLADecodePartial:
          r2s, mma_s, mma_o) = self._setup()
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
         grid = (cute.ceil_div(cute.size(mQ.shape[1]), self.block_m), cols, 1)
-        kernel(
+        launched = kernel(
             *data,
             sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
             g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        )
+        if cutlass.const_expr(self.pair):
+            # columns 2c and 2c + 1 of one m-block form a cluster (num_cols even: api.launch_pair checks it)
+            launched.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=list(pm.CLUSTER), stream=stream)
+        else:
+            launched.launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     def _shared_storage(self, sQ_layout, sK_layout, sP_layout, raw_elems):
         """The CTA's shared-memory struct (every entry: even, balanced, fused): Q, the K ring, the raw fp8 staging
@@ -744,7 +756,23 @@ class MLADecodePartial:
         cO = cute.make_identity_tensor((self.block_m, D_V))
         tOcO = _acc_mn_view(thr_o.partition_C(cO))
         if slot < 0:
-            if cutlass.const_expr(self.wide_store):
+            if cutlass.const_expr(self.pair):
+                if slot < -1:
+                    # pair item (schedule form "pair"): merge with the cluster peer through DSMEM (pair_merge.py)
+                    sX = storage.sK.get_tensor(
+                        cute.make_layout((self.block_m, pm.XSTRIDE), stride=(pm.XSTRIDE, 1)), dtype=cutlass.Float32
+                    )
+                    for r in cutlass.range_constexpr(n_rows):
+                        row = tOcO[r, 0][0]
+                        for c in cutlass.range_constexpr(cute.size(acc_O_mn.shape[1])):
+                            sX[row, tOcO[r, c][1]] = acc_O_mn[r, c] * row_scale[r]
+                        if lse_writer:
+                            sX[row, pm.LSE_COL] = row_lse[r]
+                    pm.merge_pair(sX, mO, mLSE, b, m_block, R, tidx, self.block_m, self.num_threads, self.q_dtype)
+                else:
+                    self.store_rows_direct(mO, mLSE, thr_o, acc_O_mn, row_scale, row_lse, tOcO, m_block, R, b, lane,
+                                           lse_writer)
+            elif cutlass.const_expr(self.wide_store):
                 self.store_rows_wide(mO[b, None, None], mLSE[b, None], acc_O_mn, row_scale, row_lse, tOcO,
                                      m_block, R, lane, lse_writer)
             else:
@@ -778,6 +806,27 @@ class MLADecodePartial:
                     fm.merge_request(mO, mLSE, mOp, mLSEp, b, mSplit[b, 0], mSplit[b, 1], tidx, self.num_threads,
                                      self.q_dtype)
                     fm.release_counter(mCnt, b, tidx)
+
+    @cute.jit
+    def store_rows_direct(
+        self, mO: cute.Tensor, mLSE: cute.Tensor, thr_o, acc_O_mn: cute.Tensor, row_scale: cute.Tensor,
+        row_lse: cute.Tensor, tOcO: cute.Tensor, m_block: cutlass.Int32, R: cutlass.Int32, b: cutlass.Int32,
+        lane: cutlass.Int32, lse_writer,
+    ):
+        """A whole item's rows straight to out/lse (slot -1) in the pair kernel: the default epilogue's direct branch
+        (kept verbatim there, so that the default kernels' PTX does not change)."""
+        if cutlass.const_expr(self.wide_store):
+            self.store_rows_wide(mO[b, None, None], mLSE[b, None], acc_O_mn, row_scale, row_lse, tOcO,
+                                 m_block, R, lane, lse_writer)
+        else:
+            gO = cute.local_tile(mO[b, None, None], (self.block_m, D_V), (m_block, 0))
+            tOgO = _acc_mn_view(thr_o.partition_C(gO))
+            for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+                grow = m_block * self.block_m + tOcO[r, 0][0]
+                if grow < R:
+                    tOgO[r, None].store((acc_O_mn[r, None].load() * row_scale[r]).to(self.q_dtype))
+                    if lse_writer:
+                        mLSE[b, grow] = row_lse[r]
 
     @cute.jit
     def store_rows_wide(
