@@ -2,8 +2,9 @@
 make_schedule(..., balanced=True, form="pair") on MLADecodePartial(balanced=True, pair=True) launched with
 (1, 2, 1) clusters, each request's two halves merged through DSMEM. Against the fp64 reference with NaN-poisoned
 outputs and partial buffers (lengths 0, 1, odd, long; rows masked in one half; B up to num_cols / 2; 16 and 32
-rows; bf16/fp16; fp32 and 16-bit partials, wide stores on/off); eager runs twice and CUDA-graph replays bitwise
-equal; equal to the balanced step with the combine kernel within rounding."""
+rows; bf16/fp16; fp32 and 16-bit partials, wide stores on/off; empty requests written by the pair kernel itself,
+no combine kernel); eager runs twice and CUDA-graph replays bitwise equal; launch_pair(combine=True) under a graph
+replaying other forms; equal to the balanced step with the combine kernel within rounding."""
 
 from __future__ import annotations
 
@@ -115,21 +116,29 @@ def test_pair_eager_and_graph_replays_are_equal(B, s_q, H, S, kv, varlen):
 
 
 @needs_sm90
-def test_pair_graph_replays_other_forms_in_the_same_buffers():
-    """A graph captured on a pair step replays a later step re-planned in place (same buffers): the pair kernel runs
-    any form's items (no pair slot: no cluster barrier)."""
-    from mla_cute_dsl.kernels import make_schedule
+def test_pair_with_the_combine_kernel_replays_other_forms_in_the_same_buffers():
+    """api.launch_pair(combine=True): a graph captured on a pair step replays later steps re-planned in place to any
+    form (same buffers): their split items write partial slots the combine kernel then merges, pair items merge in
+    the cluster and the combine skips them."""
+    from mla_cute_dsl.kernels import api, make_schedule
 
     case = _case(32, 1, 16, 4096, "bf16", varlen=True)
     sched, ws = _pair_schedule(case, torch.bfloat16)
     out, lse = _outs(case)
+    partial = api.get_partial_kernel("bf16", "bf16", sched.block_m, balanced=True, partial="bf16",
+                                     wide_store=sched.wide_store, pair=True)
+
+    def step():
+        api.launch_pair(partial, case["q"], case["kv"], case["page_table"], case["lens"], case["sm_scale"],
+                        case["kv_scale"], out, lse, sched, ws, combine=True)
+
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _run(case, out, lse, sched, ws)
+        step()
         with torch.cuda.graph(g):
-            _run(case, out, lse, sched, ws)
+            step()
     torch.cuda.current_stream().wait_stream(s)
     for form in ("pair", "balanced", "even", "pair"):
         make_schedule(case["lens_cpu"], 1, 16, _num_sms(), balanced=True, form=form, out=sched)

@@ -176,6 +176,18 @@ def _fake_args_partial_balanced_fused(q_name, kv_name, partial: str = "fp32"):
     return args[:10] + (split, cnt) + args[10:]
 
 
+def _fake_args_partial_balanced_pair(q_name, kv_name, partial: str = "fp32"):
+    """MLADecodePartial.call_balanced_pair's arguments: call_balanced's plus split_info (int32 [max_batch, 2]) after
+    the partial buffers."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    args = _fake_args_partial_balanced(q_name, kv_name, partial)
+    split = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), 2), stride_order=(1, 0), assumed_align=8)
+    return args[:10] + (split,) + args[10:]
+
+
 def _fake_args_combine(q_name, partial: str = "fp32"):
     import cutlass
     import cutlass.cute as cute
@@ -199,7 +211,9 @@ def compile_partial(entry, q_name: str, kv_name: str, tags: tuple = (), balanced
     partial-kernel builder does."""
     import cutlass.cute as cute
 
-    if fused_from_tags(tags):
+    if pair_from_tags(tags):
+        fake = _fake_args_partial_balanced_pair
+    elif fused_from_tags(tags):
         fake = _fake_args_partial_balanced_fused if balanced else _fake_args_partial_fused
     else:
         fake = _fake_args_partial_balanced if balanced else _fake_args_partial
@@ -219,9 +233,12 @@ def _build_partial_balanced(q_name: str, kv_name: str, block_m: int, layout, *ta
     from .sm90_decode import MLADecodePartial
 
     fused = fused_from_tags(tags)
+    if pair_from_tags(tags):
+        k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True,
+                             wide_store=wide_from_tags(tags), pair=True)
+        return compile_partial(k.call_balanced_pair, q_name, kv_name, tags, balanced=True)
     k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True,
-                         wide_store=wide_from_tags(tags), fused=fused,
-                         **({"pair": True} if pair_from_tags(tags) else {}))
+                         wide_store=wide_from_tags(tags), fused=fused)
     return compile_partial(k.call_balanced_fused if fused else k.call_balanced, q_name, kv_name, tags, balanced=True)
 
 
@@ -393,20 +410,35 @@ def launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, 
 
 
 def launch_pair(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float, out, lse,
-                schedule: Schedule, workspace):
-    """launch_balanced() for the cluster pair kernel (get_partial_kernel(..., balanced=True, pair=True)) and a
-    schedule of form "pair" (make_schedule(..., balanced=True, form="pair")): the same arguments and grid, launched
-    with (1, 2, 1) clusters (so num_cols must be even). The pair items merge in the kernel (pair_merge.py); the
-    combine kernel still follows, unchanged: it skips every request with KV (split count 1) and writes out = 0 /
-    lse = -inf for the length-0 ones. Its cost is its launch and a run whose CTAs only read split_info (unmeasured;
-    bounded by the 3.3 us it took at B=64 H=16 on an H200 when it merged every request); a later version can skip
-    it, or write the empty requests in the pair kernel as fused_merge.fill_empty_requests does. No checks beyond
-    the column count."""
+                schedule: Schedule, workspace, combine: bool = False):
+    """The cluster pair kernel (get_partial_kernel(..., balanced=True, pair=True), call_balanced_pair) over a schedule
+    (make_schedule(..., balanced=True, form="pair")): the balanced grid launched with (1, 2, 1) clusters (num_cols
+    must be even), each request's two halves merged in the kernel through DSMEM (pair_merge.py) and the requests with
+    no KV written there (out = 0, lse = -inf); no combine kernel. No checks beyond the form and column count.
+
+    combine=True also launches the schedule's combine kernel after it (it skips every request of a pair schedule,
+    split count 1, and rewrites the empty ones with the same values): only to A/B the combine's launch cost, or for
+    a CUDA graph captured here that later replays schedules re-planned in place to another form (their split items
+    write partial slots that only the combine merges). With combine=False every replayed step must be of form
+    "pair"."""
+    if schedule.form != PAIR_FORM:
+        raise ValueError(f"launch_pair needs a schedule of form 'pair', got {schedule.form!r}")
     if schedule.num_cols % 2:
         raise ValueError(f"the pair kernel's (1, 2, 1) clusters need an even number of CTA columns, got "
                          f"{schedule.num_cols}")
-    return launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
-                           workspace)
+    B, s_q, H, _ = q.shape
+    R = s_q * H
+    o_part, lse_part = workspace[0], workspace[1]
+    o3 = out.view(B, R, D_V)
+    l2 = lse.view(B, R)
+    s = float(sm_scale) * float(kv_scale)
+    stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
+    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, o3, l2, schedule.work_info, schedule.cta_ranges,
+            o_part, lse_part, schedule.split_info, s * LOG2_E, s, float(kv_scale), s_q, H, stream)
+    if combine:
+        combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule, partial_name(workspace))(
+            o3, l2, schedule.split_info, o_part, lse_part, stream)
+    return out, lse
 
 
 def fused_supported(schedule: Schedule, kv_name: str) -> bool:
