@@ -5,8 +5,10 @@ call; bench_kernel.make_set / time_graph), mla_decode_sm90(..., balanced=True) w
   * hybrid:   make_schedule(balanced=True) (form auto: what the backend's split_kv=balanced runs) + combine kernel
   * balanced: form="balanced" forced + combine kernel
   * fused:    form="balanced", combine="fused" (last-arriving CTA merges through global memory)
-  * pair:     form="pair" (2-CTA clusters merge each request's two halves through DSMEM) + the combine kernel,
-              which has nothing to merge
+  * pair:     form="pair" (2-CTA clusters merge each request's two halves through DSMEM; empty requests written
+              by the same kernel): one launch, no combine kernel
+  * pair+comb: the same plus the combine kernel, which has nothing to merge (api.launch_pair(combine=True)): what
+              the combine's launch alone costs
 each with the backend's default epilogue (wide stores, partials in q's dtype) unless --fp32-partials, and prints
 the relative difference of every output to the hybrid's.
 
@@ -25,14 +27,14 @@ import math
 import torch
 
 from bench_kernel import L2_BYTES, make_set, time_graph
-from mla_cute_dsl.kernels import alloc_workspace, make_schedule, mla_decode_sm90
+from mla_cute_dsl.kernels import alloc_workspace, api, make_schedule, mla_decode_sm90
 
 SHAPES = {  # B, H, s_q, S (uniform lengths; B <= num_cols / 2 for the pair form)
     "issue": [(64, 16, 1, 8192)],
     "all": [(64, 16, 1, 8192), (64, 16, 2, 8192), (32, 16, 1, 8192), (64, 16, 1, 4096), (66, 16, 1, 8192)],
 }
 WAYS = [("hybrid", "auto", "auto"), ("balanced", "balanced", "auto"), ("fused", "balanced", "fused"),
-        ("pair", "pair", "auto")]
+        ("pair", "pair", "auto"), ("pair+comb", "pair", "auto")]
 
 
 def main():
@@ -59,8 +61,17 @@ def main():
                 sched.wide_store = not args.fp32_partials
                 wsp = alloc_workspace(sched, partial_dtype=torch.float32 if args.fp32_partials else torch.bfloat16)
 
-                def run(i, sched=sched, wsp=wsp):
+                pk = None
+                if way == "pair+comb":
+                    pk = api.get_partial_kernel("bf16", "bf16", sched.block_m, balanced=True,
+                                                partial=api.partial_name(wsp), wide_store=sched.wide_store, pair=True)
+
+                def run(i, sched=sched, wsp=wsp, pk=pk):
                     st = sets[i]
+                    if pk is not None:
+                        api.launch_pair(pk, st["q"], st["kv"], st["pt"], lens, 1.0 / math.sqrt(192), st["scale"],
+                                        outs[i], lses[i], sched, wsp, combine=True)
+                        return
                     mla_decode_sm90(st["q"], st["kv"], st["pt"], lens, 1.0 / math.sqrt(192), st["scale"], outs[i],
                                     lses[i], sched, wsp, check=False, balanced=True)
 

@@ -103,42 +103,63 @@ def merge_pair(
 ):
     """Steps 2-4 of the module docstring (step 1, the exchange tile sX, is written by the caller): cluster barrier,
     merge this CTA's half of the columns of every row from its own tile and the peer's (DSMEM), cluster barrier.
-    Every thread runs every step (only the global stores are predicated)."""
+    Every thread runs every step (only the global stores are predicated). Thread t takes the 8-column chunks
+    t, t + num_threads, ... of the half (32 chunks a row: a warp covers one row's half, 1 KB contiguous). At 16 rows
+    the 4 chunks a thread merges are unrolled (their DSMEM loads overlap; 218 registers with wide stores, no
+    stack frame); at 32 rows a plain loop (the kernel is at 255 registers there: fully unrolled 8 chunks gave a
+    32-byte stack frame, the loop 16 bytes, the balanced kernel has 8)."""
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
     rank = cute.arch.block_idx_in_cluster()
     peer_base = cute.arch.map_dsmem_ptr(sX.iterator, 1 - rank).toint()
-    chunks_per_row = (D_V // 2) // 8  # 8-column chunks of a half row
-    for i in cutlass.range_constexpr(block_m * chunks_per_row // num_threads):
-        ch = i * num_threads + tidx
-        row = ch // chunks_per_row
-        col = rank * (D_V // 2) + (ch % chunks_per_row) * 8
-        l_own = sX[row, LSE_COL]
-        l_peer = ld_dsmem_f32(peer_base + (row * XSTRIDE + LSE_COL) * 4)
-        l_lo = l_own if rank == 0 else l_peer
-        l_hi = l_peer if rank == 0 else l_own
-        m = cute.arch.fmax(l_lo, l_hi)
-        m_use = 0.0 if m == -cutlass.Float32.inf else m
-        w_lo = cute.math.exp(l_lo - m_use, fastmath=False)
-        w_hi = cute.math.exp(l_hi - m_use, fastmath=False)
-        s = w_lo + w_hi
-        inv = 1.0 / s if s > 0.0 else 0.0
-        a_own = (w_lo if rank == 0 else w_hi) * inv
-        a_peer = (w_hi if rank == 0 else w_lo) * inv
-        own = cute.local_tile(sX[row, None], (8,), (col // 8,)).load()
-        addr = peer_base + (row * XSTRIDE + col) * 4
-        p0 = ld_dsmem_v4_f32(addr)
-        p1 = ld_dsmem_v4_f32(addr + 16)
-        acc = cute.make_rmem_tensor((8,), cutlass.Float32)
-        acc.store(own)
-        for j in cutlass.range_constexpr(4):
-            acc[j] = acc[j] * a_own + p0[j] * a_peer
-            acc[4 + j] = acc[4 + j] * a_own + p1[j] * a_peer
-        grow = m_block * block_m + row
-        if grow < R:
-            dst = cute.local_tile(mO[b, grow, None], (8,), (col // 8,))
-            dst.store(acc.load().to(q_dtype))
-            if rank == 0 and col == 0:
-                mLSE[b, grow] = m_use + cute.math.log(s, fastmath=False) if s > 0.0 else -cutlass.Float32.inf
+    n_chunks = block_m * CHUNKS_PER_ROW // num_threads
+    if cutlass.const_expr(block_m <= 16):
+        for i in cutlass.range_constexpr(n_chunks):
+            _merge_chunk(sX, peer_base, mO, mLSE, b, m_block, R, i * num_threads + tidx, rank, block_m, q_dtype)
+    else:
+        for i in cutlass.range(n_chunks, unroll=1):
+            _merge_chunk(sX, peer_base, mO, mLSE, b, m_block, R, i * num_threads + tidx, rank, block_m, q_dtype)
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
+
+
+CHUNKS_PER_ROW = (D_V // 2) // 8  # 8-column chunks of a half row
+
+
+@cute.jit
+def _merge_chunk(
+    sX: cute.Tensor, peer_base: cutlass.Int32, mO: cute.Tensor, mLSE: cute.Tensor, b: cutlass.Int32,
+    m_block: cutlass.Int32, R: cutlass.Int32, ch: cutlass.Int32, rank: cutlass.Int32, block_m: cutlass.Constexpr,
+    q_dtype: cutlass.Constexpr,
+):
+    """Merge one 8-column chunk ch of this CTA's half (row ch // 32): the combine's math for two splits (module
+    docstring, step 3); out in q's dtype with one 16-byte store; rank 0's first chunk of a row writes its lse."""
+    row = ch // CHUNKS_PER_ROW
+    col = rank * (D_V // 2) + (ch % CHUNKS_PER_ROW) * 8
+    l_own = sX[row, LSE_COL]
+    l_peer = ld_dsmem_f32(peer_base + (row * XSTRIDE + LSE_COL) * 4)
+    l_lo = l_own if rank == 0 else l_peer
+    l_hi = l_peer if rank == 0 else l_own
+    m = cute.arch.fmax(l_lo, l_hi)
+    m_use = 0.0 if m == -cutlass.Float32.inf else m
+    w_lo = cute.math.exp(l_lo - m_use, fastmath=False)
+    w_hi = cute.math.exp(l_hi - m_use, fastmath=False)
+    s = w_lo + w_hi
+    inv = 1.0 / s if s > 0.0 else 0.0
+    a_own = (w_lo if rank == 0 else w_hi) * inv
+    a_peer = (w_hi if rank == 0 else w_lo) * inv
+    own = cute.local_tile(sX[row, None], (8,), (col // 8,)).load()
+    addr = peer_base + (row * XSTRIDE + col) * 4
+    p0 = ld_dsmem_v4_f32(addr)
+    p1 = ld_dsmem_v4_f32(addr + 16)
+    acc = cute.make_rmem_tensor((8,), cutlass.Float32)
+    acc.store(own)
+    for j in cutlass.range_constexpr(4):
+        acc[j] = acc[j] * a_own + p0[j] * a_peer
+        acc[4 + j] = acc[4 + j] * a_own + p1[j] * a_peer
+    grow = m_block * block_m + row
+    if grow < R:
+        dst = cute.local_tile(mO[b, grow, None], (8,), (col // 8,))
+        dst.store(acc.load().to(q_dtype))
+        if rank == 0 and col == 0:
+            mLSE[b, grow] = m_use + cute.math.log(s, fastmath=False) if s > 0.0 else -cutlass.Float32.inf

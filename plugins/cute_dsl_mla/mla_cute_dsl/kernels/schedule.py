@@ -878,8 +878,9 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     even plan_items plan in that format, whichever choose_form predicts; recorded in ``Schedule.form``),
     "balanced" or "even" (forced), or "pair" (opt-in, never chosen by auto: request r split into two halves in
     columns 2r and 2r + 1, merged in the kernel through DSMEM, _pair_rows; for MLADecodePartial(balanced=True,
-    pair=True) only, api.launch_pair; ValueError when 2 * batch > num_cols). Every form fits the same buffers, so a graph captured at one step
-    replays at the next whatever each chose. ``item_cost`` is the per-item cost in blocks (plan_balanced
+    pair=True) only, api.launch_pair; ValueError when 2 * batch > num_cols). Every form fits the same buffers, so
+    a graph captured at one step replays at the next whatever each chose (except a pair step launched without the
+    combine kernel, api.launch_pair's default: its graph must replay pair steps only). ``item_cost`` is the per-item cost in blocks (plan_balanced
     and the prediction). ``combine``: the kernel that merges the partials, "auto" (combine_kind_for, by batch and
     rows) or a forced "wide", "chunked" or "row" (Schedule.wide_combine / combine_cols), at every call; "fused":
     Schedule.fused_combine, the partial kernel merges the splits where it can (api.fused_supported), auto's kind
