@@ -26,6 +26,12 @@ Epilogue of a pair item (run_item, slot < -1), per CTA, after the usual row-sum 
 4. barrier.cluster.arrive (release) + wait again: no CTA exits or reuses its shared memory while the peer may
    still read it.
 
+Entry: MLADecodePartial.call_balanced_pair / kernel_balanced_pair (call_balanced's arguments plus split_info):
+before its column's items each CTA writes out = 0 / lse = -inf for the requests with no KV that fall to its column
+(fused_merge.fill_empty_requests), so a pair step runs no combine kernel (api.launch_pair; combine=True adds the
+combine kernel back, which then has nothing to merge, for A/B and for graphs replaying other forms). Items of other
+forms (slot -1 or >= 0) run as in kernel_balanced (direct rows, partial slots) and execute no cluster barrier.
+
 Deadlock freedom: a cluster barrier is executed only inside a pair item, by every thread of the CTA (no branch
 inside depends on the thread), and the plan puts a PAIR_LO item in column 2r exactly when it puts the PAIR_HI item
 of the same request in column 2r + 1 (the same m-blocks run both), each column holding that one item only; every
