@@ -271,3 +271,16 @@ def test_balanced_kernel_ptx_is_unchanged(spec, tmp_path):
     ptx = "".join(p.read_text() for p in pathlib.Path(tmp_path).glob("*.ptx"))
     assert "barrier.cluster" not in ptx and "shared::cluster" not in ptx
     assert ptx_sha256(ptx) == BALANCED_PTX_SHA256[spec]
+
+
+def test_cached_pair_kernel_is_its_own_cache_entry():
+    """get_partial_kernel(pair=True) builds call_balanced_pair through compile_partial (its fake arguments: the
+    balanced ones plus split_info) and caches it under the "pair" tag, apart from the balanced kernel."""
+    pytest.importorskip("cutlass")
+    from mla_cute_dsl.kernels import api, kernel_cache
+
+    fn = api.get_partial_kernel("bf16", "bf16", 16, balanced=True, partial="bf16", wide_store=True, pair=True)
+    assert fn is api.get_partial_kernel("bf16", "bf16", 16, balanced=True, partial="bf16", wide_store=True, pair=True)
+    key = ("bf16", "bf16", 16, None, "partial_bf16", "wide_store", "pair")
+    assert kernel_cache.origin("partial_balanced", key) in ("compiled", "disk")
+    assert kernel_cache.symbol_for("partial_balanced", key) != kernel_cache.symbol_for("partial_balanced", key[:-1])
