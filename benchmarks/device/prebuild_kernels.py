@@ -71,6 +71,13 @@ def specs():
                     out.append((f"partial{'_balanced' if balanced else ''} {q} {bm} {partial} wide={wide} fused",
                                 lambda q=q, bm=bm, p=partial, w=wide, b=balanced:
                                 api.get_partial_kernel(q, q, bm, balanced=b, partial=p, wide_store=w, fused=True)))
+        # the cluster pair merge (pair_merge.py, experimental): partials in q's dtype with wide stores (the default)
+        # and fp32 with narrow stores, as test_pair_merge_gpu.py and bench_pair.py run it
+        for partial, wide in ((q, True), ("fp32", False)):
+            for bm in (16, 32):
+                out.append((f"partial_balanced {q} {bm} {partial} wide={wide} pair",
+                            lambda q=q, bm=bm, p=partial, w=wide:
+                            api.get_partial_kernel(q, q, bm, balanced=True, partial=p, wide_store=w, pair=True)))
         for partial in ("fp32", q):
             for pdl in (False, True):
                 for wide, cols in ((False, 512), (False, 128), (True, 512)):

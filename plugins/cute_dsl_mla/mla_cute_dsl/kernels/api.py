@@ -21,8 +21,10 @@ import torch
 from . import kernel_cache
 from .cache_key import COMPILE_OPTIONS
 from .fused_merge import fused_from_tags, fused_spec
+from .pair_merge import pair_from_tags, pair_spec
 from .schedule import (  # noqa: F401  (re-exported)
     BLOCK_N,
+    PAIR_FORM,
     Schedule,
     Workspace,
     alloc_workspace,
@@ -174,6 +176,18 @@ def _fake_args_partial_balanced_fused(q_name, kv_name, partial: str = "fp32"):
     return args[:10] + (split, cnt) + args[10:]
 
 
+def _fake_args_partial_balanced_pair(q_name, kv_name, partial: str = "fp32"):
+    """MLADecodePartial.call_balanced_pair's arguments: call_balanced's plus split_info (int32 [max_batch, 2]) after
+    the partial buffers."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    args = _fake_args_partial_balanced(q_name, kv_name, partial)
+    split = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), 2), stride_order=(1, 0), assumed_align=8)
+    return args[:10] + (split,) + args[10:]
+
+
 def _fake_args_combine(q_name, partial: str = "fp32"):
     import cutlass
     import cutlass.cute as cute
@@ -197,7 +211,9 @@ def compile_partial(entry, q_name: str, kv_name: str, tags: tuple = (), balanced
     partial-kernel builder does."""
     import cutlass.cute as cute
 
-    if fused_from_tags(tags):
+    if pair_from_tags(tags):
+        fake = _fake_args_partial_balanced_pair
+    elif fused_from_tags(tags):
         fake = _fake_args_partial_balanced_fused if balanced else _fake_args_partial_fused
     else:
         fake = _fake_args_partial_balanced if balanced else _fake_args_partial
@@ -217,6 +233,10 @@ def _build_partial_balanced(q_name: str, kv_name: str, block_m: int, layout, *ta
     from .sm90_decode import MLADecodePartial
 
     fused = fused_from_tags(tags)
+    if pair_from_tags(tags):
+        k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True,
+                             wide_store=wide_from_tags(tags), pair=True)
+        return compile_partial(k.call_balanced_pair, q_name, kv_name, tags, balanced=True)
     k = MLADecodePartial(_cutlass_dtype(q_name), _cutlass_dtype(kv_name), block_m, layout, balanced=True,
                          wide_store=wide_from_tags(tags), fused=fused)
     return compile_partial(k.call_balanced_fused if fused else k.call_balanced, q_name, kv_name, tags, balanced=True)
@@ -250,7 +270,7 @@ def _build_combine_wide_pdl(q_name: str, *tags: str):
 
 
 def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, balanced: bool = False,
-                       partial: str = "fp32", wide_store: bool = False, fused: bool = False):
+                       partial: str = "fp32", wide_store: bool = False, fused: bool = False, pair: bool = False):
     """Compiled partial kernel for one specialization (memory, disk, else compile).
 
     layout: optional (m_warps, m_atoms_per_warp, n_acc) override, for tuning.
@@ -261,10 +281,16 @@ def get_partial_kernel(q_name: str, kv_name: str, block_m: int, layout=None, bal
     default keeps the old keys).
     fused: combine=fused, the kernel merges the splits itself (call_fused / call_balanced_fused; bf16/fp16 KV,
     16/32 rows only, fused_supported; key tag "fused" only when on).
+    pair: experimental cluster pair merge (pair_merge.py; balanced only, bf16/fp16 KV, 16/32 rows, not with fused;
+    key tag "pair" only when on): the balanced kernel launched with (1, 2, 1) clusters that merges schedule form
+    "pair"'s two halves of a request through DSMEM (launch_pair).
     """
     if layout is not None:
         layout = tuple(layout)
-    tags = partial_spec(partial) + store_spec(wide_store) + fused_spec(fused)
+    tags = partial_spec(partial) + store_spec(wide_store) + fused_spec(fused) + pair_spec(pair)
+    if pair and not (balanced and block_m <= 32 and kv_name != "fp8_e4m3" and not fused):
+        raise ValueError("the cluster pair merge is built for the balanced mma.sync kernel with a bf16/fp16 cache at "
+                         "16/32 rows only, not with fused")
     if fused and not (block_m <= 32 and kv_name != "fp8_e4m3"):
         raise ValueError("the fused merge is built for the mma.sync kernel with a bf16/fp16 cache at 16/32 rows "
                          "only")
@@ -383,6 +409,38 @@ def launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, 
     return out, lse
 
 
+def launch_pair(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float, out, lse,
+                schedule: Schedule, workspace, combine: bool = False):
+    """The cluster pair kernel (get_partial_kernel(..., balanced=True, pair=True), call_balanced_pair) over a schedule
+    (make_schedule(..., balanced=True, form="pair")): the balanced grid launched with (1, 2, 1) clusters (num_cols
+    must be even), each request's two halves merged in the kernel through DSMEM (pair_merge.py) and the requests with
+    no KV written there (out = 0, lse = -inf); no combine kernel. No checks beyond the form and column count.
+
+    combine=True also launches the schedule's combine kernel after it (it skips every request of a pair schedule,
+    split count 1, and rewrites the empty ones with the same values): only to A/B the combine's launch cost, or for
+    a CUDA graph captured here that later replays schedules re-planned in place to another form (their split items
+    write partial slots that only the combine merges). With combine=False every replayed step must be of form
+    "pair"."""
+    if schedule.form != PAIR_FORM:
+        raise ValueError(f"launch_pair needs a schedule of form 'pair', got {schedule.form!r}")
+    if schedule.num_cols % 2:
+        raise ValueError(f"the pair kernel's (1, 2, 1) clusters need an even number of CTA columns, got "
+                         f"{schedule.num_cols}")
+    B, s_q, H, _ = q.shape
+    R = s_q * H
+    o_part, lse_part = workspace[0], workspace[1]
+    o3 = out.view(B, R, D_V)
+    l2 = lse.view(B, R)
+    s = float(sm_scale) * float(kv_scale)
+    stream = _cu_stream(torch.cuda.current_stream().cuda_stream)
+    partial(q.view(B, R, D_QK), kv_cache, page_table, kv_lens, o3, l2, schedule.work_info, schedule.cta_ranges,
+            o_part, lse_part, schedule.split_info, s * LOG2_E, s, float(kv_scale), s_q, H, stream)
+    if combine:
+        combine_kernel_for(_TORCH_TO_NAME[q.dtype], schedule, partial_name(workspace))(
+            o3, l2, schedule.split_info, o_part, lse_part, stream)
+    return out, lse
+
+
 def fused_supported(schedule: Schedule, kv_name: str) -> bool:
     """Whether the mma.sync entries (mla_decode_sm90, even or balanced) merge this step's splits in the partial
     kernel (combine=fused, Schedule.fused_combine): up to 32 rows (BLOCK_M 16/32) and a bf16/fp16 cache. Every
@@ -415,12 +473,16 @@ def launch_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
     return out, lse
 
 
-def check_balanced(schedule: Schedule, kv_cache) -> None:
+def check_balanced(schedule: Schedule, kv_cache, pair_ok: bool = False) -> None:
     """What every balanced entry needs, checked even with check=False (a wrong schedule or cache would make
     the column loop read another kernel's buffers): a make_schedule(..., balanced=True) schedule and a
-    bf16/fp16 cache (the balanced kernels have no fp8 path)."""
+    bf16/fp16 cache (the balanced kernels have no fp8 path). A schedule of form "pair" only on an entry that runs
+    the pair kernel (pair_ok: mla_decode_sm90(balanced=True)): any other kernel would write both halves directly."""
     if not schedule.balanced:
         raise ValueError("balanced=True needs a schedule made with make_schedule(..., balanced=True)")
+    if schedule.form == PAIR_FORM and not pair_ok:
+        raise ValueError("a schedule of form 'pair' runs only on the mma.sync balanced kernel "
+                         "(mla_decode_sm90(..., balanced=True))")
     if kv_cache.dtype == torch.float8_e4m3fn:
         raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only")
 
@@ -439,13 +501,20 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
     balanced=True (the backend's split_kv="balanced"): the balanced split-KV kernel, a fixed grid of CTA
     columns each walking its range of the schedule's items; needs a schedule from
     make_schedule(..., balanced=True) and a bf16/fp16 cache (ValueError otherwise, also with check=False).
-    The default kernel accepts a balanced schedule too (one CTA per work row, the same items).
+    The default kernel accepts a balanced schedule too (one CTA per work row, the same items), except one of form
+    "pair" (make_schedule(..., form="pair"), experimental): that runs only with balanced=True, on the cluster pair
+    kernel (get_partial_kernel(..., pair=True), launch_pair), whatever the schedule's combine setting.
     """
     if balanced:
-        check_balanced(schedule, kv_cache)
+        check_balanced(schedule, kv_cache, pair_ok=True)
         if check:
             check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
         kv_name = _TORCH_TO_NAME[kv_cache.dtype]
+        if schedule.form == PAIR_FORM:  # experimental cluster pair merge (pair_merge.py); fused does not apply
+            partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], kv_name, schedule.block_m, layout, balanced=True,
+                                         partial=partial_name(workspace), wide_store=schedule.wide_store, pair=True)
+            return launch_pair(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                               workspace)
         fused = fused_supported(schedule, kv_name)
         partial = get_partial_kernel(_TORCH_TO_NAME[q.dtype], kv_name, schedule.block_m,
                                      layout, balanced=True, partial=partial_name(workspace),
@@ -455,6 +524,8 @@ def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale:
                                 workspace)
         return launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse,
                                schedule, workspace)
+    if schedule.cta_ranges is not None and schedule.form == PAIR_FORM:
+        raise ValueError("a schedule of form 'pair' needs balanced=True (the pair kernel)")
     if check:
         check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     kv_name = _TORCH_TO_NAME[kv_cache.dtype]

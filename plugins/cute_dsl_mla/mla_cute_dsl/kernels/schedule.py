@@ -602,6 +602,50 @@ def plan_balanced(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: 
 HYBRID_MARGIN = 0.10
 #: hybrid forms, as recorded on Schedule.form
 FORMS = ("even", "balanced")
+#: make_schedule(balanced=True, form="pair"): every request split in two halves merged through DSMEM by a 2-CTA cluster
+#: (MLADecodePartial(balanced=True, pair=True)); opt-in only, never chosen by form="auto"
+PAIR_FORM = "pair"
+#: work-row slot codes of the pair form's halves (distinct from -1 = whole request written directly, >= 0 = a
+#: partial slot): the kernel built with pair=True merges the two halves in its cluster instead of writing partials
+PAIR_LO, PAIR_HI = -2, -3
+
+
+def _pair_rows(lens: torch.Tensor, nb: torch.Tensor, cols: int):
+    """The pair form (make_schedule(balanced=True, form="pair")): (rows int64 [n, 4] column by column, split int64
+    [B, 2], ranges int64 [cols + 1], blocks per column as a list).
+
+    Request r takes CTA columns 2r and 2r + 1 (one 2-CTA cluster of the pair kernel's (1, 2, 1) cluster grid):
+    with nb >= 2 blocks, blocks [0, mid) in column 2r (slot PAIR_LO) and [mid, nb) in column 2r + 1 (slot
+    PAIR_HI), mid = ceil(nb / 2); with one block a whole item in column 2r (slot -1, written directly) and
+    nothing in 2r + 1; length 0: no item. Every other column is empty, so no column holds more than one item and
+    a PAIR_LO item always has its PAIR_HI peer in the other CTA of its cluster (the kernel's cluster barriers
+    cannot deadlock). split_info is (0, 1) for every request with KV (the combine kernel skips it: count 1) and
+    (0, 0) for length 0 (the combine writes out = 0, lse = -inf as for the other forms). No partial slot is used.
+    Needs 2 B <= cols (ValueError otherwise)."""
+    B = nb.shape[0]
+    if 2 * B > cols:
+        raise ValueError(f"form='pair' needs 2 * batch <= num_cols: batch {B}, num_cols {cols}")
+    nbl, ln = nb.tolist(), lens.tolist()
+    out, counts, col_blocks = [], [0] * cols, [0] * cols
+    ext = out.extend
+    for r, x in enumerate(nbl):
+        if x == 0:
+            continue
+        c = 2 * r
+        if x == 1:
+            ext((r, 0, ln[r], -1))
+            counts[c], col_blocks[c] = 1, 1
+            continue
+        mid = -(-x // 2)
+        ext((r, 0, mid * BLOCK_N, PAIR_LO))
+        ext((r, mid * BLOCK_N, ln[r], PAIR_HI))
+        counts[c] = counts[c + 1] = 1
+        col_blocks[c], col_blocks[c + 1] = mid, x - mid
+    split = torch.zeros((B, 2), dtype=_I64)
+    split[:, 1] = nb > 0
+    ranges = [0]
+    ranges += accumulate(counts)
+    return _int_tensor(out).view(-1, 4), split, _int_tensor(ranges), col_blocks
 # bytes of one 64-token block of a 16-bit cache: the cost model's unit (the balanced kernel is 16-bit only)
 _BLOCK_BYTES = BLOCK_N * 576 * 2
 
@@ -755,13 +799,18 @@ def _plan_hybrid(lens: torch.Tensor, s_q: int, num_heads: int, num_sms: int, cta
     """plan_hybrid on tensors: (form, rows int64 [n, 4], split int64 [B, 2], ranges int64 [cols + 1],
     slots used, stats). Both forms' predicted costs come from the column loads alone (_EvenColumns,
     _BalancedWalk); only the chosen form's rows are built."""
-    if form not in ("auto",) + FORMS:
-        raise ValueError(f"form must be one of auto, even, balanced; got {form!r}")
+    if form not in ("auto", PAIR_FORM) + FORMS:
+        raise ValueError(f"form must be one of auto, even, balanced; got {form!r}")  # (or the opt-in "pair")
     rows = s_q * num_heads
     m_blocks = -(-rows // block_m_for(rows))
     cols = balanced_cols(rows, num_sms, ctas_per_sm)
     stats = dict(num_cols=cols, m_blocks=m_blocks, cost_even=float("nan"), cost_balanced=float("nan"))
     nb = _nblocks(lens)
+    if form == PAIR_FORM:
+        items, split, ranges, col_blocks = _pair_rows(lens, nb, cols)
+        stats.update(max_blocks=max(col_blocks, default=0), max_items=1 if items.shape[0] else 0,
+                     blocks_per_split=max(col_blocks, default=0))
+        return PAIR_FORM, items, split, ranges, 0, stats
     per_slot = slot_cost(rows, m_blocks, cols)
     if form in ("auto", "even"):
         bps = _even_bps(nb, m_blocks, num_sms * ctas_per_sm)
@@ -793,8 +842,8 @@ def plan_hybrid(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: in
     balanced kernel's format, even_columns). stats: num_cols, m_blocks, max_blocks, max_items,
     blocks_per_split, cost_even, cost_balanced (the latter two only for the forms that were planned; nan
     otherwise), and the chosen form's items are what the kernel runs."""
-    if form not in ("auto",) + FORMS:
-        raise ValueError(f"form must be one of auto, even, balanced; got {form!r}")
+    if form not in ("auto", PAIR_FORM) + FORMS:
+        raise ValueError(f"form must be one of auto, even, balanced; got {form!r}")  # (or the opt-in "pair")
     chosen, items, split, ranges, _, stats = _plan_hybrid(_lens_tensor(kv_lens), s_q, num_heads, num_sms,
                                                           ctas_per_sm, int(item_cost), form)
     return chosen, _tuples(items), _tuples(split), ranges.tolist(), stats
@@ -827,8 +876,11 @@ def make_schedule(kv_lens_cpu, s_q: int, num_heads: int, num_sms: int, *,
     balanced=True)``: work items column by column plus the per-column item ranges ``cta_ranges`` (int32
     [num_cols + 1]). ``form`` picks its plan: "auto" (the hybrid: per step the plan_balanced plan or the
     even plan_items plan in that format, whichever choose_form predicts; recorded in ``Schedule.form``),
-    "balanced" or "even" (forced). Every form fits the same buffers, so a graph captured at one step
-    replays at the next whatever each chose. ``item_cost`` is the per-item cost in blocks (plan_balanced
+    "balanced" or "even" (forced), or "pair" (opt-in, never chosen by auto: request r split into two halves in
+    columns 2r and 2r + 1, merged in the kernel through DSMEM, _pair_rows; for MLADecodePartial(balanced=True,
+    pair=True) only, api.launch_pair; ValueError when 2 * batch > num_cols). Every form fits the same buffers, so
+    a graph captured at one step replays at the next whatever each chose (except a pair step launched without the
+    combine kernel, api.launch_pair's default: its graph must replay pair steps only). ``item_cost`` is the per-item cost in blocks (plan_balanced
     and the prediction). ``combine``: the kernel that merges the partials, "auto" (combine_kind_for, by batch and
     rows) or a forced "wide", "chunked" or "row" (Schedule.wide_combine / combine_cols), at every call; "fused":
     Schedule.fused_combine, the partial kernel merges the splits where it can (api.fused_supported), auto's kind

@@ -33,6 +33,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 from . import fused_merge as fm
+from . import pair_merge as pm
 from . import wide_store as ws
 
 D_QK = 576
@@ -73,8 +74,14 @@ class MLADecodePartial:
     DEFAULT_LAYOUT = {16: (1, 1, 1), 32: (1, 2, 1), 64: (2, 2, 2)}
 
     def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, balanced: bool = False,
-                 wide_store: bool = False, fused: bool = False):
+                 wide_store: bool = False, fused: bool = False, pair: bool = False):
         self.q_dtype = q_dtype
+        # pair (experimental): the balanced kernel launched with 2-CTA clusters along the columns; a request split in
+        # two halves by schedule form "pair" (slots -2 / -3) is merged through DSMEM (pair_merge.py)
+        self.pair = bool(pair)
+        if self.pair and not (balanced and block_m <= 32 and kv_dtype is q_dtype and not fused):
+            raise ValueError("the cluster pair merge is built for the balanced kernel with bf16/fp16 KV at 16/32 rows "
+                             "only (not with fused)")
         # fused: combine=fused, the last CTA to finish a request's split items merges them (fused_merge.py);
         # launched through call_fused / call_balanced_fused (bf16/fp16 KV, blocks of up to 32 rows)
         self.fused = bool(fused)
@@ -208,11 +215,16 @@ class MLADecodePartial:
          r2s, mma_s, mma_o) = self._setup()
         SharedStorage = self._shared_storage(sQ_layout, sK_layout, sP_layout, raw_elems)
         grid = (cute.ceil_div(cute.size(mQ.shape[1]), self.block_m), cols, 1)
-        kernel(
+        launched = kernel(
             *data,
             sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
             g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        )
+        if cutlass.const_expr(self.pair):
+            # columns 2c and 2c + 1 of one m-block form a cluster (num_cols even: api.launch_pair checks it)
+            launched.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=list(pm.CLUSTER), stream=stream)
+        else:
+            launched.launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     def _shared_storage(self, sQ_layout, sK_layout, sP_layout, raw_elems):
         """The CTA's shared-memory struct (every entry: even, balanced, fused): Q, the K ring, the raw fp8 staging
@@ -348,6 +360,76 @@ class MLADecodePartial:
             mQ, mKV, mPT, mLens, mO, mLSE, mWork, mRanges, mOp, mLSEp, mSplit, mCnt,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
         ), stream)
+
+    @cute.jit
+    def call_balanced_pair(
+        self,
+        mQ: cute.Tensor,  # (B, R, 576) q dtype, R = s_q * H
+        mKV: cute.Tensor,  # (P, page, 576) kv dtype
+        mPT: cute.Tensor,  # (B, max_pages) int32
+        mLens: cute.Tensor,  # (B,) int32
+        mO: cute.Tensor,  # (B, R, 512) q dtype
+        mLSE: cute.Tensor,  # (B, R) fp32
+        mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot (column by column)
+        mRanges: cute.Tensor,  # (num_cols + 1,) int32, num_cols even
+        mOp: cute.Tensor,  # (slots, R, 512) fp32, bf16 or fp16 (written only by items with a slot >= 0)
+        mLSEp: cute.Tensor,  # (slots, R) fp32
+        mSplit: cute.Tensor,  # (max_batch, 2) int32: first slot, split count (schedule.split_info)
+        scale_log2: cutlass.Float32,
+        scale_ln: cutlass.Float32,
+        v_scale: cutlass.Float32,
+        s_q: cutlass.Int32,
+        num_heads: cutlass.Int32,
+        stream,
+    ):
+        """The cluster pair kernel (MLADecodePartial(balanced=True, pair=True), pair_merge.py): call_balanced's grid
+        launched with (1, 2, 1) clusters; a pair item (slots -2 / -3 of schedule form "pair") is merged with its
+        cluster peer through DSMEM, and out = 0 / lse = -inf is written for the requests with no KV (split count 0),
+        so that a schedule of form "pair" needs no combine kernel (api.launch_pair)."""
+        assert self.balanced and self.pair, "call_balanced_pair needs MLADecodePartial(balanced=True, pair=True)"
+        self._launch(self.kernel_balanced_pair, mQ, cute.size(mRanges.shape[0]) - 1, (
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mRanges, mOp, mLSEp, mSplit,
+            scale_log2, scale_ln, v_scale, s_q, num_heads,
+        ), stream)
+
+    @cute.kernel
+    def kernel_balanced_pair(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mRanges: cute.Tensor,
+        mOp: cute.Tensor, mLSEp: cute.Tensor, mSplit: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sKraw_layout: cute.Layout, sRed_layout: cute.Layout,
+        g2s: cute.TiledCopy, g2s_raw: cute.TiledCopy, g2r_q: cute.TiledCopy,
+        s2r_raw: cute.TiledCopy, r2s: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_o: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """kernel_balanced for the pair kernel: first out = 0 / lse = -inf for the requests with no KV that fall to
+        this CTA column (fused_merge.fill_empty_requests: requests col, col + num_cols, ...), then the column's items
+        (run_item: a pair item ends in the cluster merge, pair_merge.py). The PDL trigger is left out: no combine
+        kernel depends on this one."""
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, col, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp_n = (tidx // 32) // self.m_warps  # atom layout (m_warps, NW_N, 1), column-major
+
+        fm.fill_empty_requests(mO, mLSE, mSplit, col, cute.size(mRanges.shape[0]) - 1, m_block, self.block_m,
+                               tidx, self.num_threads, self.q_dtype)
+        i_end = mRanges[col + 1]
+        for wi in cutlass.range(mRanges[col], i_end, 1):
+            b = mWork[wi, 0]
+            if b >= 0:
+                cute.arch.barrier()
+                self.run_item(
+                    mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+                    scale_log2, scale_ln, v_scale, s_q, num_heads,
+                    sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
+                    g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
+                    m_block, wi, b, tidx, lane, warp_n, mSplit, mSplit,
+                )
 
     @cute.jit
     def load_tile(
@@ -744,8 +826,25 @@ class MLADecodePartial:
         cO = cute.make_identity_tensor((self.block_m, D_V))
         tOcO = _acc_mn_view(thr_o.partition_C(cO))
         if slot < 0:
-            self.store_rows(mO, mLSE, b, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block, R, lane, lse_writer,
-                            self.wide_store)
+            if cutlass.const_expr(self.pair):
+                if slot < -1:
+                    # pair item (schedule form "pair"): merge with the cluster peer through DSMEM (pair_merge.py)
+                    sX = storage.sK.get_tensor(
+                        cute.make_layout((self.block_m, pm.XSTRIDE), stride=(pm.XSTRIDE, 1)), dtype=cutlass.Float32
+                    )
+                    for r in cutlass.range_constexpr(n_rows):
+                        row = tOcO[r, 0][0]
+                        for c in cutlass.range_constexpr(cute.size(acc_O_mn.shape[1])):
+                            sX[row, tOcO[r, c][1]] = acc_O_mn[r, c] * row_scale[r]
+                        if lse_writer:
+                            sX[row, pm.LSE_COL] = row_lse[r]
+                    pm.merge_pair(sX, mO, mLSE, b, m_block, R, tidx, self.block_m, self.num_threads, self.q_dtype)
+                else:
+                    self.store_rows(mO, mLSE, b, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block, R, lane,
+                                    lse_writer, self.wide_store)
+            else:
+                self.store_rows(mO, mLSE, b, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block, R, lane, lse_writer,
+                                self.wide_store)
         else:
             self.store_rows(mOp, mLSEp, slot, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block, R, lane,
                             lse_writer, self.wide_store and mOp.element_type.width == 16)
