@@ -19,7 +19,8 @@ STAGE=$(ls -d "${MLA_DEVPACK_CACHE:-$HOME/.cache/mla-devpack}"/*/stage/site | he
 if [ ! -d /tmp/mla-devenv/site ]; then
   mkdir -p /tmp/mla-devenv && cp -al "$STAGE" /tmp/mla-devenv/site 2>/dev/null || cp -a "$STAGE" /tmp/mla-devenv/site
 fi
-grep -qxF "/.kcache/" .git/info/exclude 2>/dev/null || echo "/.kcache/" >> .git/info/exclude
+EXCLUDE="$(git rev-parse --git-common-dir)/info/exclude"  # also from a git worktree (.git is a file there)
+grep -qxF "/.kcache/" "$EXCLUDE" 2>/dev/null || echo "/.kcache/" >> "$EXCLUDE"
 PYTHONPATH=/tmp/mla-devenv/site:/tmp/mla-devenv/site/nvidia_cutlass_dsl/dsl_packages:plugins/cute_dsl_mla:. \
   CUTE_DSL_ARCH=sm_90a MLA_CUTE_DSL_CACHE_DIR="$PWD/.kcache" "$PY312" benchmarks/device/prebuild_kernels.py --only "${ONLY:-}"
 du -sh .kcache
