@@ -188,6 +188,13 @@ class Dispatcher:
                 chosen = name
                 verdict = Verdict(name, Outcome.CHOSEN, options=verdict.options)
             verdicts.append(verdict)
+        if chosen in (None, REFERENCE) and not self.policy.mla.strict_allow:
+            # no kernel took it (the reference, in order or as the fallback, would): one outside its allow rules
+            kernel, verdicts = self._outside_allow(problem, verdicts, cuda_graph)
+            if kernel is not None:
+                verdicts = [Verdict(v.backend, Outcome.ACCEPTED, v.reasons, v.options) if v.backend == REFERENCE
+                            and v.outcome is Outcome.CHOSEN else v for v in verdicts]
+                chosen = kernel
         fallback_used = False
         ref: Optional[Verdict] = None
         if chosen is None and self.policy.mla.fallback == REFERENCE:
@@ -207,6 +214,31 @@ class Dispatcher:
                 verdicts.append(Verdict(handle.name, Outcome.NOT_IN_ORDER,
                                         self._judge(handle.name, problem).reasons))
         return Decision(problem, chosen, tuple(verdicts), fallback_used)
+
+    def _outside_allow(self, problem: DecodeProblem, verdicts: List[Verdict],
+                       cuda_graph: bool) -> Tuple[Optional[str], List[Verdict]]:
+        """mla.strict_allow = false, when no kernel backend in order took `problem` (none did, or the reference
+        did): the first backend in order before the reference that the policy kept off only because none of its
+        allow rules matched, if it can take the shape with its base options; its verdict becomes the choice, with
+        the reason. Allow rules record where a backend is preferred; without this a shape outside every rule (a
+        head count no measured grid had, which FlashInfer refuses) would run on the slow reference."""
+        for i, verdict in enumerate(verdicts):
+            if verdict.backend == REFERENCE:
+                break  # backends after the reference in order never run while it can
+            if verdict.outcome is not Outcome.POLICY:
+                continue
+            bpol = self.policy.backend_policy(verdict.backend)
+            if bpol.denials(problem):
+                continue
+            fresh = self._judge(verdict.backend, problem, apply_policy=False, cuda_graph=cuda_graph)
+            if not fresh.accepts:
+                continue
+            note = ("outside its allow rules: no backend in order takes this shape within its own, and a kernel comes "
+                    "before the reference (mla.strict_allow = false)")
+            verdicts = list(verdicts)
+            verdicts[i] = Verdict(verdict.backend, Outcome.CHOSEN, (note,) + verdict.reasons, fresh.options)
+            return verdict.backend, verdicts
+        return None, verdicts
 
     def _judge(self, name: str, problem: DecodeProblem, apply_policy: bool = True,
                cuda_graph: bool = False) -> Verdict:

@@ -173,7 +173,11 @@ class BackendPolicy(_Strict):
         return sets or [dict(self.options)]
 
     def rejections(self, problem: DecodeProblem) -> List[str]:
-        """Why the policy keeps this backend off `problem` (empty: allowed)."""
+        """Why the policy keeps this backend off `problem` (empty: allowed): allow_misses, then denials."""
+        return self.allow_misses(problem) + self.denials(problem)
+
+    def allow_misses(self, problem: DecodeProblem) -> List[str]:
+        """Why no allow rule admits `problem` (empty: one does, or the backend has none)."""
         reasons: List[str] = []
         if self.allow:
             per_rule = [r.mismatches(problem) for r in self.allow]
@@ -185,6 +189,11 @@ class BackendPolicy(_Strict):
                         f"no policy allow rule matches ({len(self.allow)} rules): "
                         + " | ".join("; ".join(m) for m in per_rule)
                     )
+        return reasons
+
+    def denials(self, problem: DecodeProblem) -> List[str]:
+        """The deny rules that match `problem`, described (empty: none)."""
+        reasons: List[str] = []
         for i, rule in enumerate(self.deny):
             if not rule.mismatches(problem):
                 reasons.append(f"policy deny[{i}] matches {rule.describe()}")
@@ -194,6 +203,11 @@ class BackendPolicy(_Strict):
 class MLASection(_Strict):
     order: Tuple[str, ...]
     fallback: Literal["reference", "error"] = "reference"
+    # Allow rules say where a backend is preferred (mla tune writes them from timings). A shape that no backend
+    # in `order` takes once allow rules count goes, before the fallback, to the first backend in order that can
+    # take it and was passed over only because none of its allow rules matched (deny rules, enabled = false and
+    # can_implement still hold): a real kernel instead of the slow reference. true: allow rules are strict.
+    strict_allow: StrictBool = False
 
     @field_validator("order")
     @classmethod

@@ -49,6 +49,7 @@ def test_allow_and_deny_rules():
     text = """
 [mla]
 order = ["a", "b", "reference"]
+strict_allow = true
 [[backend.a.allow]]
 num_heads = [128]
 [[backend.a.allow]]
@@ -67,6 +68,53 @@ kv_dtype = ["bf16"]
     assert dec.backend == "reference"
     fp8 = small.model_copy(update={"kv_dtype": "fp8_e4m3"})
     assert d.select(fp8).backend == "b"
+
+
+OUTSIDE = "outside its allow rules"
+
+
+def test_outside_its_allow_rules_a_kernel_comes_before_the_reference():
+    """mla.strict_allow = false (the default): allow rules are preferences, so a shape no backend takes within its
+    rules goes to the first kernel in order that the allow rules alone kept off; deny rules, can_implement and the
+    order (nothing after the reference) still hold."""
+    text = """
+[mla]
+order = ["a", "b", "c", "reference"]
+[[backend.a.allow]]
+num_heads = [128]
+[[backend.a.deny]]
+max_batch = 8
+[[backend.b.allow]]
+num_heads = [128]
+[[backend.c.allow]]
+num_heads = [128]
+"""
+    d = make({"a": Picky(), "b": Picky(refuse=lambda shape: True), "c": Picky()}, text)
+    dec = d.select(P)  # H=16 B=64: every allow rule misses; a is not denied at B=64, b cannot implement
+    assert dec.backend == "a" and not dec.fallback_used
+    assert dec.verdict("a").reasons[0].startswith(OUTSIDE)
+    assert "num_heads=16 not in [128]" in dec.verdict("a").reasons[1]
+    assert dec.verdict("reference").outcome == "accepted"
+    assert dec.verdict("c").outcome == "policy"
+    small = P.model_copy(update={"batch_size": 8})  # a denied, b cannot: c, the next one outside its rules
+    dec = d.select(small)
+    assert dec.backend == "c" and dec.verdict("a").outcome == "policy"
+    assert dec.verdict("a").reasons[-1].startswith("policy deny[0] matches")
+    assert dec.verdict("b").outcome == "cannot implement"
+    assert d.select(P.model_copy(update={"num_heads": 128})).verdict("a").reasons == ()  # inside its rule
+
+
+def test_outside_allow_rules_nothing_after_the_reference_and_strict_allow():
+    text = '[mla]\norder = ["reference", "a"]\n[[backend.a.allow]]\nnum_heads = [128]\n'
+    assert make({"a": Picky()}, text).select(P).backend == "reference"
+    text = '[mla]\norder = ["a"]\nfallback = "error"\n[[backend.a.allow]]\nnum_heads = [128]\n'
+    dec = make({"a": Picky()}, text).select(P)  # no reference in order: before the fallback too
+    assert dec.backend == "a" and dec.verdict("a").reasons[0].startswith(OUTSIDE)
+    strict = text.replace('fallback = "error"', 'fallback = "error"\nstrict_allow = true')
+    with pytest.raises(NoBackendError, match="no policy allow rule matches|allow rule does not match"):
+        make({"a": Picky()}, strict).select(P)
+    with pytest.raises(Exception, match="strict_allow"):
+        make({"a": Picky()}, '[mla]\norder = ["a"]\nstrict_allow = "yes"\n')
 
 
 def test_fallback_reference_and_error():
@@ -146,6 +194,7 @@ def test_policy_rule_bounds_split_the_cache():
     d = make({"a": Picky()}, """
 [mla]
 order = ["a", "reference"]
+strict_allow = true
 [[backend.a.allow]]
 min_batch = 33
 max_kv_len = 8192

@@ -70,3 +70,29 @@ def test_op_pair_under_reduce_overhead_equals_eager():
         want_out, want_lse = dec.run(inp.q, inp.kv_cache, eager_plan)
         torch.testing.assert_close(got[0], want_out.float() * 2.0, rtol=0, atol=0)
         torch.testing.assert_close(got[1], want_lse, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_heads,s_q", [(3, 2), (9, 2), (63, 2), (126, 2), (5, 3)])
+def test_builtin_policy_runs_head_counts_flashinfer_refuses_on_a_kernel(num_heads, s_q):
+    """The built-in policy's allow rules leave these shapes outside ours and FlashInfer refuses them (causal s_q > 1
+    with num_heads not dividing 64 or 128): mla.strict_allow = false sends them to cute_dsl_mla, not the
+    reference, and the answer matches the fp64 reference (fresh random data, mixed lengths including 0 and < s_q)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU (the CuTe DSL kernels)")
+    from mlacore.policy import builtin_policy_text
+
+    d = Dispatcher(policy=parse_policy_text(builtin_policy_text(), "builtin"), env={})
+    p = DecodeProblem(num_heads=num_heads, seq_len_q=s_q, batch_size=5, min_kv_len=0, max_kv_len=1500,
+                      page_size=64, device=DeviceSpec.of("cuda"))
+    # an empty request, one shorter than s_q, a page tail, a whole page count, the longest
+    inp = make_inputs(p, device="cuda", seed=40 + num_heads,
+                      kv_lens=torch.tensor([0, 1, 700, 1500, 1280], dtype=torch.int32))
+    lens = inp.kv_lens
+    dec = MLADecoder(num_heads, 64, device="cuda", sm_scale=inp.sm_scale, dispatcher=d)
+    plan = dec.plan(lens, inp.page_table, s_q)
+    assert plan.backend == "cute_dsl_mla", plan.decision.format_trace()
+    assert "outside its allow rules" in plan.decision.verdict("cute_dsl_mla").reasons[0]
+    out, lse = dec.run(inp.q, inp.kv_cache, plan)
+    want = mla_decode_reference(inp.q, inp.kv_cache, inp.page_table, lens, inp.sm_scale, inp.kv_scale)
+    res = compare(p, out, lse, *want)
+    assert res.passed, (num_heads, s_q, res.messages)

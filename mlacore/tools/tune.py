@@ -607,7 +607,9 @@ def route_cells(order: Sequence[str], policy, report: BenchReport,
 
     Walks `order` as the dispatcher does: a backend is passed over where a
     deny rule matches, where no allow rule matches, or where its arm could
-    not take the cell (the bench skipped it: can_implement said no).
+    not take the cell (the bench skipped it: can_implement said no); then,
+    unless mla.strict_allow, the first one before the reference kept off only
+    by its allow rules, with its base options (Dispatcher._outside_allow).
     """
     stat = statuses(report)
     arms = _arm_options(report)
@@ -633,6 +635,18 @@ def route_cells(order: Sequence[str], policy, report: BenchReport,
             if chosen is not None:
                 picks[cell] = chosen
                 break
+        if picks[cell] is None and not policy.mla.strict_allow:
+            # as Dispatcher._outside_allow: the first kernel before the reference kept off only by its allow rules
+            for name in order:
+                if name == "reference":
+                    break
+                bp = policy.backend_policy(name)
+                if any(not rule.mismatches(r.problem) for rule in deny.get(name, ())):
+                    continue
+                label = _label_for(name, dict(bp.options), arms)
+                if label is not None and stat.get((cell, label)) not in (SKIPPED, None):
+                    picks[cell] = label
+                    break
     return picks
 
 
