@@ -8,7 +8,7 @@
 #   ALWAYS=h200_tune7_refine_bench bash benchmarks/tune_crossval.sh    (the 0.2.2 runs)
 #   R=docs/results/gpu12_tune GRIDS="h200_tune_bench h200_offgrid_bench h200_offgrid2_bench h200_lengths8_bench \
 #   h200_offgrid7_bench" ALWAYS=" " bash benchmarks/tune_crossval.sh   (the 0.2.7 runs of the twelfth session)
-#   RULES=batch ...: the rules of `mla tune --rules batch` (default boxes)
+#   RULES=boxes ...: the rules of `mla tune --rules boxes` (default batch, as mla tune)
 set -euo pipefail
 R=${R:-docs/results}
 PY=${PY:-python}
@@ -23,7 +23,7 @@ for held in $GRIDS; do
   for g in $GRIDS $ALWAYS; do [ "$g" = "$held" ] || from="$from --from $R/$g.json"; done
   cp mlacore/default_policy.toml "$tmp/policy.toml"
   rc=0
-  $PY -m mlacore tune --rules "${RULES:-boxes}" $from --write "$tmp/policy.toml" --validate-from "$R/$held.json" $ARMS \
+  $PY -m mlacore tune --rules "${RULES:-batch}" $from --write "$tmp/policy.toml" --validate-from "$R/$held.json" $ARMS \
     > "$tmp/out.txt" 2>&1 || rc=$?
   line=$(grep "^validation" "$tmp/out.txt" | sed 's/; recorded.*//' || true)
   if [ "$rc" != 0 ] || [ -z "$line" ]; then

@@ -129,8 +129,8 @@ fallback = "error"   # keep this
 variant = "fa3"
 """
     report = synthetic_report()
-    text1, cells = tune(report, tmp_path / "mla.toml", base)
-    text2, _ = tune(report, tmp_path / "mla.toml", base)
+    text1, cells = tune(report, tmp_path / "mla.toml", base, "boxes")
+    text2, _ = tune(report, tmp_path / "mla.toml", base, "boxes")
     assert text1 == text2
     assert "# my policy" in text1 and "# keep this" in text1 and 'variant = "fa3"' in text1
     pol = parse_policy_text(text1)
@@ -184,7 +184,7 @@ def test_cli_tune_end_to_end_on_cpu(plugin_site, tmp_path):
     env = subprocess_env(plugin_site)
     proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--grid", str(grid), "--backend", "reference",
                            "--backend", "chunked_reference", "--write", str(pol), "-o", str(out_json),
-                           "--budget", "0.05", "--no-progress", "--device", "cpu"],
+                           "--budget", "0.05", "--no-progress", "--device", "cpu", "--rules", "boxes"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     within = re.search(r"routed within ([0-9.]+)% of the fastest", proc.stdout)
@@ -194,8 +194,8 @@ def test_cli_tune_end_to_end_on_cpu(plugin_site, tmp_path):
     # same measurements in, same file out
     pol2 = tmp_path / "again.toml"
     pol2.write_text('[mla]\norder = ["reference"]\n[backend.reference.options]\nchunk_tokens = 4096\n')
-    proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--from", str(out_json), "--write", str(pol2)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "mlacore", "tune", "--from", str(out_json), "--write", str(pol2),
+                           "--rules", "boxes"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert pol2.read_text() == text
 
@@ -215,7 +215,7 @@ def test_tune_routes_variants_of_one_backend_with_rule_options(tmp_path):
     picks = routes(order, rules, report)
     assert picks == winners(report)
     assert any(r.get("options") == {"variant": "a"} for r in rules["X"])
-    text, _ = tune(report, tmp_path / "p.toml", '[mla]\norder = ["reference"]\n')
+    text, _ = tune(report, tmp_path / "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
     pol = parse_policy_text(text)
     from typing import Literal
 
@@ -276,7 +276,7 @@ def test_boundaries_sit_at_geometric_midpoints():
     # fa2 wins batch 1 only (every length), fa3 from 16 up: B=8 lies past the midpoint (4), so fa3
     report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if b == 1 else
                           (2.0 if arm == "fa2" else 1.0))
-    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
     rules = parse_policy_text(text).backend["X"].allow
     fa2 = [r for r in rules if r.options == {"variant": "fa2"}]
     assert len(fa2) == 1 and fa2[0].max_batch == 4 and fa2[0].min_batch is None
@@ -291,7 +291,7 @@ def test_rules_reach_past_the_grid_only_along_their_own_measured_edge():
     # batch edges it cannot (16 is not an edge)
     report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if (b == 16 and n == 1024) else
                           (2.0 if arm == "fa2" else 1.0))
-    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
     fa2 = [r for r in parse_policy_text(text).backend["X"].allow if r.options == {"variant": "fa2"}]
     assert len(fa2) == 1
     rule = fa2[0]
@@ -304,14 +304,14 @@ def test_rules_reach_past_the_grid_only_along_their_own_measured_edge():
     # fa2 wins the largest batch at every length: the rule reaches past batch 128 (a measured trend)
     report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if b == 128 else
                           (2.0 if arm == "fa2" else 1.0))
-    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
     fa2 = [r for r in parse_policy_text(text).backend["X"].allow if r.options == {"variant": "fa2"}]
     assert fa2[0].max_batch is None and fa2[0].min_batch == 46
     assert _route(text, _problem(512, 1024)) == "X:variant=fa2"
     # fa2 wins only the largest batch at the short length: past batch 128 it reaches at short lengths only
     report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if (b == 128 and n == 1024) else
                           (2.0 if arm == "fa2" else 1.0))
-    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
     assert _route(text, _problem(512, 1024)) == "X:variant=fa2"
     assert _route(text, _problem(512, 16384)) == "X:variant=fa3"
 
@@ -319,7 +319,7 @@ def test_rules_reach_past_the_grid_only_along_their_own_measured_edge():
 def test_rules_keep_the_head_counts_they_were_measured_on():
     report = _grid_report(lambda arm, h, b, n: (1.0 if arm == "fa2" else 2.0) if b == 1 else
                           (2.0 if arm == "fa2" else 1.0), heads=(16, 128))
-    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    text, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
     fa2 = [r for r in parse_policy_text(text).backend["X"].allow if r.options == {"variant": "fa2"}]
     assert len(fa2) == 1 and set(fa2[0].num_heads) == {16, 128}
     assert _route(text, _problem(1, 4096, h=64)) == "X:variant=fa3"  # H=64 was not measured: the default
@@ -339,7 +339,7 @@ def test_validate_reports_mean_and_worst_regret_on_a_second_grid():
     from mlacore.tools.tune import record_validation, validate
 
     tune_report = _grid_report(_fa_times)
-    text, _ = tune(tune_report, "p.toml", '[mla]\norder = ["reference"]\n')
+    text, _ = tune(tune_report, "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
     val = _grid_report(_fa_times, batches=(2, 4, 8, 32, 256), lens=(2048, 4096, 8192), name="off-grid")
     result = validate(parse_policy_text(text), val)
     assert len(result.cells) == 15 and not result.failures
@@ -550,7 +550,7 @@ def test_rules_route_every_cell_to_its_winner_on_random_reports_with_holes_ties_
         report = BenchReport(rows, CEIL, "rand", {"gpu": "T"}, "2026-01-01")
         if not winners(report):
             continue
-        text, cells = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+        text, cells = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
         assert all(w == routed for w, routed in cells.values()), seed
 
 
@@ -581,7 +581,8 @@ def test_refining_places_a_nonlinear_switch_where_it_is_measured():
         for _ in range(rounds):
             rep = BenchReport(rows, CEIL, "g", {"gpu": "G"}, "d")
             rows = rows + report_of(refine_problems(rep))
-        text, _ = tune(BenchReport(rows, CEIL, "g", {"gpu": "G"}, "d"), "p.toml", '[mla]\norder = ["reference"]\n')
+        text, _ = tune(BenchReport(rows, CEIL, "g", {"gpu": "G"}, "d"), "p.toml", '[mla]\norder = ["reference"]\n',
+                       "boxes")
         return validate(parse(text), dense).worst_regret
 
     assert worst_after(0) > 0.12  # the midpoint rule alone misplaces the switch (15% here)
@@ -606,7 +607,7 @@ def test_a_groups_unmeasured_space_goes_to_the_arm_that_wins_that_group():
                 rows.append(BenchRow("A", p, "ok", time_us=1.0 if a_wins else 2.0))
                 rows.append(BenchRow("X:variant=fa3", p, "ok", time_us=2.0 if a_wins else 1.0))
     report = BenchReport(rows, CEIL, "g", {"gpu": "G"}, "2026-12-01")
-    text, cells = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    text, cells = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
     assert all(w == routed for w, routed in cells.values())
     pol = parse_policy_text(text)
     assert pol.mla.order[:2] == ("X", "A")  # A wins most cells: the default, last
@@ -649,7 +650,7 @@ def test_an_arm_within_the_group_tie_everywhere_takes_the_whole_group():
     assert strict[(16, 1, "bf16", "bf16", 64, 1, 1024)] == "X:variant=fa2"
     assert {w for c, w in grouped.items() if c[0] == 16} == {"X:variant=fa3"}
     assert grouped[(128, 1, "bf16", "bf16", 64, 1, 1024)] == "X:variant=fa2"  # 2x: not a near-tie
-    text, cells = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    text, cells = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
     assert _route(text, _problem(1, 1024)) == "X:variant=fa3"
     assert _route(text, _problem(1, 1024, h=128)) == "X:variant=fa2"
     # the arm must be timed at every cell of the group: one it cannot take (skipped) disqualifies it
@@ -813,9 +814,10 @@ def test_tune_rules_batch_routes_by_one_batch_split_and_keeps_a_catch_all():
     assert _route(text, _problem(16, 16384)) == "X:variant=fa3"  # its 2% fa2 win gets no rule of its own
     assert _route(text, _problem(8, 1024, h=64)) == "X:variant=fa3"  # a head count nobody measured
     assert cells[(16, 1, "bf16", "bf16", 64, 16, 16384)] == ("X:variant=fa2", "X:variant=fa3")
-    # the boxes (default) route that cell to its winner instead
-    text_boxes, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n')
+    # the boxes route that cell to its winner instead; the default is the batch rules
+    text_boxes, _ = tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "boxes")
     assert _route(text_boxes, _problem(16, 16384)) == "X:variant=fa2"
+    assert tune(report, "p.toml", '[mla]\norder = ["reference"]\n')[0] == text
     with pytest.raises(Exception, match="rules: expected one of boxes, batch"):
         tune(report, "p.toml", '[mla]\norder = ["reference"]\n', "corners")
     assert batch_split([(16, 1, "bf16", "bf16", 64, b, n) for b in (1, 16, 128) for n in (1024, 16384)],
@@ -866,3 +868,17 @@ def test_rules_batch_survives_an_arm_failing_at_one_cell_of_each_side_and_the_cl
     choices = next(a.choices for a in cli.build_parser()._subparsers._group_actions[0].choices["tune"]._actions
                    if a.dest == "rules")
     assert tuple(choices) == RULE_MODES
+
+
+def test_routing_outside_every_allow_rule_follows_strict_allow():
+    """route_cells routes as the dispatcher does: a cell no allow rule admits goes to the first backend in order
+    (before the reference) kept off only by its allow rules, with its base options, unless mla.strict_allow;
+    deny rules still hold."""
+    text = ('[mla]\norder = ["X", "reference"]\n[backend.X.options]\nvariant = "fa3"\n'
+            '[[backend.X.allow]]\nnum_heads = [128]\noptions = { variant = "fa2" }\n')
+    assert _route(text, _problem(4, 4096, h=128)) == "X:variant=fa2"  # inside its rule: the rule's options
+    assert _route(text, _problem(4, 4096)) == "X:variant=fa3"  # outside: the base options
+    strict = text.replace('"reference"]\n', '"reference"]\nstrict_allow = true\n', 1)
+    assert _route(strict, _problem(4, 4096)) is None
+    denied = text + "[[backend.X.deny]]\nmax_batch = 8\n"
+    assert _route(denied, _problem(4, 4096)) is None and _route(denied, _problem(16, 4096)) == "X:variant=fa3"

@@ -779,7 +779,7 @@ def record_validation(text: str, summary: Dict[str, object], source: str = "<tun
 
 
 def tune(report: BenchReport, policy_path: Path, base_text: str,
-         rules_mode: str = "boxes") -> Tuple[str, Dict[tuple, Tuple[str, str]]]:
+         rules_mode: str = "batch") -> Tuple[str, Dict[tuple, Tuple[str, str]]]:
     """New policy text and, per cell, (winner, routed) for the report. rules_mode (RULE_MODES): "boxes" routes
     every measured cell to its winner (build_rules), "batch" each group by one batch split (build_batch_rules)."""
     import tomlkit
