@@ -4,8 +4,6 @@
              registers, no fp16 K tile), schedule for 2 CTAs per SM (--ctas to change)
     fp8reg_a2, fp8reg_a4
              the same kernel with 2 / 4 independent S accumulators per warp (s_accs)
-    fp8reg_a1l, fp8reg_a4l
-             s_accs 1 / 4 with lazy_rescale (O rescaled only when a row's max grows by > 2^8)
     mma      mla_cute_dsl's verified mma.sync kernel (api.mla_decode_sm90), 1 CTA per SM
     fa3      FlashInfer fa3 through mlacore.MLADecoder (dispatcher forced to
              flashinfer_mla, variant fa3)
@@ -72,9 +70,7 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H, ctas, partial_dty
     if name.startswith("fp8reg"):
         from mla_cute_dsl.kernels.sm90_decode_fp8 import mla_decode_sm90_fp8
 
-        lazy = name.endswith("l")  # fp8reg_a4l: s_accs 4 with lazy_rescale (experimental)
-        accs = name[len("fp8reg_a"):].rstrip("l") if "_a" in name else "1"
-        fn = functools.partial(mla_decode_sm90_fp8, s_accs=int(accs), lazy_rescale=lazy)
+        fn = functools.partial(mla_decode_sm90_fp8, s_accs=int(name[len("fp8reg_a"):]) if "_a" in name else 1)
     else:
         from mla_cute_dsl.kernels import mla_decode_sm90 as fn
         ctas = 1

@@ -54,11 +54,6 @@ def specs():
             # option s_accs=auto: 4 S accumulators at 16 rows (backend.fp8reg_s_accs)
             out.append((f"fp8reg {q} 16 {partial} s_accs=4",
                         lambda q=q, p=partial: get_partial_kernel_fp8(q, 16, partial=p, s_accs=4)))
-            if q == "bf16":  # lazy_rescale (experimental): test_fp8reg_gpu.py's variants and fp8_h16_speed.py's a1l/a4l
-                for bm, accs in ((16, 4), (16, 1), (32, 1)):
-                    out.append((f"fp8reg {q} {bm} {partial} s_accs={accs} lazy",
-                                lambda q=q, bm=bm, p=partial, a=accs:
-                                get_partial_kernel_fp8(q, bm, partial=p, s_accs=a, lazy_rescale=True)))
         if q == "bf16":  # partials_ab_gpu.sh's other arms: partials=q with narrow stores, fp32 with wide ones
             for partial, wide in ((q, False), ("fp32", True)):
                 for bm in (16, 32):

@@ -249,29 +249,3 @@ def test_fp8reg_host_checks_refuse_other_inputs():
         mla_decode_sm90_fp8(q64, torch.zeros(2, 64, 576, dtype=torch.float8_e4m3fn), pt, lens, 0.1, 1.0,
                             torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16), torch.zeros(1, 1, 64),
                             sched64, None)
-
-
-@pytest.mark.parametrize("bm,s_accs", [(16, 4), (32, 1)])
-def test_lazy_rescale_compiles_with_the_same_mmas_and_a_branch_around_the_rescale(bm, s_accs, tmp_path):
-    """lazy_rescale (experimental): the same MMAs, conversions and loads as the default kernel, no spills, and the O
-    rescale behind a branch (a setp on the max growth against LAZY_RESCALE_LOG2); its cache key adds one tag and the
-    builder reads it back, the default key is unchanged."""
-    from mla_cute_dsl.kernels import api
-    from mla_cute_dsl.kernels.sm90_decode_fp8 import LAZY_TAG, MLADecodePartialFP8Reg, lazy_spec
-
-    assert lazy_spec(False) == () and lazy_spec(True) == (LAZY_TAG,)
-    k = MLADecodePartialFP8Reg(cutlass.BFloat16, cutlass.Float8E4M3FN, bm, s_accs=s_accs, lazy_rescale=True)
-    cute.compile(k, *api._fake_args_partial("bf16", "fp8_e4m3"),
-                 options=api.COMPILE_OPTIONS + f" --keep-ptx --keep-cubin --dump-dir={tmp_path}")
-    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
-    cubin = b"".join(p.read_bytes() for p in tmp_path.glob("*.cubin"))
-    attrs = _nv_info_attrs(cubin)
-    regs = max(v for a, v in attrs if a == 0x2F)
-    frame = max((v for a, v in attrs if a == 0x11), default=0)
-    print(f"fp8reg lazy BLOCK_M={bm} s_accs={s_accs}: {regs} registers, frame {frame} B")
-    assert regs <= 255 and frame == 0, (regs, frame)
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    m_atoms = bm // 16
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx)) == 136 * m_atoms
-    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == 272
-    assert "0f41000000" in ptx  # 8.0f, LAZY_RESCALE_LOG2, compared against the max growth

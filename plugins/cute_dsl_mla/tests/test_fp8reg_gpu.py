@@ -32,7 +32,7 @@ def _is_sm90():
 needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an SM90 GPU")
 
 
-def run_fp8(case, out, lse, sched=None, ws=None, ctas_per_sm=2, s_accs=1, lazy=False):
+def run_fp8(case, out, lse, sched=None, ws=None, ctas_per_sm=2, s_accs=1):
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
     from mla_cute_dsl.kernels.sm90_decode_fp8 import mla_decode_sm90_fp8
 
@@ -45,7 +45,7 @@ def run_fp8(case, out, lse, sched=None, ws=None, ctas_per_sm=2, s_accs=1, lazy=F
         ws[0].fill_(float("nan"))  # a partial row the kernel fails to write must not pass as old memory
         ws[1].fill_(float("nan"))
     mla_decode_sm90_fp8(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"],
-                        case["kv_scale"], out, lse, sched, ws, s_accs=s_accs, lazy_rescale=lazy)
+                        case["kv_scale"], out, lse, sched, ws, s_accs=s_accs)
     return sched, ws
 
 
@@ -77,18 +77,13 @@ CASES = [
 ]
 
 
-# (s_accs, lazy_rescale): 4 independent S accumulators are the backend's default at 16 rows; lazy_rescale is the
-# experimental rescale-on-growth (MLADecodePartialFP8Reg(lazy_rescale=True))
-VARIANTS = [(1, False), (4, False), (4, True), (1, True)]
-
-
 @needs_sm90
-@pytest.mark.parametrize("s_accs,lazy", VARIANTS)
+@pytest.mark.parametrize("s_accs", [1, 4])  # 4 independent S accumulators: the backend's default at 16 rows
 @pytest.mark.parametrize("B,s_q,S,H,varlen,page", CASES)
-def test_fp8reg_against_fp64_reference(B, s_q, S, H, varlen, page, s_accs, lazy):
+def test_fp8reg_against_fp64_reference(B, s_q, S, H, varlen, page, s_accs):
     case = make_case(B, s_q, H, S, FP8, varlen, seed=random.randrange(1 << 30), page=page)
     out, lse = _bufs(B, s_q, H)
-    run_fp8(case, out, lse, s_accs=s_accs, lazy=lazy)
+    run_fp8(case, out, lse, s_accs=s_accs)
     torch.cuda.synchronize()
     check(case, out, lse)
 
@@ -114,12 +109,12 @@ def test_fp8reg_fp16_q():
 
 
 @needs_sm90
-@pytest.mark.parametrize("s_accs,lazy", VARIANTS)
+@pytest.mark.parametrize("s_accs", [1, 4])
 @pytest.mark.parametrize("B,s_q,H,S", [(1, 1, 16, 4096), (2, 2, 16, 1000), (6, 4, 3, 140)])
-def test_fp8reg_large_magnitude_q(B, s_q, H, S, s_accs, lazy):
+def test_fp8reg_large_magnitude_q(B, s_q, H, S, s_accs):
     case = make_case(B, s_q, H, S, FP8, varlen=False, q_std=100.0, seed=random.randrange(1 << 30))
     out, lse = _bufs(B, s_q, H)
-    run_fp8(case, out, lse, s_accs=s_accs, lazy=lazy)
+    run_fp8(case, out, lse, s_accs=s_accs)
     torch.cuda.synchronize()
     check(case, out, lse, tol=2e-2)
 
@@ -144,19 +139,18 @@ def test_fp8reg_matches_verified_kernel(s_q):
 
 
 @needs_sm90
-@pytest.mark.parametrize("lazy", [False, True])
-def test_fp8reg_graph_replay_equals_eager(lazy):
+def test_fp8reg_graph_replay_equals_eager():
     B, s_q, H, S = 6, 2, 16, 1000
     case = make_case(B, s_q, H, S, FP8, varlen=True, seed=random.randrange(1 << 30))
     out, lse = _bufs(B, s_q, H)
-    sched, ws = run_fp8(case, out, lse, lazy=lazy)  # warm up (compile) outside capture
+    sched, ws = run_fp8(case, out, lse)  # warm up (compile) outside capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         with torch.cuda.graph(g):
-            run_fp8(case, out, lse, sched, ws, lazy=lazy)
+            run_fp8(case, out, lse, sched, ws)
     torch.cuda.current_stream().wait_stream(s)
     case["q"].copy_(torch.randn_like(case["q"], dtype=torch.float32).to(torch.bfloat16))
     out.fill_(float("nan"))
@@ -166,7 +160,7 @@ def test_fp8reg_graph_replay_equals_eager(lazy):
     o_graph, l_graph = out.clone(), lse.clone()
     check(case, o_graph, l_graph)
     out.fill_(float("nan"))
-    run_fp8(case, out, lse, sched, ws, lazy=lazy)
+    run_fp8(case, out, lse, sched, ws)
     torch.cuda.synchronize()
     assert torch.equal(o_graph, out)
     assert torch.equal(l_graph, lse)

@@ -108,8 +108,7 @@ class MLADecodePartialFP8Reg:
 
     DEFAULT_LAYOUT = {16: (1, 1), 32: (1, 2)}
 
-    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, stages: int = 2, s_accs: int = 1,
-                 lazy_rescale: bool = False):
+    def __init__(self, q_dtype, kv_dtype, block_m: int, layout=None, stages: int = 2, s_accs: int = 1):
         if kv_dtype is not cutlass.Float8E4M3FN:
             raise NotImplementedError("MLADecodePartialFP8Reg needs an fp8-e4m3 KV cache")
         if block_m not in (16, 32):
@@ -129,11 +128,6 @@ class MLADecodePartialFP8Reg:
         if s_accs not in (1, 2, 4):
             raise ValueError(f"s_accs must be 1, 2 or 4, got {s_accs}")
         self.s_accs = s_accs
-        # lazy_rescale (experimental): keep a row's reference max until the running max exceeds it by more than
-        # LAZY_RESCALE_LOG2 (in exp2 units), so O (16 x 128 fp32 per warp) and the row sum are rescaled only then,
-        # not at every tile; P stays <= 2^LAZY_RESCALE_LOG2 (exact in fp16) and the lse uses the reference max the
-        # sum was kept against, so the result is the same up to rounding
-        self.lazy_rescale = bool(lazy_rescale)
 
     def smem_bytes(self) -> int:
         parts = [
@@ -451,34 +445,17 @@ class MLADecodePartialFP8Reg:
                     )
                     m_prev = row_max[r]
                     m_new = cute.arch.fmax(m_prev, m_cur)
-                    if cutlass.const_expr(self.lazy_rescale):
-                        # the same in every warp and quad lane of the row (m_cur comes through sRed), so all warps
-                        # write P against one reference max. -inf - -inf = NaN compares false: no rescale yet
-                        grow_ref = (m_new - m_prev) * scale_log2 > LAZY_RESCALE_LOG2
-                        m_ref = m_new if grow_ref else m_prev
-                        m_use = 0.0 if m_ref == -cutlass.Float32.inf else m_ref
-                        p_row = cute.math.exp2(
-                            acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
-                        )
-                        if grow_ref:
-                            corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
-                            row_sum[r] = row_sum[r] * corr
-                            acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
-                            row_max[r] = m_ref
-                        row_sum[r] = row_sum[r] + p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
-                        acc_S_mn[r, None] = p_row
-                    else:
-                        m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
-                        p_row = cute.math.exp2(
-                            acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
-                        )
-                        corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
-                        row_sum[r] = row_sum[r] * corr + p_row.reduce(
-                            cute.ReductionOp.ADD, cutlass.Float32.zero, 0
-                        )
-                        row_max[r] = m_new
-                        acc_S_mn[r, None] = p_row
-                        acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+                    m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
+                    p_row = cute.math.exp2(
+                        acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
+                    )
+                    corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
+                    row_sum[r] = row_sum[r] * corr + p_row.reduce(
+                        cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+                    )
+                    row_max[r] = m_new
+                    acc_S_mn[r, None] = p_row
+                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
                 rP = cute.make_fragment_like(acc_S, mt)
                 rP.store(acc_S.load().to(mt))
                 cute.copy(r2s_P, thr_r2s_P.retile(rP), tPsP)
@@ -562,14 +539,6 @@ class MLADecodePartialFP8Reg:
 
 
 S_ACCS_TAG = "s_accs"
-#: MLADecodePartialFP8Reg(lazy_rescale=True): rescale a row only when its max grows by more than this (exp2 units)
-LAZY_RESCALE_LOG2 = 8.0
-LAZY_TAG = "lazyresc"
-
-
-def lazy_spec(lazy_rescale: bool) -> tuple:
-    """Kernel-cache key suffix for lazy_rescale: () when off (keys unchanged), ("lazyresc",) when on."""
-    return (LAZY_TAG,) if lazy_rescale else ()
 
 
 def s_accs_spec(s_accs: int) -> tuple:
@@ -588,12 +557,12 @@ def _build_partial_fp8(q_name: str, kv_name: str, block_m: int, layout, stages: 
     from . import api
 
     k = MLADecodePartialFP8Reg(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
-                               layout, stages, s_accs=s_accs_from_tags(tags), lazy_rescale=LAZY_TAG in tags)
+                               layout, stages, s_accs=s_accs_from_tags(tags))
     return api.compile_partial(k, q_name, kv_name, tags)
 
 
 def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int = 2, partial: str = "fp32",
-                           s_accs: int = 1, lazy_rescale: bool = False):
+                           s_accs: int = 1):
     """Compiled fp8-register partial kernel for (q dtype, BLOCK_M); KV fp8-e4m3.
 
     Same kernel cache as api.get_partial_kernel (memory, disk, else compile),
@@ -604,13 +573,12 @@ def get_partial_kernel_fp8(q_name: str, block_m: int, layout=None, stages: int =
     if layout is not None:
         layout = tuple(layout)
     return kernel_cache.get_or_build("partial_fp8reg", (q_name, "fp8_e4m3", block_m, layout, stages)
-                                     + api.partial_spec(partial) + s_accs_spec(s_accs) + lazy_spec(lazy_rescale),
-                                     _build_partial_fp8)
+                                     + api.partial_spec(partial) + s_accs_spec(s_accs), _build_partial_fp8)
 
 
 def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                         out, lse, schedule, workspace, *, check: bool = True, layout=None,
-                        stages: int = 2, s_accs: int = 1, lazy_rescale: bool = False):
+                        stages: int = 2, s_accs: int = 1):
     """``api.mla_decode_sm90`` with this partial kernel (same arguments and contract).
 
     Needs an fp8-e4m3 KV cache and s_q * H <= 32 (BLOCK_M 16 / 32).  Meant to run
@@ -628,6 +596,6 @@ def mla_decode_sm90_fp8(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_sc
         if schedule.block_m not in (16, 32):
             raise ValueError(f"fp8 variant: s_q * H must be <= 32, got {schedule.rows}")
     partial = get_partial_kernel_fp8(api._TORCH_TO_NAME[q.dtype], schedule.block_m, layout, stages,
-                                     partial=api.partial_name(workspace), s_accs=s_accs, lazy_rescale=lazy_rescale)
+                                     partial=api.partial_name(workspace), s_accs=s_accs)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
