@@ -6,7 +6,8 @@ number of held-out cells more than 5% slow than their fastest arm.
 
 Rows:
 
-* `committed tuner`: `mla tune` as committed (rules written, then routed by the dispatcher's own code).
+* `committed tuner`: `mla tune --rules boxes` as committed (rules written, then routed by the dispatcher's own
+  code); the batch rules, `mla tune`'s default since the fourteenth session, are the `batch split` row.
 * bounds that look at the held-out times (no strategy can use them; they say what is reachable):
   - `single arm/group, hindsight`: per (heads, s_q, dtypes, page size) group the one arm with the smallest
     worst regret over the held-out cells of that group;
@@ -210,7 +211,7 @@ def committed_tuner(reports: dict, held_name: str) -> Regrets:
     names = [g for g in GRIDS if g != held_name]
     joined = T.join_reports([reports[g] for g in names], names)
     base = pathlib.Path("mlacore/default_policy.toml").read_text()
-    text, _ = T.tune(joined, pathlib.Path("policy.toml"), base)
+    text, _ = T.tune(joined, pathlib.Path("policy.toml"), base, "boxes")
     v = T.validate(parse_policy(tomllib.loads(text)), reports[held_name])
     return sorted(((c.regret if c.regret is not None else math.inf, T._cell(c.problem)[:5],
                     (c.problem.batch_size, c.problem.max_kv_len)) for c in v.cells), reverse=True)

@@ -224,7 +224,9 @@ class Dispatcher:
         head count no measured grid had, which FlashInfer refuses) would run on the slow reference."""
         for i, verdict in enumerate(verdicts):
             if verdict.backend == REFERENCE:
-                break  # backends after the reference in order never run while it can
+                if verdict.accepts:
+                    break  # backends after the reference in order never run while it can
+                continue
             if verdict.outcome is not Outcome.POLICY:
                 continue
             bpol = self.policy.backend_policy(verdict.backend)

@@ -117,6 +117,39 @@ def test_outside_allow_rules_nothing_after_the_reference_and_strict_allow():
         make({"a": Picky()}, '[mla]\norder = ["a"]\nstrict_allow = "yes"\n')
 
 
+def test_outside_allow_passes_over_a_rule_that_matched_and_a_denied_reference():
+    """Only a backend judged 'policy' for its allow rules alone is taken: X's rule matches but its options cannot
+    take the shape (can_implement), so Y is chosen; a reference the policy denies does not end the search."""
+    from mlacore import hookimpl
+
+    class Opts(BackendOptions):
+        variant: Literal["fa2", "fa3"] = "fa3"
+
+    class ByVariant(Picky):
+        @hookimpl
+        def can_implement(self, shape, options):
+            return ["fa2 refuses"] if options.variant == "fa2" else []
+
+    text = """
+[mla]
+order = ["X", "Y", "reference"]
+[backend.X.options]
+variant = "fa3"
+[[backend.X.allow]]
+num_heads = [16]
+options = { variant = "fa2" }
+[[backend.Y.allow]]
+num_heads = [128]
+"""
+    dec = make({"X": ByVariant(options_model=Opts), "Y": Picky()}, text).select(P)
+    assert dec.backend == "Y" and dec.verdict("X").outcome == "cannot implement"
+    later = text.replace('order = ["X", "Y", "reference"]', 'order = ["X", "reference", "Y"]\nfallback = "error"')
+    assert make({"X": ByVariant(options_model=Opts), "Y": Picky()}, later).select(P).backend == "reference"
+    denied = later + "[[backend.reference.deny]]\nnum_heads = [16]\n"
+    dec = make({"X": ByVariant(options_model=Opts), "Y": Picky()}, denied).select(P)
+    assert dec.backend == "Y" and dec.verdict("reference").outcome == "policy"
+
+
 def test_fallback_reference_and_error():
     refuse = Picky(refuse=lambda p: True)
     d = make({"a": refuse}, '[mla]\norder = ["a"]\nfallback = "reference"')

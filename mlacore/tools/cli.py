@@ -680,9 +680,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
             continue
         fastest = min(ok, key=lambda n: (ok[n], n))
         routed = cells[key][1]
+        # --rules batch may route a cell to an arm that failed or was wrong there (its one split holds the group's
+        # other cells); such a cell has no regret, only the arm's status
+        missed = routed not in ok
         tuned_rows.append({"cell": desc, "fastest": fastest, "fastest_us": ok[fastest], "routed": routed,
-                           "regret": ok[routed] / ok[fastest] - 1.0})
+                           "regret": None if missed else ok[routed] / ok[fastest] - 1.0,
+                           "routed_status": (rows[routed].status if routed in rows else "not measured")
+                           if missed else "ok"})
     worst = max([r["regret"] for r in tuned_rows if r["regret"] is not None], default=0.0)
+    missed_cells = sum(1 for r in tuned_rows if r["fastest"] is not None and r["regret"] is None)
     try:
         write_atomically(path, text)
     except OSError as err:
@@ -694,11 +700,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
         for r in tuned_rows:
             if r["fastest"] is None:
                 table.add(r["cell"], "-", "-", "no correct backend")
+            elif r["regret"] is None:
+                table.add(r["cell"], f"{r['fastest']} {r['fastest_us']:.1f} us", r["routed"] or "-",
+                          f"routed arm {r['routed_status']}")
             else:
                 table.add(r["cell"], f"{r['fastest']} {r['fastest_us']:.1f} us", r["routed"],
                           f"{100 * r['regret']:.1f}%")
         table.render()
-        _say(f"wrote {path}: {len(cells)} cells, every one routed within {100 * worst:.1f}% of the fastest")
+        if missed_cells:
+            _say(f"wrote {path}: {len(cells)} cells, {missed_cells} routed to an arm with no correct time there "
+                 f"(table), the others within {100 * worst:.1f}% of the fastest")
+        else:
+            _say(f"wrote {path}: {len(cells)} cells, every one routed within {100 * worst:.1f}% of the fastest")
 
     if args.validate or args.validate_from:
         # a separate pass, after the rules are written: the policy as written, on a second grid
@@ -838,7 +851,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_args(p)
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("tune", help="measure a grid and write allow rules that route each cell to its winner")
+    p = sub.add_parser("tune", help="measure a grid and write allow rules that route its cells to the faster arms")
     bench_args(p)
     p.add_argument("--write", required=True, metavar="FILE",
                    help="policy file to write or merge into (atomically; keeps its mode and symlink)")

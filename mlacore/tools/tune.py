@@ -1,7 +1,10 @@
-"""`mla tune`: from measurements to allow rules that route each cell to its winner.
+"""`mla tune`: from measurements to allow rules.
 
-Rules are built so that the real dispatcher, reading the written policy,
-picks the fastest correct backend measured for every cell of the grid:
+Two rule writers (RULE_MODES). "batch" (the default, build_batch_rules): per
+(heads, s_q, dtypes, page size) group one arm, or two split at one batch, with
+the smallest worst regret over the group's measured cells. "boxes"
+(build_rules): rules built so that the real dispatcher, reading the written
+policy, picks the fastest correct backend measured for every cell of the grid:
 
 * the backend that wins most cells goes last among the winners and gets no
   allow rule (it is the default for head counts, s_q, dtypes and page sizes
@@ -40,7 +43,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .bench import OK, SKIPPED, BackendSpec, BenchReport
 from ..policy import parse_policy, parse_policy_text
@@ -635,13 +638,18 @@ def route_cells(order: Sequence[str], policy, report: BenchReport,
             if chosen is not None:
                 picks[cell] = chosen
                 break
-        if picks[cell] is None and not policy.mla.strict_allow:
-            # as Dispatcher._outside_allow: the first kernel before the reference kept off only by its allow rules
+        picked = picks[cell]
+        if not policy.mla.strict_allow and (picked is None or arms[picked][0] == "reference"):
+            # as Dispatcher._outside_allow: the first backend before the reference (unless the reference is denied
+            # here) that only its allow rules kept off, with its base options
             for name in order:
+                denied = any(not rule.mismatches(r.problem) for rule in deny.get(name, ()))
                 if name == "reference":
+                    if denied:
+                        continue
                     break
                 bp = policy.backend_policy(name)
-                if any(not rule.mismatches(r.problem) for rule in deny.get(name, ())):
+                if denied or not (bp.allow and bp.allow_misses(r.problem)):
                     continue
                 label = _label_for(name, dict(bp.options), arms)
                 if label is not None and stat.get((cell, label)) not in (SKIPPED, None):
@@ -653,12 +661,18 @@ def route_cells(order: Sequence[str], policy, report: BenchReport,
 def routes(order: Sequence[str], rules: Dict[str, List[dict]], report: BenchReport,
            base_policy_text: Optional[str] = None) -> Dict[tuple, Optional[str]]:
     """The arm the rules `build_rules` made pick per cell (with the deny rules of the base policy)."""
-    data = {"mla": {"order": list(order)},
-            "backend": {n: {"allow": rs} for n, rs in rules.items()}}
-    policy = parse_policy(data, "<tune>")
+    data: Dict[str, Any] = {"mla": {"order": list(order)},
+                            "backend": {n: {"allow": rs} for n, rs in rules.items()}}
     deny: Dict[str, tuple] = {}
     if base_policy_text is not None:
-        deny = {n: bp.deny for n, bp in parse_policy_text(base_policy_text).backend.items()}
+        # what the written file keeps from its base: deny rules, strict_allow and each backend's own options
+        base = parse_policy_text(base_policy_text)
+        deny = {n: bp.deny for n, bp in base.backend.items()}
+        data["mla"]["strict_allow"] = base.mla.strict_allow
+        for n, bp in base.backend.items():
+            if bp.options:
+                data["backend"].setdefault(n, {})["options"] = dict(bp.options)
+    policy = parse_policy(data, "<tune>")
     return route_cells(order, policy, report, deny)
 
 
