@@ -26,7 +26,7 @@ Epilogue of a pair item (run_item, slot < -1), per CTA, after the usual row-sum 
 4. barrier.cluster.arrive (release) + wait again: no CTA exits or reuses its shared memory while the peer may
    still read it.
 
-Entry: MLADecodePartial.call_balanced_pair / kernel_balanced_pair (call_balanced's arguments plus split_info):
+Entry: MLADecodePartial.call_balanced_pair (call_balanced's arguments plus split_info; kernel_balanced_fused's body):
 before its column's items each CTA writes out = 0 / lse = -inf for the requests with no KV that fall to its column
 (fused_merge.fill_empty_requests), so a pair step runs no combine kernel (api.launch_pair; combine=True adds the
 combine kernel back, which then has nothing to merge, for A/B and for graphs replaying other forms). Items of other

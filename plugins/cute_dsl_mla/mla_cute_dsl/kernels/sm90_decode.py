@@ -387,49 +387,12 @@ class MLADecodePartial:
         cluster peer through DSMEM, and out = 0 / lse = -inf is written for the requests with no KV (split count 0),
         so that a schedule of form "pair" needs no combine kernel (api.launch_pair)."""
         assert self.balanced and self.pair, "call_balanced_pair needs MLADecodePartial(balanced=True, pair=True)"
-        self._launch(self.kernel_balanced_pair, mQ, cute.size(mRanges.shape[0]) - 1, (
-            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mRanges, mOp, mLSEp, mSplit,
+        # kernel_balanced_fused's body is the pair kernel's too (empty requests first, then the column's items; no
+        # PDL trigger): without fused, run_item never reads the arrival counters, so split_info stands in for them
+        self._launch(self.kernel_balanced_fused, mQ, cute.size(mRanges.shape[0]) - 1, (
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mRanges, mOp, mLSEp, mSplit, mSplit,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
         ), stream)
-
-    @cute.kernel
-    def kernel_balanced_pair(
-        self,
-        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
-        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mRanges: cute.Tensor,
-        mOp: cute.Tensor, mLSEp: cute.Tensor, mSplit: cute.Tensor,
-        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
-        s_q: cutlass.Int32, num_heads: cutlass.Int32,
-        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout, sKraw_layout: cute.Layout, sRed_layout: cute.Layout,
-        g2s: cute.TiledCopy, g2s_raw: cute.TiledCopy, g2r_q: cute.TiledCopy,
-        s2r_raw: cute.TiledCopy, r2s: cute.TiledCopy,
-        mma_s: cute.TiledMma, mma_o: cute.TiledMma,
-        SharedStorage: cutlass.Constexpr,
-    ):
-        """kernel_balanced for the pair kernel: first out = 0 / lse = -inf for the requests with no KV that fall to
-        this CTA column (fused_merge.fill_empty_requests: requests col, col + num_cols, ...), then the column's items
-        (run_item: a pair item ends in the cluster merge, pair_merge.py). The PDL trigger is left out: no combine
-        kernel depends on this one."""
-        tidx, _, _ = cute.arch.thread_idx()
-        m_block, col, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        warp_n = (tidx // 32) // self.m_warps  # atom layout (m_warps, NW_N, 1), column-major
-
-        fm.fill_empty_requests(mO, mLSE, mSplit, col, cute.size(mRanges.shape[0]) - 1, m_block, self.block_m,
-                               tidx, self.num_threads, self.q_dtype)
-        i_end = mRanges[col + 1]
-        for wi in cutlass.range(mRanges[col], i_end, 1):
-            b = mWork[wi, 0]
-            if b >= 0:
-                cute.arch.barrier()
-                self.run_item(
-                    mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
-                    scale_log2, scale_ln, v_scale, s_q, num_heads,
-                    sQ_layout, sK_layout, sP_layout, sKraw_layout, sRed_layout,
-                    g2s, g2s_raw, g2r_q, s2r_raw, r2s, mma_s, mma_o, SharedStorage,
-                    m_block, wi, b, tidx, lane, warp_n, mSplit, mSplit,
-                )
 
     @cute.jit
     def load_tile(
@@ -541,7 +504,8 @@ class MLADecodePartial:
     ):
         """kernel_balanced with the fused merge (fused_merge.py): first out = 0 / lse = -inf for the requests with
         no KV that fall to this CTA column (they have no work item), then the column's items, each split item
-        ending with its arrival and, in the request's last CTA, the merge (run_item)."""
+        ending with its arrival and, in the request's last CTA, the merge (run_item). Also the cluster pair kernel's
+        body (call_balanced_pair: a pair item ends in the DSMEM merge instead, pair_merge.py)."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, col, _ = cute.arch.block_idx()
         lane = tidx % 32
