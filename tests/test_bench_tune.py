@@ -53,6 +53,50 @@ def test_bench_row_arithmetic_and_wrong_answer_guard(with_plugins):
     assert ref.speedup_vs_best_other == pytest.approx(chunked.time_us / ref.time_us)
 
 
+def test_interleaved_timing_rotates_the_order_and_keeps_each_fns_time():
+    """time_calls_interleaved: every round times a block of each fn, the first fn of a round rotates, and each
+    median is that fn's own time (a slow fn does not leak into a fast one's samples)."""
+    import time as _time
+
+    from mlacore.tools.bench import time_calls_interleaved
+
+    log = []
+
+    def slow():
+        log.append("s")
+        _time.sleep(0.004)
+
+    def fast():
+        log.append("f")
+        _time.sleep(0.0005)
+
+    (t_slow, how_slow), (t_fast, how_fast) = time_calls_interleaved([slow, fast], 1, "cpu", [False, False],
+                                                                    budget_s=0.02, min_repeats=8, rounds=4)
+    assert t_slow > 3000 and t_fast < 2000 and t_slow / t_fast > 3
+    assert "interleaved in 4 rounds" in how_slow and "interleaved in 4 rounds" in how_fast
+    assert "".join(log[:6]) == "ssffsf"  # 2 warm-up calls each, then 1 sizing call each
+    timed = "".join(log[6:])
+    k = timed.count("f") // 4  # fast's calls per round (from its measured time); slow's: ceil(8 / 4) = 2
+    assert k >= 2 and timed.count("f") == 4 * k and timed.count("s") == 8
+    # rounds s f | f s | s f | f s: round r starts with fn r % 2, each fn one block per round
+    assert timed == "ss" + "f" * k + "f" * k + "ss" + "ss" + "f" * k + "f" * k + "ss"
+
+
+def test_bench_cell_times_interleaved_unless_sequential(with_plugins):
+    from mlacore import BackendRegistry
+
+    reg = BackendRegistry(env={}).load()
+    p = DecodeProblem(num_heads=16, seq_len_q=1, batch_size=1, max_kv_len=32, min_kv_len=32, page_size=16,
+                      device=CPU)
+    specs = [BackendSpec("reference"), BackendSpec("chunked_reference", (("chunk_tokens", 16),))]
+    inter = bench_cell(p, specs, "cpu", False, CEIL, registry=reg, budget_s=0.01)
+    seq = bench_cell(p, specs, "cpu", False, CEIL, registry=reg, budget_s=0.01, sequential=True)
+    assert [r.status for r in inter] == ["ok", "ok"] and [r.status for r in seq] == ["ok", "ok"]
+    assert all("interleaved" in r.timing for r in inter)
+    assert not any("interleaved" in r.timing for r in seq)
+    assert all(r.time_us > 0 and r.gbps > 0 for r in inter + seq)
+
+
 def test_bench_skips_what_a_backend_cannot_take(with_plugins):
     from mlacore import BackendRegistry
 

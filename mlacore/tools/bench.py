@@ -7,6 +7,18 @@ uses CUDA events and, optionally, CUDA-graph replay; every timed call
 rotates over several input sets whose caches together exceed the L2, so the
 numbers are HBM numbers. Ceilings (a large device copy, a large matmul) are
 measured in the same run and every row reports its share of them.
+
+The backends of a cell are timed interleaved: in rounds, each round timing a
+share of every backend's calls, the order rotating from round to round, so that
+a drift of the device's speed during the cell (clock, temperature) falls on
+every backend alike instead of on whichever a command line names last. On the
+H200 the same compute-bound kernel (B=128 H=128 bf16) measured 299.5 and 326.2
+us in two processes a minute apart; in four `mla bench` runs of heavy cells,
+sequential and interleaved with the backends in either order
+(docs/results/gpu15_session/order_*), the H=16 cells and the H=128 fp8 cell
+moved by at most 2.2% and the H=128 bf16 cell by up to 10%, in both modes alike:
+interleaving is a fairness measure, not a measured correction. ``sequential=True`` (``mla bench
+--sequential``) keeps the old order.
 """
 
 from __future__ import annotations
@@ -141,6 +153,70 @@ def _median_cpu(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def _prepare_target(fn: Callable[[], None], device: str, graph: bool) -> Tuple[Callable[[], None], str]:
+    """Warm fn up (compilation, allocator, plan caches) and, on a GPU with graph, capture it: (what to time, how)."""
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    fn()
+    sync()
+    if cuda and graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        sync()
+        return g.replay, "cuda graph replay, cuda events"
+    return fn, ("eager, cuda events" if cuda else "perf_counter")
+
+
+def time_calls_interleaved(fns: Sequence[Callable[[], None]], calls_per_fn: int, device: str,
+                           graphs: Sequence[bool], budget_s: float = 0.3, min_repeats: int = 5,
+                           max_repeats: int = 200, rounds: int = 8) -> List[Tuple[float, str]]:
+    """Median microseconds of one call of each fn (each makes `calls_per_fn` calls), timed in `rounds` rounds: each
+    round times ceil(repeats / rounds) calls of every fn, the order rotated by one per round, so that a drift of the
+    device's speed over the run (clocks, temperature) falls on every fn alike. repeats per fn as time_calls picks
+    them (its budget_s, min_repeats, max_repeats); graphs[i]: capture fns[i] in a CUDA graph (GPU only)."""
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    prepared = [_prepare_target(fn, device, g) for fn, g in zip(fns, graphs)]
+    per_round = []
+    for target, _ in prepared:
+        t0 = time.perf_counter()
+        target()
+        sync()
+        one = max(time.perf_counter() - t0, 1e-6)
+        repeats = int(min(max_repeats, max(min_repeats, budget_s / one)))
+        per_round.append(max(1, math.ceil(repeats / rounds)))
+    samples: List[List[float]] = [[] for _ in prepared]
+    n = len(prepared)
+    for r in range(rounds):
+        for i in [(r + k) % n for k in range(n)]:
+            target = prepared[i][0]
+            if cuda:
+                starts = [torch.cuda.Event(enable_timing=True) for _ in range(per_round[i])]
+                ends = [torch.cuda.Event(enable_timing=True) for _ in range(per_round[i])]
+                for s_ev, e_ev in zip(starts, ends):
+                    s_ev.record()
+                    target()
+                    e_ev.record()
+                torch.cuda.synchronize()
+                samples[i].extend(s_ev.elapsed_time(e_ev) * 1e3 for s_ev, e_ev in zip(starts, ends))
+            else:
+                for _ in range(per_round[i]):
+                    t0 = time.perf_counter()
+                    target()
+                    samples[i].append((time.perf_counter() - t0) * 1e6)
+    return [(statistics.median(t) / calls_per_fn,
+             f"{how}, median of {len(t)} x {calls_per_fn} rotating input sets, interleaved in {rounds} rounds")
+            for t, (_, how) in zip(samples, prepared)]
+
+
 def time_calls(fn: Callable[[], None], calls_per_fn: int, device: str, graph: bool,
                budget_s: float = 0.3, min_repeats: int = 5, max_repeats: int = 200) -> Tuple[float, str]:
     """Median microseconds of one call; fn makes `calls_per_fn` calls (one per input set)."""
@@ -228,13 +304,17 @@ def input_sets(problem: DecodeProblem, device: str, seed: int, max_sets: int = 1
 
 
 def bench_cell(problem: DecodeProblem, specs: Sequence[BackendSpec], device: str, graph: bool,
-               ceilings: Ceilings, seed: int = 0, registry=None, budget_s: float = 0.3) -> List[BenchRow]:
+               ceilings: Ceilings, seed: int = 0, registry=None, budget_s: float = 0.3,
+               sequential: bool = False) -> List[BenchRow]:
+    """One cell: each backend checked against the fp64 reference, then the correct ones timed together,
+    interleaved (time_calls_interleaved), or one after the other with ``sequential``."""
     sets = input_sets(problem, device, seed)
     first = sets[0]
     lens = first.kv_lens.cpu().tolist()
     n_bytes, n_flops = traffic(problem, lens)
     ref_out, ref_lse = reference_outputs(problem, first)
     rows: List[BenchRow] = []
+    timed: List[Tuple[BenchRow, MLADecoder, Callable[[], None], bool]] = []
     for spec in specs:
         row = BenchRow(spec.label, problem, SKIPPED)
         rows.append(row)
@@ -243,6 +323,7 @@ def bench_cell(problem: DecodeProblem, specs: Sequence[BackendSpec], device: str
         if decision.backend != spec.name:
             row.notes = "; ".join(decision.verdict(spec.name).reasons) or decision.verdict(spec.name).outcome
             continue
+        decoder = None
         try:
             capturable = dispatcher.backend(spec.name).info().graph_capturable
             use_graph = graph and capturable
@@ -260,22 +341,36 @@ def bench_cell(problem: DecodeProblem, specs: Sequence[BackendSpec], device: str
             row.out_rel_err = verdict.out_rel_err
             if not verdict.passed:
                 row.status, row.notes = WRONG, "; ".join(verdict.messages)
+                decoder.close()
                 continue
 
-            def calls() -> None:
+            def calls(decoder=decoder, plan=plan, out=out, lse=lse) -> None:
                 for s in sets:
                     decoder.run(s.q, s.kv_cache, plan, out=out, lse=lse)
 
-            row.time_us, row.timing = time_calls(calls, len(sets), device, use_graph, budget_s)
-            decoder.close()
+            if sequential:
+                row.time_us, row.timing = time_calls(calls, len(sets), device, use_graph, budget_s)
+                decoder.close()
+                _mark_ok(row, n_bytes, n_flops, ceilings)
+            else:
+                timed.append((row, decoder, calls, use_graph))
         except Exception as exc:  # report the backend's failure, keep benchmarking the rest
             row.status, row.notes = ERROR, f"{type(exc).__name__}: {exc}"
-            continue
-        row.status = OK
-        row.gbps = n_bytes / row.time_us / 1e3
-        row.tflops = n_flops / row.time_us / 1e6
-        row.pct_bw = 100.0 * row.gbps / ceilings.copy_gbps
-        row.pct_flops = 100.0 * row.tflops / ceilings.matmul_tflops
+            if decoder is not None:
+                decoder.close()
+    if timed:
+        try:
+            results = time_calls_interleaved([c for _, _, c, _ in timed], len(sets), device,
+                                             [g for _, _, _, g in timed], budget_s)
+            for (row, _, _, _), (t, how) in zip(timed, results):
+                row.time_us, row.timing = t, how
+                _mark_ok(row, n_bytes, n_flops, ceilings)
+        except Exception as exc:  # one failing replay spoils the round: report every backend timed with it
+            for row, _, _, _ in timed:
+                row.status, row.notes = ERROR, f"{type(exc).__name__} while timing interleaved: {exc}"
+        finally:
+            for _, decoder, _, _ in timed:
+                decoder.close()
     ok = [r for r in rows if r.status == OK]
     for r in ok:
         others = [o.time_us for o in ok if o is not r]
@@ -284,9 +379,18 @@ def bench_cell(problem: DecodeProblem, specs: Sequence[BackendSpec], device: str
     return rows
 
 
+def _mark_ok(row: BenchRow, n_bytes: float, n_flops: float, ceilings: Ceilings) -> None:
+    """A timed row: status ok, its GB/s and TFLOP/s and their shares of the run's ceilings."""
+    row.status = OK
+    row.gbps = n_bytes / row.time_us / 1e3
+    row.tflops = n_flops / row.time_us / 1e6
+    row.pct_bw = 100.0 * row.gbps / ceilings.copy_gbps
+    row.pct_flops = 100.0 * row.tflops / ceilings.matmul_tflops
+
+
 def run_bench(problems: Sequence[DecodeProblem], specs: Sequence[BackendSpec], device: str, graph: bool,
               grid_name: str, registry=None, progress: bool = True, budget_s: float = 0.3,
-              on_cell: Optional[Callable[[BenchReport], None]] = None) -> BenchReport:
+              on_cell: Optional[Callable[[BenchReport], None]] = None, sequential: bool = False) -> BenchReport:
     """Every cell of `problems` with every backend of `specs`. on_cell: called after each cell but the last with
     the report so far, its grid named "... (partial: k of n cells)", so that a caller can save it (`mla bench -o`
     does): a run cut by a time limit then keeps what it measured, marked as incomplete."""
@@ -297,7 +401,8 @@ def run_bench(problems: Sequence[DecodeProblem], specs: Sequence[BackendSpec], d
     rows: List[BenchRow] = []
 
     def cell(i: int, p: DecodeProblem) -> None:
-        rows.extend(bench_cell(p, specs, device, graph, ceilings, seed=i, registry=registry, budget_s=budget_s))
+        rows.extend(bench_cell(p, specs, device, graph, ceilings, seed=i, registry=registry, budget_s=budget_s,
+                               sequential=sequential))
         if on_cell is not None and i + 1 < len(problems):
             on_cell(BenchReport(list(rows), ceilings, f"{grid_name} (partial: {i + 1} of {len(problems)} cells)",
                                 fingerprint, time.strftime("%Y-%m-%d")))

@@ -529,7 +529,7 @@ def _run_bench(args: argparse.Namespace, grid_spec: str, specs=None, save_partia
     progress = not args.no_progress and not args.json and _has_rich() and sys.stderr.isatty()
     save = _partial_saver(args.output) if save_partial and getattr(args, "output", None) else None
     return run_bench(problems, specs, device, graph, grid.describe(), progress=progress, budget_s=args.budget,
-                     on_cell=save)
+                     on_cell=save, sequential=args.sequential)
 
 
 def _partial_saver(path: str):
@@ -620,7 +620,7 @@ def _refine(args: argparse.Namespace, report):
             break
         _say(f"--refine: round {round_no}: measuring {len(problems)} midpoint cells")
         extra = run_bench(problems, specs, device, graph, f"refine {round_no}", progress=False,
-                          budget_s=args.budget)
+                          budget_s=args.budget, sequential=args.sequential)
         report = _join_reports([report, extra], ["<grid>", f"<refine {round_no}>"])
     return report
 
@@ -839,6 +839,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", choices=["cpu", "cuda"], default=None)
         p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replay")
         p.add_argument("--budget", type=float, default=0.3, help="seconds of timing per backend and cell")
+        p.add_argument("--sequential", action="store_true",
+                       help="time each cell's backends one after the other (as before mlacore 0.2.2) instead of "
+                            "interleaved in rounds")
         p.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
         p.add_argument("-o", "--output", metavar="FILE",
                        help="write the measurements as JSON (the input of `mla tune --from`; with --from: "
