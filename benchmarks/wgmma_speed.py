@@ -155,17 +155,20 @@ def way_decoder(torch, sets, table, lens, lens_cpu, s_q, H, B, S, backend="flash
 
 
 def time_graph(run, outs, lses, reps):
-    """Median µs per call and how it was timed: `mla bench`'s timer (mlacore.tools.bench.time_calls), a CUDA
-    graph of one call per input set, its replays timed with CUDA events."""
+    """Median µs per call of one runner and how it was timed: `mla bench`'s single-backend timer
+    (mlacore.tools.bench.time_calls), a CUDA graph of one call per input set, its replays timed with CUDA events.
+    Several runners side by side: time_rows (interleaved)."""
     from mlacore.tools.bench import time_calls
 
-    n = len(outs)
+    return time_calls(_all_sets(run, outs, lses), len(outs), "cuda", True, min_repeats=reps, max_repeats=reps)
 
-    def all_sets():
-        for i in range(n):
+
+def _all_sets(run, outs, lses):
+    """One call per input set: what a timed replay runs."""
+    def calls():
+        for i in range(len(outs)):
             run(i, outs[i], lses[i])
-
-    return time_calls(all_sets, n, "cuda", True, min_repeats=reps, max_repeats=reps)
+    return calls
 
 
 def diff(torch, out, lse, ref_out, ref_lse):
@@ -233,17 +236,23 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes):
 
 
 def time_rows(runners, rows, reps, nbytes, flops, closers):
-    """Time every runner (CUDA-graph replay), fill its row (us, GB/s, TFLOP/s, x fa3), close the decoders."""
-    for name, (run, outs, lses) in runners.items():
-        row = rows[name]
-        try:
-            med, how = time_graph(run, outs, lses, reps)
-        except Exception as exc:
-            row["status"] = "error"
-            row["error"] = f"timing: {type(exc).__name__}: {exc}"[:400]
-            continue
-        row.update(us=round(med, 2), timing=how, gbps=round(nbytes / med / 1e3, 1),
-                   tflops=round(flops / med / 1e6, 1))
+    """Time every runner together (`mla bench`'s timer, mlacore.tools.bench.time_calls_interleaved: CUDA graphs of
+    one call per input set, replays timed with CUDA events in rounds whose order rotates, so that a drift of the
+    GPU's clock falls on every way alike), fill each row (us, GB/s, TFLOP/s, x fa3), close the decoders."""
+    from mlacore.tools.bench import time_calls_interleaved
+
+    names = list(runners)
+    try:
+        timed = time_calls_interleaved([_all_sets(*runners[n]) for n in names], len(runners[names[0]][1]) if names
+                                       else 1, "cuda", [True] * len(names), min_repeats=reps, max_repeats=reps)
+    except Exception as exc:  # one failing replay spoils the rounds: report every way timed with it
+        timed = []
+        for n in names:
+            rows[n]["status"] = "error"
+            rows[n]["error"] = f"timing: {type(exc).__name__}: {exc}"[:400]
+    for name, (med, how) in zip(names, timed):
+        rows[name].update(us=round(med, 2), timing=how, gbps=round(nbytes / med / 1e3, 1),
+                          tflops=round(flops / med / 1e6, 1))
     fa3_us = rows.get("fa3", {}).get("us")
     for row in rows.values():
         if fa3_us and row.get("us"):
