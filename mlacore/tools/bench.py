@@ -183,16 +183,9 @@ def time_calls_interleaved(fns: Sequence[Callable[[], None]], calls_per_fn: int,
     device's speed over the run (clocks, temperature) falls on every fn alike. repeats per fn as time_calls picks
     them (its budget_s, min_repeats, max_repeats); graphs[i]: capture fns[i] in a CUDA graph (GPU only)."""
     cuda = device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     prepared = [_prepare_target(fn, device, g) for fn, g in zip(fns, graphs)]
-    per_round = []
-    for target, _ in prepared:
-        t0 = time.perf_counter()
-        target()
-        sync()
-        one = max(time.perf_counter() - t0, 1e-6)
-        repeats = int(min(max_repeats, max(min_repeats, budget_s / one)))
-        per_round.append(max(1, math.ceil(repeats / rounds)))
+    per_round = [max(1, math.ceil(_repeats(target, device, budget_s, min_repeats, max_repeats) / rounds))
+                 for target, _ in prepared]
     samples: List[List[float]] = [[] for _ in prepared]
     n = len(prepared)
     for r in range(rounds):
@@ -217,36 +210,22 @@ def time_calls_interleaved(fns: Sequence[Callable[[], None]], calls_per_fn: int,
             for t, (_, how) in zip(samples, prepared)]
 
 
+def _repeats(target: Callable[[], None], device: str, budget_s: float, min_repeats: int, max_repeats: int) -> int:
+    """How many timed calls of target fit the budget (one untimed call measures it), within the bounds."""
+    t0 = time.perf_counter()
+    target()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    one = max(time.perf_counter() - t0, 1e-6)
+    return int(min(max_repeats, max(min_repeats, budget_s / one)))
+
+
 def time_calls(fn: Callable[[], None], calls_per_fn: int, device: str, graph: bool,
                budget_s: float = 0.3, min_repeats: int = 5, max_repeats: int = 200) -> Tuple[float, str]:
     """Median microseconds of one call; fn makes `calls_per_fn` calls (one per input set)."""
-    cuda = device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    fn()
-    fn()  # warm up: compilation, allocator, caches of plans
-    sync()
-    how = "perf_counter"
-    target = fn
-    if cuda and graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        sync()
-        target, how = g.replay, "cuda graph replay, cuda events"
-    elif cuda:
-        how = "eager, cuda events"
-    t0 = time.perf_counter()
-    target()
-    sync()
-    one = max(time.perf_counter() - t0, 1e-6)
-    repeats = int(min(max_repeats, max(min_repeats, budget_s / one)))
-    median = _median_cuda(target, repeats) if cuda else _median_cpu(target, repeats)
+    target, how = _prepare_target(fn, device, graph)
+    repeats = _repeats(target, device, budget_s, min_repeats, max_repeats)
+    median = _median_cuda(target, repeats) if device.startswith("cuda") else _median_cpu(target, repeats)
     return median / calls_per_fn, f"{how}, median of {repeats} x {calls_per_fn} rotating input sets"
 
 
