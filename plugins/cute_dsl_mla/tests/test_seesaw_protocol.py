@@ -27,6 +27,13 @@ issues its P_b V WGMMAs (reads of buffer 1) *before* converting tile a+2's part 
 and waits for them afterwards; WG0 stages its part of tile b+2 at the end of pair p and stores
 it in pair p + 1 after issuing S_{a+2} (reads of buffer 0), before waiting for them.  Checked in addition: every "load" converts exactly the part the
 warpgroup's last "ldg" fetched, and no "ldg" overwrites staged registers not yet stored.
+
+TMA loads (``tma=True``, branch seesaw-tma2): the same events (a TMA part completes its mbarrier phase as a
+cp.async part does), but TMA copies page tails as they are (NaN), so when the item's last tile is a request's
+partial last tile (``tail=True``) each warpgroup "zero"es its V half of that tile (a second wait on its own
+part's mbarrier phase, then st.shared) before its P V, whose reads are "V" reads here.  Checked in addition:
+no P V read of the partial tile sees unzeroed rows; the zeroing writes only a landed K tile, after every read
+of those blocks (S included) is complete and ordered before it, and waits on a phase that is still the latest.
 """
 
 from __future__ import annotations
@@ -39,10 +46,14 @@ import pytest
 LOAD = {0: ((0, 1, 2, 3), (0, 1, 2, 3, 8)), 1: ((4, 5, 6, 7), (4, 5, 6, 7, 8))}
 
 
-def wg_program(w, T, mutate=None, fp8=False):
-    """Events of warpgroup w for an item of T tiles (tile a = 2p in buffer 0, b = 2p + 1 in buffer 1)."""
+def wg_program(w, T, mutate=None, fp8=False, tma=False, tail=False):
+    """Events of warpgroup w for an item of T tiles (tile a = 2p in buffer 0, b = 2p + 1 in buffer 1);
+    ``tma``, ``tail``: ``wg_program_tma``."""
     if fp8:
         yield from wg_program_fp8(w, T, mutate)
+        return
+    if tma:
+        yield from wg_program_tma(w, T, mutate, tail)
         return
     for t in range(2):  # prologue: tiles 0 and 1, mbarrier 2 * buffer + loading warpgroup
         if T > t:
@@ -97,6 +108,81 @@ def wg_program(w, T, mutate=None, fp8=False):
                 yield ("load", ta + 2, 0, LOAD[1][1], 1)
             if ta + 1 < T:
                 yield ("read", 1, ta + 1, (4, 5, 6, 7), "K")  # pv_rs(b), waited
+                yield ("wait_reads",)
+                if ta + 3 < T:
+                    yield ("load", ta + 3, 1, LOAD[1][0], 3)
+    yield ("ctabar",)
+
+
+def wg_program_tma(w, T, mutate=None, tail=False):
+    """``kernel_seesaw`` with ``tma``: the cp.async program with its P V reads tagged "V" and, when local tile
+    T - 1 is a request's partial last tile (``tail``), ("zero", buffer, tile, blocks, mbarrier, pair) where the
+    kernel calls ``zero_v_tail``: WG0 before P_a V_L and after the P_b barrier, WG1 after the P_a barrier and
+    before P_b V_R.  Mutations: "no_zero"; "zero_before_sync" (the non-owner zeroes before the owner's P
+    barrier, while the owner's S may still read those rows)."""
+    own = LOAD[w][0]  # this warpgroup's V half (blocks 4w .. 4w + 3): what it reads in P V
+
+    def zero(buf, t, p):
+        if tail and t == T - 1 and mutate != "no_zero":
+            yield ("zero", buf, t, own, 2 * buf + w, p)
+
+    for t in range(2):
+        if T > t:
+            yield ("load", t, t, LOAD[w][0 if t == w else 1], 2 * t + w)
+    yield ("ctabar",)
+    for p in range((T + 1) // 2):
+        ta, par = 2 * p, p % 2
+        if w == 0:
+            yield ("mwait", 0, par)
+            yield ("read", 0, ta, (0, 1, 2, 3), "K")
+            yield ("mwait", 1, par)
+            yield ("read", 0, ta, (4, 5, 6, 7, 8), "K")
+            yield ("wait_reads",)
+            yield ("write_p", 0, ta)
+            yield ("write_scale", 0, ta)
+            yield ("arrive", 1)
+            yield from zero(0, ta, p)
+            yield ("read", 0, ta, (0, 1, 2, 3), "V")  # pv_rs, waited
+            yield ("wait_reads",)
+            if ta + 2 < T:
+                yield ("load", ta + 2, 0, LOAD[0][0], 0)
+            if ta + 1 < T:
+                if mutate == "zero_before_sync":
+                    yield from zero(1, ta + 1, p)
+                yield ("sync", 2)  # pv_remote(b): barrier, zero if last, rescale, WGMMA, waited
+                if mutate != "zero_before_sync":
+                    yield from zero(1, ta + 1, p)
+                yield ("read_scale", 1, ta + 1)
+                yield ("read", 1, ta + 1, (0, 1, 2, 3), "V")
+                yield ("read", 1, ta + 1, (8,), "P")
+                yield ("wait_reads",)
+                if ta + 3 < T:
+                    yield ("load", ta + 3, 1, LOAD[0][1], 2)
+        else:
+            if ta + 1 < T:
+                yield ("mwait", 3, par)
+                yield ("read", 1, ta + 1, (4, 5, 6, 7), "K")
+                yield ("mwait", 2, par)
+                yield ("read", 1, ta + 1, (0, 1, 2, 3, 8), "K")
+                yield ("wait_reads",)
+            if mutate == "zero_before_sync":
+                yield from zero(0, ta, p)
+            yield ("sync", 1)  # pv_remote(a): barrier, zero if last, rescale, WGMMA, not waited
+            if mutate != "zero_before_sync":
+                yield from zero(0, ta, p)
+            yield ("read_scale", 0, ta)
+            yield ("read", 0, ta, (4, 5, 6, 7), "V")
+            yield ("read", 0, ta, (8,), "P")
+            if ta + 1 < T:
+                yield ("write_p", 1, ta + 1)
+                yield ("write_scale", 1, ta + 1)
+                yield ("arrive", 2)
+            yield ("wait_reads",)
+            if ta + 2 < T:
+                yield ("load", ta + 2, 0, LOAD[1][1], 1)
+            if ta + 1 < T:
+                yield from zero(1, ta + 1, p)
+                yield ("read", 1, ta + 1, (4, 5, 6, 7), "V")  # pv_rs(b), waited
                 yield ("wait_reads",)
                 if ta + 3 < T:
                     yield ("load", ta + 3, 1, LOAD[1][0], 3)
@@ -180,10 +266,10 @@ def _hb(a, b):
     return a[0] <= b[0] and a[1] <= b[1]
 
 
-def run(T, seed, mutate=None, fp8=False):
+def run(T, seed, mutate=None, fp8=False, tma=False, tail=False):
     """Interleave the two programs at random; return the list of violations (empty: fine)."""
     rng = random.Random(seed)
-    progs = [wg_program(0, T, mutate, fp8), wg_program(1, T, mutate, fp8)]
+    progs = [wg_program(0, T, mutate, fp8, tma, tail), wg_program(1, T, mutate, fp8, tma, tail)]
     staged = [None, None]  # fp8: (tile, blocks) in each warpgroup's staging registers
     vc = [[0, 0], [0, 0]]
     nxt = [next(progs[0], None), next(progs[1], None)]
@@ -210,6 +296,8 @@ def run(T, seed, mutate=None, fp8=False):
                 continue
             kind = ev[0]
             if kind == "mwait" and phase_done[ev[1]] <= waited[w][ev[1]]:
+                continue
+            if kind == "zero" and phase_done[ev[4]] <= ev[5]:  # its part's phase of this pair not landed
                 continue
             if kind == "sync" and not arrives[ev[1]]:
                 continue
@@ -255,8 +343,34 @@ def run(T, seed, mutate=None, fp8=False):
             merge(w, phase_vc[(mb, ph)])
             landed[(mb, ph)] = list(vc[w])
             waited[w][mb] += 1
+        elif kind == "zero":  # zero_v_tail: second wait on the part's phase, st.shared of zeros
+            _, buf, t, blocks, mb, ph = ev
+            if phase_done[mb] != ph + 1:
+                errors.append(f"WG{w} zeroes tile {t}: mbarrier {mb} is past phase {ph} (parity wait ABA)")
+            merge(w, phase_vc[(mb, ph)])
+            for blk in blocks:
+                cell = mem.get((buf, blk))
+                if cell is None or cell["tag"] != ("K", t) or not _hb(cell["vc"], vc[w]):
+                    tag = None if cell is None else cell["tag"]
+                    errors.append(f"zero of tile {t} buf {buf} block {blk} over {tag}")
+                    continue
+                if any((buf, blk) in inflight[o] for o in (0, 1)) or not all(_hb(r, vc[w]) for r in cell["reads"]):
+                    errors.append(f"WAR: zero of tile {t} buf {buf} block {blk} while a read may be in flight")
+                mem[(buf, blk)] = {"tag": ("Z", t), "vc": list(vc[w]), "phase": cell["phase"], "reads": []}
         elif kind == "read":
             _, buf, t, blocks, what = ev
+            if what == "V":  # P V reads: the K tile as loaded, or zeroed (it must be, if it is the partial tile)
+                for blk in blocks:
+                    cell = mem.get((buf, blk))
+                    want = ("Z", t) if tail and t == T - 1 else ("K", t)
+                    if cell is None or cell["tag"] != want or not _hb(cell["vc"], vc[w]):
+                        errors.append(f"RAW: WG{w} P V reads tile {t} buf {buf} block {blk}: "
+                                      f"{None if cell is None else cell['tag']}, wants {want}")
+                    elif not (cell["phase"] in landed and _hb(landed[cell["phase"]], vc[w])):
+                        errors.append(f"RAW: WG{w} P V reads tile {t} buf {buf} block {blk}: landing not observed")
+                    inflight[w].append((buf, blk))
+                nxt[w] = next(progs[w], None)
+                continue
             for blk in blocks:
                 cell = mem.get((buf, blk))
                 if cell is None or cell["tag"] != (what, t) or not _hb(cell["vc"], vc[w]):
@@ -336,6 +450,34 @@ def test_seesaw_fp8_program_is_the_cp_async_program_plus_ldg_and_one_moved_store
             assert [e for e in base if e[0] != "load"] == [e for e in f8 if e[0] != "load"], (T, w)
             n_ldg = sum(e[0] == "ldg" for e in wg_program(w, T, fp8=True))
             assert n_ldg == sum(e[0] == "load" for e in base), (T, w)
+
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("T", range(12))
+def test_seesaw_tma_protocol_has_no_deadlock_or_hazard(T, tail):
+    bad = {seed: e for seed in range(150) if (e := run(T, seed, tma=True, tail=tail))}
+    assert not bad, next(iter(bad.items()))
+
+
+def test_seesaw_tma_program_is_the_cp_async_program_plus_zeroing():
+    """Without its "zero" events and with "V" read as "K", the tma program is the cp.async program event for
+    event; on a partial last tile each warpgroup zeroes its own V half of that tile once."""
+    relabel = (lambda e: e[:4] + ("K",) if e[0] == "read" and e[4] == "V" else e)
+    for T in range(12):
+        for w in (0, 1):
+            for tail in (False, True):
+                evs = list(wg_program(w, T, tma=True, tail=tail))
+                assert [relabel(e) for e in evs if e[0] != "zero"] == list(wg_program(w, T)), (T, w, tail)
+                zeros = [e for e in evs if e[0] == "zero"]
+                assert zeros == ([("zero", (T - 1) % 2, T - 1, LOAD[w][0], 2 * ((T - 1) % 2) + w, (T - 1) // 2)]
+                                 if tail and T > 0 else []), (T, w, tail)
+
+
+@pytest.mark.parametrize("mutate", ["no_zero", "zero_before_sync"])
+def test_the_model_catches_broken_tma_orders(mutate):
+    """A partial tile whose V tail is not zeroed, a non-owner that zeroes before the owner's P barrier (its S
+    may still read the rows): each is reported for some T."""
+    assert any(run(T, seed, mutate, tma=True, tail=True) for T in range(1, 8) for seed in range(20))
 
 
 @pytest.mark.parametrize("mutate", ["fp8_store_before_wait", "fp8_double_ldg"])

@@ -766,6 +766,8 @@ SEESAW_LOAD_BLOCKS = (  # 64-column blocks of a K tile that WG w loads: [owner, 
     ((0, 1, 2, 3), (0, 1, 2, 3, 8)),
     ((4, 5, 6, 7), (4, 5, 6, 7, 8)),
 )
+BAR_TAIL_OF = (3, 4)  # seesaw tma=True: named barrier of WG w's 128 threads after zeroing V tail rows
+KV_BOX = 64  # tma=True: columns per TMA box (64 x 64 x 2 B = 8 KB: one SW128 K-major 64-column block of sK)
 
 
 class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
@@ -813,11 +815,26 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       tile b+2 at the end of a pair and stores it in the next pair after issuing S_{a+2};
       WG1 stores its part of tile a+2 after issuing its P_b V_R.  The other two run in
       the other warpgroup's WGMMA time (seesaw).  See NOTES.md.
+    * ``tma=True`` (16-bit KV only, opt-in; on an H200 in the fifteenth session: 22 GPU tests, bitwise
+      equal to the cp.async loads; one interleaved A/B: 0.946x the default's time at B64 H128 s_q2
+      S4096, 1.001x at B128 s_q1, 1.024x at B64 s_q1, so not the default yet): the same parts,
+      schedule, mbarriers and waits, but each part is 4 or 5 TMA boxes (64 tokens x 64 columns,
+      ``cp.async.bulk.tensor`` over one tensor map of the whole cache) issued by one elected
+      thread of the loading warpgroup after its ``mbarrier.arrive.expect_tx`` (mbarrier count 1),
+      instead of 16-20 cp.async per thread: why: issuing a cp.async part took 750-880 cycles on
+      the critical path (H200 clock stamps), a TMA part a few instructions.  TMA does not
+      zero-fill page tails, so on a request's last tile each warpgroup zeroes the tail rows of
+      its own V half itself before its P V (``zero_v_tail``; the order is in its docstring).
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
-                 wide_store: bool = False):
+                 wide_store: bool = False, tma: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
+        if tma and self.is_fp8:
+            raise ValueError("seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16); the fp8 "
+                             "cache keeps its ld.global -> cvt -> st.shared loads")
+        # tma: KV parts by TMA boxes from one elected thread per warpgroup (16-bit KV; see above)
+        self.tma = bool(tma)
         # l2_prefetch: thread 0 issues one cp.async.bulk.prefetch.L2 per tile of the next pair
         # before this pair's loads (the getter's default: seesaw_l2_prefetch_default)
         self.l2_prefetch = bool(l2_prefetch)
@@ -842,6 +859,26 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         for size, align in parts:
             off = -(-off // align) * align + size
         return off
+
+    def _mbar_count(self) -> int:
+        """Arrivals that complete one phase of a part's mbarrier: the cp.async path (16-bit KV)
+        128 noinc + 128 plain arrives, fp8 KV 128 plain arrives, TMA one arrive.expect_tx (the
+        bytes complete the phase)."""
+        if self.tma:
+            return 1
+        return WG_THREADS if self.is_fp8 else 2 * WG_THREADS
+
+    def _kv_tma(self, mKV: cute.Tensor, box_layout: cute.ComposedLayout):
+        """tma=True: the TMA atom and coordinate tensor of the KV cache (host side, at launch).
+
+        mKV (pages, page_size, 576) is viewed as (page_size, 576, pages) with its own strides (no
+        assumption on the page stride), and tiled by (64 tokens, 64 columns) boxes whose smem
+        layout ``box_layout`` is one 64-column block of sK (SW128 K-major, 8 KB, 1024-aligned in
+        sK): the swizzle the WGMMAs read.  A box never crosses a page (page_size % 64 == 0), so
+        no box reads past the tensor."""
+        kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv, box_layout,
+                                           (BLOCK_N, KV_BOX))
 
     def _wg_copy(self):
         """gmem -> smem cp.async for one warpgroup: 16 B per copy, 8 threads per 64-column block,
@@ -957,6 +994,12 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         )
         g2s_wg = self._wg_copy()
         r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
+        # tma=True: the KV tensor map, built here from the runtime tensor (a kernel parameter);
+        # None otherwise (no kernel parameter: the default kernel's PTX is unchanged).  The box's
+        # smem layout is sP's: (64, 64) SW128 K-major, exactly one 64-column block of sK
+        tma_atom, mKV_tma = None, None
+        if cutlass.const_expr(self.tma):
+            tma_atom, mKV_tma = self._kv_tma(mKV, sP_layout)
 
         grid = (
             cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M),
@@ -968,7 +1011,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             scale_log2, scale_ln, v_scale, s_q, num_heads,
             sQ_layout, sK_layout, sP_layout, sV_layout,
             g2s, g2s_wg, r2s_P,
-            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage,
+            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -996,6 +1039,73 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         cute.arch.fence_view_async_shared()
         cute.arch.cp_async_mbarrier_arrive_noinc(mbar_ptr)
         cute.arch.mbarrier_arrive(mbar_ptr)
+
+    @cute.jit
+    def load_part_tma(
+        self, tma_atom: cute.CopyAtom, tKgT: cute.Tensor, tKsT: cute.Tensor, page: cutlass.Int32,
+        n: cutlass.Int32, stage: cutlass.Constexpr, blocks: cutlass.Constexpr,
+        blocks_per_page: cutlass.Int32, mbar_ptr, tma_warp,
+    ):
+        """tma=True: ``load_part``'s blocks by TMA, issued by the loading warpgroup's first warp
+        (``tma_warp``; the TMA copy elects its one issuing lane): one lane arms ``mbar_ptr``
+        (count 1) with the part's bytes, then one 64 x 64 box per block (KV block n of request
+        b = rows (n % blocks_per_page) * 64 .. + 64 of cache page ``page``).  Every row is
+        loaded: a request's last tile is cleaned by ``zero_v_tail``, not here."""
+        if tma_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    mbar_ptr, len(blocks) * BLOCK_N * KV_BOX * (self.mma_dtype.width // 8))
+            for c in cutlass.range_constexpr(len(blocks)):
+                cute.copy(tma_atom, tKgT[None, n % blocks_per_page, blocks[c], page],
+                          tKsT[None, 0, blocks[c], stage], tma_bar_ptr=mbar_ptr)
+
+    def load_kv_part(self, src: tuple, page, n, stage: int, blocks: tuple, blocks_per_page, kv_len,
+                     mbar_ptr):
+        """One part of a 16-bit K tile (a plain Python dispatcher, traced inline): ``src`` is
+        (g2s_wg, thr_g2s_wg, mKV, tKcK, tKsK) for cp.async (``load_part``) or (tma_atom, tKgT,
+        tKsT, tma_warp) with tma=True (``load_part_tma``), so the six call sites read the same."""
+        if self.tma:
+            tma_atom, tKgT, tKsT, tma_warp = src
+            self.load_part_tma(tma_atom, tKgT, tKsT, page, n, stage, blocks, blocks_per_page, mbar_ptr,
+                               tma_warp)
+        else:
+            g2s_wg, thr_g2s_wg, mKV, tKcK, tKsK = src
+            self.load_part(g2s_wg, thr_g2s_wg, mKV, page, n, stage, blocks, blocks_per_page, kv_len,
+                           tKcK, tKsK, mbar_ptr)
+
+    @cute.jit
+    def zero_v_tail(
+        self, tKcK: cute.Tensor, tKsK: cute.Tensor, n: cutlass.Int32, stage: cutlass.Constexpr,
+        wg: cutlass.Constexpr, kv_len: cutlass.Int32, mbar_ptr, parity: cutlass.Int32,
+    ):
+        """tma=True: on a request's last tile (KV block n, ``kv_len - 64 n < 64``; CTA-uniform, so
+        no other tile pays anything but the compare), zero rows >= kv_len of warpgroup ``wg``'s V
+        half (columns 256 wg .. +256, the only ones it reads in P V) in sK[:, :, stage].  Why:
+        TMA copies page tails as they are, they may hold NaN, and 0 * NaN = NaN in P V.
+
+        Order, per warpgroup and tile (the caller places it so):
+        1. the part holding these columns has landed: wait on its mbarrier (``mbar_ptr``, the
+           loading warpgroup is ``wg`` itself: SEESAW_LOAD_BLOCKS; a second waiter of the same
+           phase: the next phase is armed by this warpgroup only after its P V on this buffer);
+        2. S of this tile is complete (owner: its own QK waited; non-owner: called after the
+           owner's "P ready" barrier, which the owner arrives on after its QK wait), so no QK
+           WGMMA reads these rows while they change.  K rows past kv_len only ever feed S
+           columns that the softmax sets to -inf by assignment, so their garbage is harmless;
+        3. st.shared zeros (generic proxy) -> ``fence_view_async_shared`` -> named barrier
+           BAR_TAIL_OF[wg] of the warpgroup's 128 threads -> its P V WGMMA (RS or SS) reads them.
+        P, which the owner writes over the RoPE columns 512..575 after its S, is never touched
+        (only columns < 512 are zeroed), and K rows past kv_len in the RoPE columns are not
+        zeroed at all (S only).  No load follows into a last tile's buffer."""
+        valid = kv_len - n * BLOCK_N
+        if valid < BLOCK_N:
+            cute.arch.mbarrier_wait(mbar_ptr, parity)
+            blocks = SEESAW_LOAD_BLOCKS[wg][0]  # blocks 4 wg .. 4 wg + 3: this warpgroup's V half
+            for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+                if tKcK[0, m, 0][0] >= valid:
+                    for c in cutlass.range_constexpr(len(blocks)):
+                        tKsK[None, m, blocks[c], stage].fill(0)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BAR_TAIL_OF[wg], number_of_threads=WG_THREADS)
 
     @cute.jit
     def prefetch_tile_l2(self, mKV: cute.Tensor, page: cutlass.Int32, n: cutlass.Int32,
@@ -1096,15 +1206,19 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         self, mma_o_ss: cute.TiledMma, acc_O: cute.Tensor, acc_O_mn: cute.Tensor, tScS: cute.Tensor,
         sP: cute.Tensor, sScale: cute.Tensor, sMax: cute.Tensor, tOrV: cute.Tensor,
         row_max: cute.Tensor, row_sum: cute.Tensor, buf: cutlass.Constexpr, wg_tidx: cutlass.Int32,
-        bar_id: cutlass.Constexpr, wait: cutlass.Constexpr,
+        bar_id: cutlass.Constexpr, wait: cutlass.Constexpr, tail=None,
     ):
         """Non-owner: wait for the owner's P, take its scale and max, O *= scale, O += sP V (SS).
 
         The V columns read here were cp.async'ed by this warpgroup but their landing was
         observed (mbarrier) by the owner before it published P; the async-proxy fence after
-        the barrier mirrors the one after each mbarrier wait (consumer side)."""
+        the barrier mirrors the one after each mbarrier wait (consumer side).  ``tail``
+        (tma=True): ``zero_v_tail``'s arguments, run after the barrier (the owner's S is done)
+        and before the WGMMA."""
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=NUM_THREADS)
         cute.arch.fence_view_async_shared()
+        if cutlass.const_expr(tail is not None):
+            self.zero_v_tail(*tail)
         for r in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
             row = tScS[r, 0][0]
             corr = sScale[row, buf]
@@ -1134,6 +1248,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
         mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor,  # tma=True only (else None: no parameter)
     ):
         mt = self.mma_dtype
         cute.arch.griddepcontrol_launch_dependents()  # PDL trigger for the combine (combine.MLACombine)
@@ -1175,8 +1290,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 
             if tidx == 0:
                 for i in cutlass.range_constexpr(4):
-                    # cp.async (16-bit KV): 128 noinc + 128 plain arrives; fp8 KV: 128 plain
-                    cute.arch.mbarrier_init(mbar + i, WG_THREADS if self.is_fp8 else 2 * WG_THREADS)
+                    # cp.async (16-bit KV): 128 noinc + 128 plain arrives; fp8 KV: 128 plain; TMA: 1
+                    cute.arch.mbarrier_init(mbar + i, self._mbar_count())
             cute.arch.mbarrier_init_fence()
             cute.arch.barrier()
 
@@ -1191,6 +1306,18 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
             tKcK = thr_g2s_wg.partition_S(cKV)  # (CPY, 4, 9)
             tKsK = thr_g2s_wg.partition_D(sK)  # (CPY, 4, 9, STAGES)
+            kv_src = (g2s_wg, thr_g2s_wg, mKV, tKcK, tKsK)  # load_kv_part: cp.async
+            if cutlass.const_expr(self.tma):
+                # TMA: boxes (64 tokens, 64 columns); the smem side is sK's 64-column blocks
+                # (TMA, 1, 9, STAGES), the gmem side (TMA, page_size / 64, 9, pages)
+                tKsT, tKgT = cpasync.tma_partition(
+                    tma_atom, 0, cute.make_layout(1),
+                    cute.group_modes(cute.flat_divide(sK, (BLOCK_N, KV_BOX)), 0, 2),
+                    cute.group_modes(cute.flat_divide(mKV_tma, (BLOCK_N, KV_BOX)), 0, 2))
+                tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
+                kv_src = (tma_atom, tKgT, tKsT, tma_warp)
+                if tidx == 0:
+                    cpasync.prefetch_descriptor(tma_atom)
             if cutlass.const_expr(self.is_fp8):
                 # fp8 KV: ld.global -> registers (one part: up to 5 blocks x 4 passes x 8
                 # fp8 = 40 registers), later cvt + st.shared into the fp16 sK; same (row, col)
@@ -1220,13 +1347,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                                 kv_len, tKcK, tKsK, rRaw, mbar + 2 * t + 1)
                     else:
                         if wg == 0:
-                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg, n_start + t, t,
-                                           SEESAW_LOAD_BLOCKS[0][t], blocks_per_page, kv_len, tKcK, tKsK,
-                                           mbar + 2 * t)
+                            self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[0][t],
+                                              blocks_per_page, kv_len, mbar + 2 * t)
                         else:
-                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg, n_start + t, t,
-                                           SEESAW_LOAD_BLOCKS[1][1 - t], blocks_per_page, kv_len, tKcK,
-                                           tKsK, mbar + 2 * t + 1)
+                            self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
+                                              blocks_per_page, kv_len, mbar + 2 * t + 1)
             cute.arch.cp_async_commit_group()
             # Q landed (the KV group may still fly), visible to the async proxy and to all threads
             cute.arch.cp_async_wait_group(1)
@@ -1374,29 +1499,36 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                              acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
                                              scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
                                              True)
+                        # tma=True, request's last tile: zero its V_L tail rows (zero_v_tail)
+                        if cutlass.const_expr(self.tma):
+                            self.zero_v_tail(tKcK, tKsK, n_start + ta, 0, 0, kv_len, mbar + 0, parity)
                         self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
                         # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
                         if ta + 2 < T:
-                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg2, n_start + ta + 2, 0,
-                                           SEESAW_LOAD_BLOCKS[0][0], blocks_per_page, kv_len, tKcK, tKsK,
-                                           mbar + 0)
+                            self.load_kv_part(kv_src, pg2, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[0][0],
+                                              blocks_per_page, kv_len, mbar + 0)
                         if ta + 1 < T:
-                            # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS)
+                            # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS); tma=True: its V_L
+                            # tail rows zeroed after the P_b barrier (S_b is done) if it is the last
                             self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
-                                           row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
+                                           row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True,
+                                           (tKcK, tKsK, n_start + ta + 1, 1, 0, kv_len, mbar + 2, parity)
+                                           if self.tma else None)
                             # columns 0..255 and P's block of buffer 1 are free: tile b+2's
                             if ta + 3 < T:
-                                self.load_part(g2s_wg, thr_g2s_wg, mKV, pg3, n_start + ta + 3, 1,
-                                               SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len, tKcK,
-                                               tKsK, mbar + 2)
+                                self.load_kv_part(kv_src, pg3, n_start + ta + 3, 1, SEESAW_LOAD_BLOCKS[0][1],
+                                                  blocks_per_page, kv_len, mbar + 2)
                     else:
                         if ta + 1 < T:
                             # S_b (runs while WG0 does softmax_a)
                             self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
                                     mbar + 3, mbar + 2, parity)
-                        # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet
+                        # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet;
+                        # tma=True: V_R tail rows of tile a zeroed after the P_a barrier if last
                         self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
-                                       row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
+                                       row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False,
+                                       (tKcK, tKsK, n_start + ta, 0, 1, kv_len, mbar + 1, parity)
+                                       if self.tma else None)
                         if ta + 1 < T:
                             # softmax_b under the P_a V WGMMAs; O_R *= scale_b needs them done
                             self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
@@ -1406,17 +1538,19 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         warpgroup.wait_group(0)
                         # columns 256..575 of buffer 0 are free: tile a+2's
                         if ta + 2 < T:
-                            self.load_part(g2s_wg, thr_g2s_wg, mKV, pg2, n_start + ta + 2, 0,
-                                           SEESAW_LOAD_BLOCKS[1][1], blocks_per_page, kv_len, tKcK, tKsK,
-                                           mbar + 1)
+                            self.load_kv_part(kv_src, pg2, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[1][1],
+                                              blocks_per_page, kv_len, mbar + 1)
                         if ta + 1 < T:
+                            # tma=True, request's last tile: zero its V_R tail rows (S_b is done)
+                            if cutlass.const_expr(self.tma):
+                                self.zero_v_tail(tKcK, tKsK, n_start + ta + 1, 1, 1, kv_len, mbar + 3,
+                                                 parity)
                             for r in cutlass.range_constexpr(n_rows):
                                 acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
                             self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
                             if ta + 3 < T:
-                                self.load_part(g2s_wg, thr_g2s_wg, mKV, pg3, n_start + ta + 3, 1,
-                                               SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len, tKcK,
-                                               tKsK, mbar + 3)
+                                self.load_kv_part(kv_src, pg3, n_start + ta + 3, 1, SEESAW_LOAD_BLOCKS[1][0],
+                                                  blocks_per_page, kv_len, mbar + 3)
 
             cute.arch.cp_async_wait_group(0)
 
@@ -1500,7 +1634,7 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
                       workspace)
 
 
-SEESAW_FLAGS = ("l2pf", "wide_store")  # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma")  # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
 
 
 def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags: str):
@@ -1511,7 +1645,8 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
         raise ValueError(f"seesaw kernel key: unknown flags {unknown}, expected a subset of {SEESAW_FLAGS} "
                          "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
-                                    l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags))
+                                    l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
+                                    tma="tma" in flags)
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -1529,47 +1664,51 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 
 
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
-                wide_store: bool = False) -> tuple[str | int, ...]:
+                wide_store: bool = False, tma: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
-    "wide_store" for 16-byte epilogue stores (api.store_spec)."""
+    "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
+    every existing key is unchanged)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
-            + api.store_spec(wide_store))
+            + api.store_spec(wide_store) + (("tma",) if tma else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
-                                    wide_store: bool = False):
+                                    wide_store: bool = False, tma: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
-    next pair's tiles (None: ``seesaw_l2_prefetch_default`` of the cache dtype)."""
+    next pair's tiles (None: ``seesaw_l2_prefetch_default`` of the cache dtype).  ``tma``: KV parts by
+    TMA boxes instead of cp.async (16-bit cache only; opt-in, measured in the class docstring)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
     if kv_name not in (q_name, "fp8_e4m3"):
         raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
+    if tma and kv_name == "fp8_e4m3":
+        raise ValueError("seesaw WGMMA kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
-                                     seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store),
+                                     seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma),
                                      _build_partial_wgmma_seesaw)
 
 
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True,
-                                 l2_prefetch: bool | None = None):
+                                 l2_prefetch: bool | None = None, tma: bool = False):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
-    ``l2_prefetch``: see ``get_partial_kernel_wgmma_seesaw``."""
+    ``l2_prefetch``, ``tma``: see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
                                               l2_prefetch=l2_prefetch, partial=api.partial_name(workspace),
-                                              wide_store=schedule.wide_store)
+                                              wide_store=schedule.wide_store, tma=tma)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
