@@ -237,16 +237,23 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes):
 
 
 def time_rows(runners, rows, reps, nbytes, flops, closers):
-    """Time every runner together (`mla bench`'s timer, mlacore.tools.bench.time_calls_interleaved: CUDA graphs of
+    """Time every runner together (`mla bench`'s timer, mlacore.tools.bench.time_prepared_interleaved: CUDA graphs of
     one call per input set, replays timed with CUDA events in rounds whose order rotates, so that a drift of the
     GPU's clock falls on every way alike), fill each row (us, GB/s, TFLOP/s, x fa3), close the decoders."""
-    from mlacore.tools.bench import time_calls_interleaved
+    from mlacore.tools.bench import prepare_target, time_prepared_interleaved
 
-    names = list(runners)
+    prepared = {}
+    for name, (run, outs, lses) in runners.items():
+        try:  # warm-up and capture per way: a failure is that way's alone
+            prepared[name] = prepare_target(_all_sets(run, outs, lses), "cuda", True)
+        except Exception as exc:
+            rows[name]["status"] = "error"
+            rows[name]["error"] = f"timing: {type(exc).__name__}: {exc}"[:400]
+    names = list(prepared)
     try:
-        timed = time_calls_interleaved([_all_sets(*runners[n]) for n in names], len(runners[names[0]][1]) if names
-                                       else 1, "cuda", [True] * len(names), min_repeats=reps, max_repeats=reps)
-    except Exception as exc:  # one failing replay spoils the rounds: report every way timed with it
+        timed = time_prepared_interleaved([prepared[n] for n in names], len(runners[names[0]][1]) if names else 1,
+                                          "cuda", min_repeats=reps, max_repeats=reps)
+    except Exception as exc:  # a replay failing inside the rounds: report every way timed with it
         timed = []
         for n in names:
             rows[n]["status"] = "error"

@@ -97,6 +97,42 @@ def test_bench_cell_times_interleaved_unless_sequential(with_plugins):
     assert all(r.time_us > 0 and r.gbps > 0 for r in inter + seq)
 
 
+def test_a_warm_up_failure_is_one_backends_error_and_every_decoder_closes(with_plugins, monkeypatch):
+    """Interleaved timing prepares (warms up, captures) each backend where it is checked: a failure there marks that
+    backend's row only, the others are still timed, and every decoder the cell opened is closed."""
+    import mlacore.tools.bench as bench_mod
+    from mlacore import BackendRegistry
+
+    reg = BackendRegistry(env={}).load()
+    p = DecodeProblem(num_heads=16, seq_len_q=1, batch_size=1, max_kv_len=32, min_kv_len=32, page_size=16,
+                      device=CPU)
+    real_prepare = bench_mod.prepare_target
+    prepared = []
+
+    def second_fails(fn, device, graph):
+        prepared.append(fn)
+        if len(prepared) == 2:
+            raise RuntimeError("capture failed on purpose")
+        return real_prepare(fn, device, graph)
+
+    closed = []
+    real_close = bench_mod.MLADecoder.close
+
+    def counting_close(self):
+        closed.append(self)
+        return real_close(self)
+
+    monkeypatch.setattr(bench_mod, "prepare_target", second_fails)
+    monkeypatch.setattr(bench_mod.MLADecoder, "close", counting_close)
+    specs = [BackendSpec("reference"), BackendSpec("chunked_reference", (("chunk_tokens", 16),)),
+             BackendSpec("chunked_reference", (("chunk_tokens", 8),))]
+    rows = bench_cell(p, specs, "cpu", False, CEIL, registry=reg, budget_s=0.01)
+    assert [r.status for r in rows] == ["ok", "error", "ok"]
+    assert "capture failed on purpose" in rows[1].notes and "interleaved" not in rows[1].notes
+    assert rows[0].time_us > 0 and rows[2].time_us > 0
+    assert len(closed) == 3 and len(set(map(id, closed))) == 3
+
+
 def test_bench_skips_what_a_backend_cannot_take(with_plugins):
     from mlacore import BackendRegistry
 

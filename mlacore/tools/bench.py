@@ -16,7 +16,7 @@ H200 the same compute-bound kernel (B=128 H=128 bf16) measured 299.5 and 326.2
 us in two processes a minute apart; in four `mla bench` runs of heavy cells,
 sequential and interleaved with the backends in either order
 (docs/results/gpu15_session/order_*), the H=16 cells and the H=128 fp8 cell
-moved by at most 2.2% and the H=128 bf16 cell by up to 10%, in both modes alike:
+moved by at most 2.2% and the H=128 bf16 cell by up to 10% (in each mode):
 interleaving is a fairness measure, not a measured correction. ``sequential=True`` (``mla bench
 --sequential``) keeps the old order.
 """
@@ -153,7 +153,7 @@ def _median_cpu(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _prepare_target(fn: Callable[[], None], device: str, graph: bool) -> Tuple[Callable[[], None], str]:
+def prepare_target(fn: Callable[[], None], device: str, graph: bool) -> Tuple[Callable[[], None], str]:
     """Warm fn up (compilation, allocator, plan caches) and, on a GPU with graph, capture it: (what to time, how)."""
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -181,9 +181,18 @@ def time_calls_interleaved(fns: Sequence[Callable[[], None]], calls_per_fn: int,
     """Median microseconds of one call of each fn (each makes `calls_per_fn` calls), timed in `rounds` rounds: each
     round times ceil(repeats / rounds) calls of every fn, the order rotated by one per round, so that a drift of the
     device's speed over the run (clocks, temperature) falls on every fn alike. repeats per fn as time_calls picks
-    them (its budget_s, min_repeats, max_repeats); graphs[i]: capture fns[i] in a CUDA graph (GPU only)."""
+    them (its budget_s, min_repeats, max_repeats); graphs[i]: capture fns[i] in a CUDA graph (GPU only). Callers
+    that must tell one fn's warm-up or capture failure from another's prepare each with prepare_target and time
+    them with time_prepared_interleaved."""
+    return time_prepared_interleaved([prepare_target(fn, device, g) for fn, g in zip(fns, graphs)], calls_per_fn,
+                                     device, budget_s, min_repeats, max_repeats, rounds)
+
+
+def time_prepared_interleaved(prepared: Sequence[Tuple[Callable[[], None], str]], calls_per_fn: int, device: str,
+                              budget_s: float = 0.3, min_repeats: int = 5, max_repeats: int = 200,
+                              rounds: int = 8) -> List[Tuple[float, str]]:
+    """time_calls_interleaved's rounds over targets that prepare_target returned (what to time, how)."""
     cuda = device.startswith("cuda")
-    prepared = [_prepare_target(fn, device, g) for fn, g in zip(fns, graphs)]
     per_round = [max(1, math.ceil(_repeats(target, device, budget_s, min_repeats, max_repeats) / rounds))
                  for target, _ in prepared]
     samples: List[List[float]] = [[] for _ in prepared]
@@ -223,7 +232,7 @@ def _repeats(target: Callable[[], None], device: str, budget_s: float, min_repea
 def time_calls(fn: Callable[[], None], calls_per_fn: int, device: str, graph: bool,
                budget_s: float = 0.3, min_repeats: int = 5, max_repeats: int = 200) -> Tuple[float, str]:
     """Median microseconds of one call; fn makes `calls_per_fn` calls (one per input set)."""
-    target, how = _prepare_target(fn, device, graph)
+    target, how = prepare_target(fn, device, graph)
     repeats = _repeats(target, device, budget_s, min_repeats, max_repeats)
     median = _median_cuda(target, repeats) if device.startswith("cuda") else _median_cpu(target, repeats)
     return median / calls_per_fn, f"{how}, median of {repeats} x {calls_per_fn} rotating input sets"
@@ -293,63 +302,68 @@ def bench_cell(problem: DecodeProblem, specs: Sequence[BackendSpec], device: str
     n_bytes, n_flops = traffic(problem, lens)
     ref_out, ref_lse = reference_outputs(problem, first)
     rows: List[BenchRow] = []
-    timed: List[Tuple[BenchRow, MLADecoder, Callable[[], None], bool]] = []
-    for spec in specs:
-        row = BenchRow(spec.label, problem, SKIPPED)
-        rows.append(row)
-        dispatcher = only_backend_dispatcher(spec.name, registry, dict(spec.options))
-        decision = dispatcher.explain(problem)
-        if decision.backend != spec.name:
-            row.notes = "; ".join(decision.verdict(spec.name).reasons) or decision.verdict(spec.name).outcome
-            continue
-        decoder = None
-        try:
-            capturable = dispatcher.backend(spec.name).info().graph_capturable
-            use_graph = graph and capturable
-            envelope = dict(max_batch=problem.batch_size, max_kv_len=max(1, problem.max_kv_len)) if use_graph else {}
-            decoder = MLADecoder(problem.num_heads, problem.page_size, q_dtype=torch_dtype(problem.q_dtype),
-                                 kv_dtype=torch_dtype(problem.kv_dtype), device=device, sm_scale=first.sm_scale,
-                                 kv_scale=first.kv_scale, causal=problem.causal, dispatcher=dispatcher,
-                                 cuda_graph=use_graph, **envelope)
-            plan = decoder.plan(first.kv_lens, first.page_table, problem.seq_len_q)
-            out = torch.full((*first.q.shape[:3], problem.kv_lora_rank), float("nan"), dtype=first.q.dtype,
-                             device=device)
-            lse = torch.full(first.q.shape[:3], float("nan"), dtype=torch.float32, device=device)
-            decoder.run(first.q, first.kv_cache, plan, out=out, lse=lse)
-            verdict = compare(problem, out, lse, ref_out, ref_lse)
-            row.out_rel_err = verdict.out_rel_err
-            if not verdict.passed:
-                row.status, row.notes = WRONG, "; ".join(verdict.messages)
-                decoder.close()
+    # prepared for the interleaved rounds: (row, its open decoder, what to time, how); closed in the finally
+    timed: List[Tuple[BenchRow, MLADecoder, Callable[[], None], str]] = []
+    try:
+        for spec in specs:
+            row = BenchRow(spec.label, problem, SKIPPED)
+            rows.append(row)
+            dispatcher = only_backend_dispatcher(spec.name, registry, dict(spec.options))
+            decision = dispatcher.explain(problem)
+            if decision.backend != spec.name:
+                row.notes = "; ".join(decision.verdict(spec.name).reasons) or decision.verdict(spec.name).outcome
                 continue
+            decoder = None
+            try:
+                capturable = dispatcher.backend(spec.name).info().graph_capturable
+                use_graph = graph and capturable
+                envelope = (dict(max_batch=problem.batch_size, max_kv_len=max(1, problem.max_kv_len))
+                            if use_graph else {})
+                decoder = MLADecoder(problem.num_heads, problem.page_size, q_dtype=torch_dtype(problem.q_dtype),
+                                     kv_dtype=torch_dtype(problem.kv_dtype), device=device,
+                                     sm_scale=first.sm_scale, kv_scale=first.kv_scale, causal=problem.causal,
+                                     dispatcher=dispatcher, cuda_graph=use_graph, **envelope)
+                plan = decoder.plan(first.kv_lens, first.page_table, problem.seq_len_q)
+                out = torch.full((*first.q.shape[:3], problem.kv_lora_rank), float("nan"), dtype=first.q.dtype,
+                                 device=device)
+                lse = torch.full(first.q.shape[:3], float("nan"), dtype=torch.float32, device=device)
+                decoder.run(first.q, first.kv_cache, plan, out=out, lse=lse)
+                verdict = compare(problem, out, lse, ref_out, ref_lse)
+                row.out_rel_err = verdict.out_rel_err
+                if not verdict.passed:
+                    row.status, row.notes = WRONG, "; ".join(verdict.messages)
+                    continue
 
-            def calls(decoder=decoder, plan=plan, out=out, lse=lse) -> None:
-                for s in sets:
-                    decoder.run(s.q, s.kv_cache, plan, out=out, lse=lse)
+                def calls(decoder=decoder, plan=plan, out=out, lse=lse) -> None:
+                    for s in sets:
+                        decoder.run(s.q, s.kv_cache, plan, out=out, lse=lse)
 
-            if sequential:
-                row.time_us, row.timing = time_calls(calls, len(sets), device, use_graph, budget_s)
-                decoder.close()
-                _mark_ok(row, n_bytes, n_flops, ceilings)
-            else:
-                timed.append((row, decoder, calls, use_graph))
-        except Exception as exc:  # report the backend's failure, keep benchmarking the rest
-            row.status, row.notes = ERROR, f"{type(exc).__name__}: {exc}"
-            if decoder is not None:
-                decoder.close()
-    if timed:
-        try:
-            results = time_calls_interleaved([c for _, _, c, _ in timed], len(sets), device,
-                                             [g for _, _, _, g in timed], budget_s)
-            for (row, _, _, _), (t, how) in zip(timed, results):
-                row.time_us, row.timing = t, how
-                _mark_ok(row, n_bytes, n_flops, ceilings)
-        except Exception as exc:  # one failing replay spoils the round: report every backend timed with it
-            for row, _, _, _ in timed:
-                row.status, row.notes = ERROR, f"{type(exc).__name__} while timing interleaved: {exc}"
-        finally:
-            for _, decoder, _, _ in timed:
-                decoder.close()
+                if sequential:
+                    row.time_us, row.timing = time_calls(calls, len(sets), device, use_graph, budget_s)
+                    _mark_ok(row, n_bytes, n_flops, ceilings)
+                else:
+                    # warm-up and capture here, so that a failure is this backend's alone
+                    target, how = prepare_target(calls, device, use_graph)
+                    timed.append((row, decoder, target, how))
+                    decoder = None  # closed with `timed`
+            except Exception as exc:  # report the backend's failure, keep benchmarking the rest
+                row.status, row.notes = ERROR, f"{type(exc).__name__}: {exc}"
+            finally:
+                if decoder is not None:
+                    decoder.close()
+        if timed:
+            try:
+                results = time_prepared_interleaved([(t, h) for _, _, t, h in timed], len(sets), device,
+                                                    budget_s=budget_s)
+                for (row, _, _, _), (t, how) in zip(timed, results):
+                    row.time_us, row.timing = t, how
+                    _mark_ok(row, n_bytes, n_flops, ceilings)
+            except Exception as exc:  # a replay failing inside the rounds: no backend's time is trustworthy
+                for row, _, _, _ in timed:
+                    row.status, row.notes = ERROR, f"{type(exc).__name__} while timing interleaved: {exc}"
+    finally:
+        for _, decoder, _, _ in timed:
+            decoder.close()
     ok = [r for r in rows if r.status == OK]
     for r in ok:
         others = [o.time_us for o in ok if o is not r]
