@@ -54,11 +54,11 @@ def test_bench_row_arithmetic_and_wrong_answer_guard(with_plugins):
 
 
 def test_interleaved_timing_rotates_the_order_and_keeps_each_fns_time():
-    """time_calls_interleaved: every round times a block of each fn, the first fn of a round rotates, and each
+    """time_prepared_interleaved: every round times a block of each fn, the first fn of a round rotates, and each
     median is that fn's own time (a slow fn does not leak into a fast one's samples)."""
     import time as _time
 
-    from mlacore.tools.bench import time_calls_interleaved
+    from mlacore.tools.bench import prepare_target, time_prepared_interleaved
 
     log = []
 
@@ -70,8 +70,9 @@ def test_interleaved_timing_rotates_the_order_and_keeps_each_fns_time():
         log.append("f")
         _time.sleep(0.0005)
 
-    (t_slow, how_slow), (t_fast, how_fast) = time_calls_interleaved([slow, fast], 1, "cpu", [False, False],
-                                                                    budget_s=0.02, min_repeats=8, rounds=4)
+    prepared = [prepare_target(fn, "cpu", False) for fn in (slow, fast)]
+    (t_slow, how_slow), (t_fast, how_fast) = time_prepared_interleaved(prepared, 1, "cpu", budget_s=0.02,
+                                                                       min_repeats=8, rounds=4)
     assert t_slow > 3000 and t_fast < 2000 and t_slow / t_fast > 3
     assert "interleaved in 4 rounds" in how_slow and "interleaved in 4 rounds" in how_fast
     assert "".join(log[:6]) == "ssffsf"  # 2 warm-up calls each, then 1 sizing call each

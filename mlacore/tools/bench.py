@@ -133,24 +133,24 @@ def traffic(problem: DecodeProblem, kv_lens: Sequence[int]) -> Tuple[float, floa
 # -- timers --------------------------------------------------------------------------
 
 
-def _median_cuda(fn: Callable[[], None], repeats: int) -> float:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3  # us
-
-
-def _median_cpu(fn: Callable[[], None], repeats: int) -> float:
+def _samples_us(fn: Callable[[], None], repeats: int, device: str) -> List[float]:
+    """Microseconds of each of `repeats` calls of fn: CUDA events on a GPU (one sync at the end), perf_counter on
+    the CPU."""
+    if device.startswith("cuda"):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        for s, e in zip(starts, ends):
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times
 
 
 def prepare_target(fn: Callable[[], None], device: str, graph: bool) -> Tuple[Callable[[], None], str]:
@@ -175,45 +175,21 @@ def prepare_target(fn: Callable[[], None], device: str, graph: bool) -> Tuple[Ca
     return fn, ("eager, cuda events" if cuda else "perf_counter")
 
 
-def time_calls_interleaved(fns: Sequence[Callable[[], None]], calls_per_fn: int, device: str,
-                           graphs: Sequence[bool], budget_s: float = 0.3, min_repeats: int = 5,
-                           max_repeats: int = 200, rounds: int = 8) -> List[Tuple[float, str]]:
-    """Median microseconds of one call of each fn (each makes `calls_per_fn` calls), timed in `rounds` rounds: each
-    round times ceil(repeats / rounds) calls of every fn, the order rotated by one per round, so that a drift of the
-    device's speed over the run (clocks, temperature) falls on every fn alike. repeats per fn as time_calls picks
-    them (its budget_s, min_repeats, max_repeats); graphs[i]: capture fns[i] in a CUDA graph (GPU only). Callers
-    that must tell one fn's warm-up or capture failure from another's prepare each with prepare_target and time
-    them with time_prepared_interleaved."""
-    return time_prepared_interleaved([prepare_target(fn, device, g) for fn, g in zip(fns, graphs)], calls_per_fn,
-                                     device, budget_s, min_repeats, max_repeats, rounds)
-
-
 def time_prepared_interleaved(prepared: Sequence[Tuple[Callable[[], None], str]], calls_per_fn: int, device: str,
                               budget_s: float = 0.3, min_repeats: int = 5, max_repeats: int = 200,
                               rounds: int = 8) -> List[Tuple[float, str]]:
-    """time_calls_interleaved's rounds over targets that prepare_target returned (what to time, how)."""
-    cuda = device.startswith("cuda")
+    """Median microseconds of one call of each target (prepare_target's (what to time, how); each makes
+    `calls_per_fn` calls), timed in `rounds` rounds: each round times ceil(repeats / rounds) calls of every target,
+    the order rotated by one per round, so that a drift of the device's speed over the run (clocks, temperature)
+    falls on every target alike. repeats per target as time_calls picks them (budget_s, min_repeats, max_repeats).
+    Callers prepare each target themselves, so that a warm-up or capture failure is that target's alone."""
     per_round = [max(1, math.ceil(_repeats(target, device, budget_s, min_repeats, max_repeats) / rounds))
                  for target, _ in prepared]
     samples: List[List[float]] = [[] for _ in prepared]
     n = len(prepared)
     for r in range(rounds):
         for i in [(r + k) % n for k in range(n)]:
-            target = prepared[i][0]
-            if cuda:
-                starts = [torch.cuda.Event(enable_timing=True) for _ in range(per_round[i])]
-                ends = [torch.cuda.Event(enable_timing=True) for _ in range(per_round[i])]
-                for s_ev, e_ev in zip(starts, ends):
-                    s_ev.record()
-                    target()
-                    e_ev.record()
-                torch.cuda.synchronize()
-                samples[i].extend(s_ev.elapsed_time(e_ev) * 1e3 for s_ev, e_ev in zip(starts, ends))
-            else:
-                for _ in range(per_round[i]):
-                    t0 = time.perf_counter()
-                    target()
-                    samples[i].append((time.perf_counter() - t0) * 1e6)
+            samples[i].extend(_samples_us(prepared[i][0], per_round[i], device))
     return [(statistics.median(t) / calls_per_fn,
              f"{how}, median of {len(t)} x {calls_per_fn} rotating input sets, interleaved in {rounds} rounds")
             for t, (_, how) in zip(samples, prepared)]
@@ -234,7 +210,7 @@ def time_calls(fn: Callable[[], None], calls_per_fn: int, device: str, graph: bo
     """Median microseconds of one call; fn makes `calls_per_fn` calls (one per input set)."""
     target, how = prepare_target(fn, device, graph)
     repeats = _repeats(target, device, budget_s, min_repeats, max_repeats)
-    median = _median_cuda(target, repeats) if device.startswith("cuda") else _median_cpu(target, repeats)
+    median = statistics.median(_samples_us(target, repeats, device))
     return median / calls_per_fn, f"{how}, median of {repeats} x {calls_per_fn} rotating input sets"
 
 
@@ -295,7 +271,7 @@ def bench_cell(problem: DecodeProblem, specs: Sequence[BackendSpec], device: str
                ceilings: Ceilings, seed: int = 0, registry=None, budget_s: float = 0.3,
                sequential: bool = False) -> List[BenchRow]:
     """One cell: each backend checked against the fp64 reference, then the correct ones timed together,
-    interleaved (time_calls_interleaved), or one after the other with ``sequential``."""
+    interleaved (time_prepared_interleaved), or one after the other with ``sequential``."""
     sets = input_sets(problem, device, seed)
     first = sets[0]
     lens = first.kv_lens.cpu().tolist()
