@@ -27,7 +27,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -153,8 +153,25 @@ def _samples_us(fn: Callable[[], None], repeats: int, device: str) -> List[float
     return times
 
 
+class GraphReplay:
+    """A captured CUDA graph as a call, holding the function it was captured from. A graph reads and writes the
+    addresses its kernels saw at capture: the output buffers, plan and decoder fn closes over must outlive every
+    replay, or the caching allocator hands their memory to the next backend's buffers and the replays write into
+    them (mlacore 0.2.2's interleaved `mla bench` dropped fn after capture: with three backends in a cell the
+    replays ended in illegal-address errors on an H200)."""
+
+    __slots__ = ("graph", "fn")
+
+    def __init__(self, graph: Any, fn: Callable[[], None]) -> None:
+        self.graph, self.fn = graph, fn
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
 def prepare_target(fn: Callable[[], None], device: str, graph: bool) -> Tuple[Callable[[], None], str]:
-    """Warm fn up (compilation, allocator, plan caches) and, on a GPU with graph, capture it: (what to time, how)."""
+    """Warm fn up (compilation, allocator, plan caches) and, on a GPU with graph, capture it: (what to time, how).
+    The returned target keeps fn, and with it everything the captured calls touch, alive (GraphReplay)."""
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
@@ -171,7 +188,7 @@ def prepare_target(fn: Callable[[], None], device: str, graph: bool) -> Tuple[Ca
             fn()
         g.replay()
         sync()
-        return g.replay, "cuda graph replay, cuda events"
+        return GraphReplay(g, fn), "cuda graph replay, cuda events"
     return fn, ("eager, cuda events" if cuda else "perf_counter")
 
 
