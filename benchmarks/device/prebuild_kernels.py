@@ -40,9 +40,9 @@ def specs():
                             get_partial_kernel_wgmma(q, kv, partial=p, wide_store=w)))
                 out.append((f"seesaw {q} {kv} {tag}", lambda q=q, kv=kv, p=partial, w=wide:
                             get_partial_kernel_wgmma_seesaw(q, kv, partial=p, wide_store=w)))
-                if kv == q and partial == "fp32":  # seesaw_tma_gpu.sh: tma=True (its GPU tests and wgmma_speed.py)
-                    out.append((f"seesaw {q} {kv} {tag} tma", lambda q=q:
-                                get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True)))
+                if kv == q:  # tma=True: seesaw_tma_gpu.sh (fp32, narrow), the backend's loads=tma/auto (default)
+                    out.append((f"seesaw {q} {kv} {tag} tma", lambda q=q, p=partial, w=wide:
+                                get_partial_kernel_wgmma_seesaw(q, q, partial=p, wide_store=w, tma=True)))
                 for bm in (16, 32):  # wgmma_t has no wide epilogue
                     out.append((f"wgmma_t {q} {kv} {bm} {partial}", lambda q=q, kv=kv, bm=bm, p=partial:
                                 get_partial_kernel_wgmma_t(q, kv, bm, partial=p)))

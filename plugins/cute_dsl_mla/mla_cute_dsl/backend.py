@@ -109,6 +109,15 @@ WGMMA_T_AUTO_MIN_BLOCKS = 640
 # (docs/results/gpu11_pdl/, same method) auto lost up to 1.53x at B=1-2 (H=16 s_q=2 B=1: S=8192 1.40x bf16 / 1.14x
 # fp8, S=16384 1.36x / 1.53x; s_q=1 fp8 S=16384 1.13-1.22x; s_q=1 bf16 0.97-1.03x), so pdl is off by default.
 PDL_AUTO_MAX_ROWS = 32
+# option loads=auto gives the seesaw kernel with a bf16/fp16 cache TMA KV loads (one elected thread per warpgroup
+# issues a part's 64x64 boxes) from this many packed rows (s_q*num_heads: four or more 64-row m-blocks of a work
+# item read the same tiles), cp.async below. Measured on an H200, H=128 S=4096 bf16: the kernels alone
+# (docs/results/gpu16_session/tma_ab_run{1,2}.txt, benchmarks/wgmma_speed.py, fp32 partials, narrow stores, ways
+# timed interleaved, two processes) TMA took 0.93-0.96x cp.async's time at s_q=2 (B=32/64/128) and s_q=4
+# (B=16/32/64) in both runs, 0.98-1.02x at s_q=1; through the backend's defaults (h128_loads_ab.txt, mla bench,
+# loads=auto against loads=cp_async and fa3, interleaved) 0.864-0.890x at s_q=2 and 4 from B=32 (ours against fa3
+# 1.16-1.18x -> 1.015-1.037x), 0.953x at s_q=2 B=16 (0.989x fa3); s_q=1 (cp.async under auto) 1.000-1.005x
+SEESAW_TMA_MIN_ROWS = 256
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
 SplitKV = Literal["even", "balanced"]
@@ -118,6 +127,17 @@ class CuteDslOptions(BackendOptions):
     ctas_per_sm: Literal["auto", 1, 2] = Field(
         default="auto", description="split-KV work items per SM in one wave (sm_90). auto: 2 for the fp8reg kernel "
         "(its 94-115 KB of shared memory lets two CTAs share an SM), else 1 (the WGMMA kernel's 224 KiB allows one)")
+    loads: Literal["auto", "cp_async", "tma"] = Field(
+        default="auto",
+        description="how the seesaw kernel (sm_90, s_q*num_heads >= 128 under mma=auto) brings KV tiles into shared "
+                    "memory with a bf16/fp16 cache: cp_async (each thread of the loading warpgroup issues 16-20 "
+                    "16-byte cp.async per part; zero-fills page tails) or tma (one elected thread issues a part's "
+                    "64-token x 64-column TMA boxes; the kernel zeroes page tails itself). auto (default): tma from "
+                    f"{SEESAW_TMA_MIN_ROWS} packed rows, cp_async below. On an H200 (docs/results/gpu16_session/, "
+                    "H=128 S=4096 bf16, mla bench, interleaved) auto took 0.86-0.89x loads=cp_async's time at "
+                    "s_q=2 and 4 from batch 32 (0.95x at s_q=2 B=16); the kernels alone, 0.93-0.96x there and "
+                    "0.98-1.02x at s_q=1. With tma an eager step encodes the cache's tensor map on the host at "
+                    "every launch (none under CUDA-graph replay). Other kernels and fp8 caches ignore it")
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(
         default="auto",
         description="sm_90 partial kernel: wgmma (s_q*num_heads > 32; 1.4-1.7x faster than mma_sync at H=64/128 on "
@@ -390,6 +410,11 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             why = ("has an fp8 cache" if kernel in BALANCED_KERNELS else f"runs the {kernel} kernel")
             text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
                      f"cache, this shape {why})")
+    if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
+        text += f", {'TMA' if seesaw_tma(shape, options) else 'cp.async'} KV loads (loads={options.loads}"
+        if options.loads == "auto":
+            text += f": TMA from {SEESAW_TMA_MIN_ROWS} rows"
+        text += ")"
     if _wgmma_t_auto(shape, options):
         rows = shape.seq_len_q * shape.num_heads
         least = WGMMA_T_AUTO_MIN_BLOCKS
@@ -414,6 +439,15 @@ def pdl_combine(shape: DecodeShape, options: CuteDslOptions) -> bool:
     if options.pdl != "auto":
         return bool(options.pdl)
     return shape.seq_len_q * shape.num_heads <= PDL_AUTO_MAX_ROWS
+
+
+def seesaw_tma(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether the seesaw kernel, where it runs this shape class, loads KV by TMA (option loads; auto: from
+    SEESAW_TMA_MIN_ROWS packed rows). False for an fp8 cache (its loads convert in registers). A function of the
+    shape class and options only: one session's graphs keep one kernel."""
+    if shape.kv_dtype == "fp8_e4m3" or options.loads == "cp_async":
+        return False
+    return options.loads == "tma" or shape.seq_len_q * shape.num_heads >= SEESAW_TMA_MIN_ROWS
 
 
 # option s_accs=auto: 4 independent S accumulators in the fp8reg kernel up to this many packed rows (BLOCK_M 16),
@@ -608,10 +642,13 @@ class CuteDslPlanned(Planned):
 
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
-                 kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1) -> None:
+                 kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1,
+                 tma: bool = False) -> None:
         run_fn = run_function(kernel, balanced)
         if kernel == "fp8reg" and s_accs != 1:  # fp8reg_s_accs; the entry's default is 0.2.8's 1
             run_fn = functools.update_wrapper(functools.partial(run_fn, s_accs=s_accs), run_fn)
+        if kernel == "seesaw" and tma:  # seesaw_tma; the entry's default is cp.async loads
+            run_fn = functools.update_wrapper(functools.partial(run_fn, tma=True), run_fn)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
         self.lse_scratch, self.sm_scale, self.kv_scale = lse_scratch, sm_scale, kv_scale
         self.run_fn, self.kernel, self.balanced = run_fn, kernel, balanced
@@ -740,7 +777,7 @@ class CuteDslSession(Session):
                       kernel_summary(problem, self.options, blocks))
         return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
                               self.config.kv_scale, kernel=kernel, balanced=balanced_split(problem, self.options),
-                              s_accs=fp8reg_s_accs(problem, self.options))
+                              s_accs=fp8reg_s_accs(problem, self.options), tma=seesaw_tma(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()

@@ -107,6 +107,29 @@ class TestCuteDslSeesawFp16Conformance(TestCuteDslSeesawConformance):
     kv_dtypes = ("fp16", "fp8_e4m3")
 
 
+class TestCuteDslSeesawTmaConformance(TestCuteDslSeesawConformance):
+    """loads=tma with the seesaw kernel forced: TMA KV loads at every row count it takes (auto uses them from 256
+    rows only), page 64 and 256; fp8 caches ignore the option (their loads convert in registers)."""
+
+    options = {"mma": "seesaw", "loads": "tma"}
+    page_sizes = (64, 256)
+
+
+class TestCuteDslSeesawTmaFp16Conformance(TestCuteDslSeesawTmaConformance):
+    q_dtype = "fp16"
+    kv_dtypes = ("fp16",)
+
+
+class TestCuteDslSeesawCpAsyncConformance(TestCuteDslConformance):
+    """loads=cp_async: the seesaw kernel's cp.async loads where auto would take TMA (from 256 rows: H=64 s_q>=4,
+    H=126/128 s_q>=2), so both load paths stay covered through the backend."""
+
+    options = {"loads": "cp_async"}
+    num_heads = (64, 128)
+    seq_lens_q = (2, 4)
+    single_cell_heads = 128
+
+
 class TestCuteDslFp8RegConformance(TestCuteDslConformance):
     """The fp8-register kernel forced (auto takes it for fp8 caches up to 32 rows), two CTAs per SM;
     shapes it refuses (bf16 KV, s_q*H > 32) are skipped with the backend's reason."""

@@ -535,7 +535,8 @@ def test_split_kv_applies_only_to_the_mma_sync_and_wgmma_t_kernels_with_a_16_bit
     assert kernel_summary(prob(num_heads=16), CuteDslOptions(split_kv="even")) == "mma_sync kernel, even split-KV"
     assert kernel_summary(prob(num_heads=128), bal) == (
         "seesaw kernel, even split-KV (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels "
-        "with a bf16/fp16 cache, this shape runs the seesaw kernel)")
+        "with a bf16/fp16 cache, this shape runs the seesaw kernel), cp.async KV loads (loads=auto: TMA from 256 "
+        "rows)")
     assert kernel_summary(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
                                                                                    mma="mma_sync")).endswith(
         "this shape has an fp8 cache)")
@@ -785,6 +786,44 @@ def test_option_s_accs_is_validated():
     with pytest.raises(ValueError, match="s_accs"):
         CuteDslOptions(s_accs=3)
     assert CuteDslOptions().s_accs == "auto"
+
+
+@pytest.mark.parametrize("loads,heads,s_q,kv,want", [
+    ("auto", 128, 2, "bf16", True), ("auto", 64, 4, "bf16", True), ("auto", 128, 1, "bf16", False),
+    ("auto", 64, 3, "bf16", False), ("tma", 128, 1, "bf16", True), ("cp_async", 128, 2, "bf16", False),
+    ("auto", 128, 2, "fp8_e4m3", False), ("tma", 128, 2, "fp8_e4m3", False)])
+def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, kv, want):
+    """Option loads (auto: TMA from 256 packed rows, cp.async below; fp8 caches always load through registers)
+    reaches the seesaw host entry the plan runs as tma=True (no keyword for cp.async: the entry's default kernel),
+    the plan's log line names it, and a shape on another kernel ignores it."""
+    from mla_cute_dsl import backend as be
+    from mlacore import StepInputs
+
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    lens = torch.tensor([3000, 17, 0, 4096], dtype=torch.int32)
+    opts = CuteDslOptions(loads=loads)
+    problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=4, kv_dtype=kv)
+    planned = _cpu_session(monkeypatch, opts, heads=heads, kv_dtype=kv).plan(
+        problem, StepInputs(lens, table, lens, table))
+    assert planned.kernel == "seesaw" and be.seesaw_tma(problem, opts) is want
+    assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw"
+    assert getattr(planned.run_fn, "keywords", {}) == ({"tma": True} if want else {})
+    summary = be.kernel_summary(problem, opts)
+    if kv == "bf16":
+        assert f"{'TMA' if want else 'cp.async'} KV loads (loads={loads}" in summary
+    else:
+        assert "KV loads" not in summary
+    small = prob(num_heads=16, seq_len_q=1, batch_size=4)
+    other = _cpu_session(monkeypatch, opts, heads=16).plan(small, StepInputs(lens, table, lens, table))
+    assert other.kernel != "seesaw" and "tma" not in getattr(other.run_fn, "keywords", {})
+
+
+def test_option_loads_is_validated():
+    from mla_cute_dsl import backend as be
+
+    with pytest.raises(ValueError, match="loads"):
+        CuteDslOptions(loads="bulk")
+    assert CuteDslOptions().loads == "auto" and be.SEESAW_TMA_MIN_ROWS == 256
 
 
 @pytest.mark.parametrize("stores,want", [("auto", True), ("narrow", False), ("wide", True)])
