@@ -43,6 +43,9 @@ def specs():
                 if kv == q:  # tma=True: seesaw_tma_gpu.sh (fp32, narrow), the backend's loads=tma/auto (default)
                     out.append((f"seesaw {q} {kv} {tag} tma", lambda q=q, p=partial, w=wide:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial=p, wide_store=w, tma=True)))
+                if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
+                    out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
+                                get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))
                 for bm in (16, 32):  # wgmma_t has no wide epilogue
                     out.append((f"wgmma_t {q} {kv} {bm} {partial}", lambda q=q, kv=kv, bm=bm, p=partial:
                                 get_partial_kernel_wgmma_t(q, kv, bm, partial=p)))

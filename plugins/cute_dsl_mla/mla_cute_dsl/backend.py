@@ -480,7 +480,8 @@ class CuteDslBackend(Backend):
         return BackendInfo(
             description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
             notes=("sm_90 kernels checked on an H200: WGMMA from s_q*H >= 64 (its seesaw schedule from 128, "
-                   "bf16, fp16 or fp8 KV), fp8reg for an fp8 cache up to s_q*H = 32, mma.sync otherwise "
+                   f"bf16, fp16 or fp8 KV; TMA KV loads from {SEESAW_TMA_MIN_ROWS} rows with a 16-bit cache, "
+                   "option loads), fp8reg for an fp8 cache up to s_q*H = 32, mma.sync otherwise "
                    "(at 17-32 rows with a 16-bit cache wgmma_t on large steps, below)",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
