@@ -110,10 +110,10 @@ WGMMA_T_AUTO_MIN_BLOCKS = 640
 # fp8, S=16384 1.36x / 1.53x; s_q=1 fp8 S=16384 1.13-1.22x; s_q=1 bf16 0.97-1.03x), so pdl is off by default.
 PDL_AUTO_MAX_ROWS = 32
 # option loads=auto gives the seesaw kernel with a bf16/fp16 cache TMA KV loads (one elected thread per warpgroup
-# issues a part's 64x64 boxes) from this many packed rows (s_q*num_heads: four or more 64-row m-blocks of a work
-# item read the same tiles), cp.async below. Measured on an H200, H=128 S=4096 bf16: the kernels alone
+# issues a part's 64x64 boxes) from this many packed rows (s_q*num_heads), cp.async below: the row counts where it was
+# measured faster (256-512 rows: H=128 s_q=2 and 4; H=64 s_q>=4 and 193-255 rows, e.g. H=126 s_q=2, not measured). Measured on an H200, H=128 S=4096 bf16: the kernels alone
 # (docs/results/gpu16_session/tma_ab_run{1,2}.txt, benchmarks/wgmma_speed.py, fp32 partials, narrow stores, ways
-# timed interleaved, two processes) TMA took 0.93-0.96x cp.async's time at s_q=2 (B=32/64/128) and s_q=4
+# timed interleaved, two processes) TMA took 0.92-0.96x cp.async's time at s_q=2 (B=32/64/128) and s_q=4
 # (B=16/32/64) in both runs, 0.98-1.02x at s_q=1; through the backend's defaults (h128_loads_ab.txt, mla bench,
 # loads=auto against loads=cp_async and fa3, interleaved) 0.864-0.890x at s_q=2 and 4 from B=32 (ours against fa3
 # 1.16-1.18x -> 1.015-1.037x), 0.953x at s_q=2 B=16 (0.989x fa3); s_q=1 (cp.async under auto) 1.000-1.005x
@@ -135,7 +135,7 @@ class CuteDslOptions(BackendOptions):
                     "64-token x 64-column TMA boxes; the kernel zeroes page tails itself). auto (default): tma from "
                     f"{SEESAW_TMA_MIN_ROWS} packed rows, cp_async below. On an H200 (docs/results/gpu16_session/, "
                     "H=128 S=4096 bf16, mla bench, interleaved) auto took 0.86-0.89x loads=cp_async's time at "
-                    "s_q=2 and 4 from batch 32 (0.95x at s_q=2 B=16); the kernels alone, 0.93-0.96x there and "
+                    "s_q=2 and 4 from batch 32 (0.95x at s_q=2 B=16); the kernels alone, 0.92-0.96x there and "
                     "0.98-1.02x at s_q=1. With tma an eager step encodes the cache's tensor map on the host at "
                     "every launch (none under CUDA-graph replay). Other kernels and fp8 caches ignore it")
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(

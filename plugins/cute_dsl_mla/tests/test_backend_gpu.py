@@ -121,8 +121,8 @@ class TestCuteDslSeesawTmaFp16Conformance(TestCuteDslSeesawTmaConformance):
 
 
 class TestCuteDslSeesawCpAsyncConformance(TestCuteDslConformance):
-    """loads=cp_async: the seesaw kernel's cp.async loads where auto would take TMA (from 256 rows: H=64 s_q>=4,
-    H=126/128 s_q>=2), so both load paths stay covered through the backend."""
+    """loads=cp_async: the seesaw kernel's cp.async loads where auto would take TMA (from 256 rows: H=64 s_q=4,
+    H=128 s_q=2 and 4), so both load paths stay covered through the backend."""
 
     options = {"loads": "cp_async"}
     num_heads = (64, 128)

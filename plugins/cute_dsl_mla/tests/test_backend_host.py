@@ -818,6 +818,46 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
     assert other.kernel != "seesaw" and "tma" not in getattr(other.run_fn, "keywords", {})
 
 
+@pytest.mark.parametrize("opts,kv", [({"loads": "tma", "mma": "wgmma"}, "bf16"), ({"loads": "tma"}, "fp8_e4m3"),
+                                     ({"loads": "auto", "mma": "wgmma"}, "bf16")])
+def test_option_loads_leaves_other_kernels_and_fp8_caches_alone(monkeypatch, opts, kv):
+    """At 256 rows (H=128 s_q=2), where auto takes TMA for the seesaw kernel: the plain WGMMA kernel (mma=wgmma) and
+    an fp8 cache's seesaw (loads convert in registers) get no tma keyword, whatever loads says."""
+    from mlacore import StepInputs
+
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    lens = torch.tensor([3000, 17], dtype=torch.int32)
+    options = CuteDslOptions(**opts)
+    planned = _cpu_session(monkeypatch, options, heads=128, kv_dtype=kv).plan(
+        prob(num_heads=128, seq_len_q=2, batch_size=2, kv_dtype=kv), StepInputs(lens, table, lens, table))
+    assert planned.kernel == ("wgmma" if opts.get("mma") == "wgmma" else "seesaw")
+    assert "tma" not in getattr(planned.run_fn, "keywords", {})
+
+
+def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch):
+    """loads=auto at H=128 s_q=2: running the plan reaches the seesaw kernel getter with tma=True (and the partial
+    dtype and wide stores of the defaults), and launches what it returned; at s_q=1 the same session asks for the
+    cp.async kernel."""
+    from mla_cute_dsl.kernels import api, sm90_wgmma_decode
+    from mlacore import StepInputs
+
+    asked, launched = [], []
+    monkeypatch.setattr(sm90_wgmma_decode, "get_partial_kernel_wgmma_seesaw",
+                        lambda q, kv, **k: asked.append((q, kv, k)) or ("kernel", k["tma"]))
+    monkeypatch.setattr(api, "launch", lambda partial, *a: launched.append(partial))
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    lens = torch.tensor([3000, 17], dtype=torch.int32)
+    session = _cpu_session(monkeypatch, CuteDslOptions(), heads=128)
+    for s_q, tma in ((2, True), (1, False)):
+        planned = session.plan(prob(num_heads=128, seq_len_q=s_q, batch_size=2), StepInputs(lens, table, lens, table))
+        q = torch.zeros(2, s_q, 128, 576, dtype=torch.bfloat16)
+        kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+        out = torch.empty(2, s_q, 128, 512, dtype=torch.bfloat16)
+        planned.run(q, kv, out, torch.empty(2, s_q, 128))
+        assert asked[-1] == ("bf16", "bf16", {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma})
+        assert launched[-1] == ("kernel", tma)
+
+
 def test_option_loads_is_validated():
     from mla_cute_dsl import backend as be
 
