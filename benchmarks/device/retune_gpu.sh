@@ -9,8 +9,9 @@
 #                 cells (grid marked partial).
 #   PART=tune:    `mla tune --from` FROM (default: the twelfth session's five runs in docs/results/gpu12_tune/)
 #                 with REFINE rounds of at most REFINE_CELLS midpoint cells (default 0: none), the rules written
-#                 into a copy of the default policy, then validated on VALIDATE (default h200_offgrid6_bf16, 48 cells
-#                 none of those runs measured) in a separate pass after the rules are written; or VALIDATE_FROM=FILE
+#                 into a copy of the default policy (RULES: batch, the default, or boxes), then validated on VALIDATE
+#                 (default h200_offgrid8_bf16, 48 cells none of those runs nor the last validation measured) in a
+#                 separate pass after the rules are written; or VALIDATE_FROM=FILE
 #                 (a stored `mla bench -o` run of the same stack) instead of measuring. mla tune refuses to join runs
 #                 whose backend versions differ: after a cute_dsl_mla release, re-measure every grid.
 source "$(dirname "$0")/project_env.sh"
@@ -30,10 +31,10 @@ else
   start=$(date +%s)
   timeout ${TUNE_TIMEOUT:-540} python -m mlacore tune --device cuda $ARMS --budget ${BUDGET:-0.08} --no-progress \
     $(for f in $FROM; do echo --from $f; done) \
-    $([ "${REFINE:-0}" = 0 ] || echo --refine ${REFINE} --refine-cells ${REFINE_CELLS:-60}) \
+    $([ "${REFINE:-0}" = 0 ] || echo --refine ${REFINE} --refine-cells ${REFINE_CELLS:-60}) --rules ${RULES:-batch} \
     -o "$OUT/tune_joined.json" --write "$OUT/h200_tuned_mla.toml" \
     $(if [ -n "$VALIDATE_FROM" ]; then echo --validate-from $VALIDATE_FROM; else
-      echo --validate benchmarks/grids/${VALIDATE:-h200_offgrid6_bf16}.toml --validate-output "$OUT/validate_bench.json"; fi) \
+      echo --validate benchmarks/grids/${VALIDATE:-h200_offgrid8_bf16}.toml --validate-output "$OUT/validate_bench.json"; fi) \
     --worst 10 > "$OUT/tune.txt" 2>&1
   echo "tune rc=$? in $(( $(date +%s) - start )) s"; grep -E "^--refine|^wrote|^validation" "$OUT/tune.txt" | tail -5
 fi
