@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from graph_replay import fresh_values, graph_replay_equals_eager
 from test_kernel_gpu import check, make_case, needs_sm90, run_kernel
 
 pytestmark = pytest.mark.gpu
@@ -130,39 +131,22 @@ def test_balanced_graph_replay_with_new_lengths_equals_eager(B, s_q, H, S, kv):
     case = _case(B, s_q, H, S, kv, varlen=True)
     out, lse = _outs(case)
     sched, ws = run_balanced(case, out, lse)  # warm up (compile) outside capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g):
-            run_balanced(case, out, lse, sched, ws)
-    torch.cuda.current_stream().wait_stream(s)
-    # a new length set (each at most the old one: the rows it reads are not NaN-poisoned), new q values
     rng = random.Random(B * 7 + S)
     old = case["lens_cpu"].tolist()
+    # a new length set (each at most the old one: the rows it reads are not NaN-poisoned)
     new = [rng.choice([0, n, rng.randint(0, n), min(n, 1)]) for n in old]
     new[0] = old[0]
-    case["lens_cpu"] = torch.tensor(new, dtype=torch.int32)
-    case["lens"].copy_(case["lens_cpu"])
     items_before = sched.num_items
-    make_schedule(case["lens_cpu"], s_q, H, _num_sms(), out=sched, balanced=True, form="balanced")
-    assert sched.num_items != items_before or new != old
-    case["q"].copy_(torch.randn_like(case["q"], dtype=torch.float32).to(case["q"].dtype))
-    for part in ws:
-        part.fill_(float("nan"))
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    o_graph, l_graph = out.clone(), lse.clone()
-    check(case, o_graph, l_graph)
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    run_balanced(case, out, lse, sched, ws)
-    torch.cuda.synchronize()
-    assert torch.equal(o_graph, out)
-    assert torch.equal(l_graph, lse)
+
+    def replan():
+        case["lens_cpu"] = torch.tensor(new, dtype=torch.int32)
+        case["lens"].copy_(case["lens_cpu"])
+        make_schedule(case["lens_cpu"], s_q, H, _num_sms(), out=sched, balanced=True, form="balanced")
+        assert sched.num_items != items_before or new != old
+        fresh_values(case["q"])
+
+    graph_replay_equals_eager(lambda: run_balanced(case, out, lse, sched, ws), out, lse, refresh=replan,
+                              check=lambda o, l: check(case, o, l), scratch=ws)
 
 
 @needs_sm90

@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from graph_replay import fresh_values, graph_replay_equals_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -178,27 +179,9 @@ def test_graph_replay_equals_eager(kv):
     out = torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda")
     sched, ws = run_kernel(case, out, lse)  # warm up (compile) outside capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g):
-            run_kernel(case, out, lse, sched, ws)
-    torch.cuda.current_stream().wait_stream(s)
-    # new q values in the same buffer, poisoned outputs, then replay
-    case["q"].copy_(torch.randn_like(case["q"], dtype=torch.float32).to(torch.bfloat16))
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    o_graph, l_graph = out.clone(), lse.clone()
-    check(case, o_graph, l_graph)
-    out.fill_(float("nan"))
-    run_kernel(case, out, lse, sched, ws)
-    torch.cuda.synchronize()
-    assert torch.equal(o_graph, out)
-    assert torch.equal(l_graph, lse)
+    graph_replay_equals_eager(lambda: run_kernel(case, out, lse, sched, ws), out, lse,
+                              refresh=lambda: fresh_values(case["q"]), check=lambda o, l: check(case, o, l),
+                              scratch=ws)
 
 
 @needs_sm90

@@ -21,6 +21,7 @@ import random
 import pytest
 import torch
 
+from graph_replay import fresh_values, graph_replay_equals_eager
 from test_kernel_gpu import check, make_case, run_kernel  # same directory (pytest rootdir import)
 
 pytestmark = pytest.mark.gpu
@@ -137,25 +138,5 @@ def test_tma_graph_replay_equals_eager():
                                      case["kv_scale"], out, lse, sched, ws, tma=True)
 
     call()  # compile outside capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        with torch.cuda.graph(g):
-            call()
-    torch.cuda.current_stream().wait_stream(st)
-    q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    for part in ws:
-        part.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    o_graph, l_graph = out.clone(), lse.clone()
-    check(case, o_graph, l_graph)
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    call()
-    torch.cuda.synchronize()
-    assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)
+    graph_replay_equals_eager(call, out, lse, refresh=lambda: fresh_values(q), check=lambda o, l: check(case, o, l),
+                              scratch=ws)

@@ -22,6 +22,7 @@ import random
 import pytest
 import torch
 
+from graph_replay import fresh_values, graph_replay_equals_eager
 from test_kernel_gpu import check, make_case, run_kernel  # same directory (pytest rootdir import)
 
 pytestmark = pytest.mark.gpu
@@ -186,24 +187,8 @@ def test_seesaw_matches_wgmma_and_graph_replay_equals_eager():
     fin = torch.isfinite(l1)
     assert torch.equal(fin, torch.isfinite(lse))
     assert (l1[fin] - lse[fin]).abs().max() < 1e-2
-    g = torch.cuda.CUDAGraph()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        with torch.cuda.graph(g):
-            call()
-    torch.cuda.current_stream().wait_stream(st)
-    q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    o_graph, l_graph = out.clone(), lse.clone()
-    check(case, o_graph, l_graph)
-    out.fill_(float("nan"))
-    call()
-    torch.cuda.synchronize()
-    assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)
+    graph_replay_equals_eager(call, out, lse, refresh=lambda: fresh_values(q), check=lambda o, l: check(case, o, l),
+                              scratch=ws)
 
 
 # ---------------------------------------------------------------------------- fp8 e4m3 KV
@@ -296,25 +281,8 @@ def test_wgmma_fp8_graph_replay_equals_eager(variant):
                case["kv_scale"], out, lse, sched, ws)
 
     call()  # compile outside capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    st = torch.cuda.Stream()
-    st.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(st):
-        with torch.cuda.graph(g):
-            call()
-    torch.cuda.current_stream().wait_stream(st)
-    q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    o_graph, l_graph = out.clone(), lse.clone()
-    check(case, o_graph, l_graph)
-    out.fill_(float("nan"))
-    call()
-    torch.cuda.synchronize()
-    assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)
+    graph_replay_equals_eager(call, out, lse, refresh=lambda: fresh_values(q), check=lambda o, l: check(case, o, l),
+                              scratch=ws)
 
 
 @needs_sm90

@@ -25,6 +25,7 @@ import random
 import pytest
 import torch
 
+from graph_replay import fresh_values, graph_replay_equals_eager
 from test_kernel_gpu import check
 
 pytestmark = pytest.mark.gpu
@@ -233,33 +234,19 @@ def test_wgmma_t_balanced_graph_replays_the_other_form_equal_to_eager(first, sec
     sched, ws = _schedule(case, first)
     out, lse = _outs(case)
     run_bal(case, out, lse, sched, ws)  # warm up (compile) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph):
-            run_bal(case, out, lse, sched, ws)
-    torch.cuda.current_stream().wait_stream(stream)
     # new lengths (each at most the old: the rows read are not poisoned), new q, the other form in place
     new = _lengths("skewed", B, S, s_q, rng)
     new[1], new[2] = 0, 1
-    case["lens_cpu"] = torch.tensor(new, dtype=torch.int32)
-    case["lens"].copy_(case["lens_cpu"])
-    make_schedule(case["lens_cpu"], s_q, H, _num_sms(), out=sched, balanced=True, form=second, ctas_per_sm=1)
-    assert sched.form == second
-    case["q"].copy_(torch.randn_like(case["q"], dtype=torch.float32).to(case["q"].dtype))
-    for t in (*ws, out, lse):
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    o_graph, l_graph = out.clone(), lse.clone()
-    check(case, o_graph, l_graph)
-    for t in (*ws, out, lse):
-        t.fill_(float("nan"))
-    run_bal(case, out, lse, sched, ws)
-    torch.cuda.synchronize()
-    assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)
+
+    def replan():
+        case["lens_cpu"] = torch.tensor(new, dtype=torch.int32)
+        case["lens"].copy_(case["lens_cpu"])
+        make_schedule(case["lens_cpu"], s_q, H, _num_sms(), out=sched, balanced=True, form=second, ctas_per_sm=1)
+        assert sched.form == second
+        fresh_values(case["q"])
+
+    graph_replay_equals_eager(lambda: run_bal(case, out, lse, sched, ws), out, lse, refresh=replan,
+                              check=lambda o, l: check(case, o, l), scratch=ws)
 
 
 # ---- through the backend: mla option mma=wgmma_t (split_kv=balanced, the default) ----

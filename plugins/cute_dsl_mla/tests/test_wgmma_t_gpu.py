@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 
+from graph_replay import fresh_values, graph_replay_equals_eager
 from test_kernel_gpu import check, make_case  # same directory (pytest rootdir import)
 
 pytestmark = pytest.mark.gpu
@@ -188,23 +189,6 @@ def test_wgmma_t_graph_replay_equals_eager(kv):
                      seed=random.randrange(1 << 30))
     out, lse = _bufs(B, s_q, H)
     sched, ws = run_t(case, out, lse)  # warm up (compile) outside capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g):
-            run_t(case, out, lse, sched, ws)
-    torch.cuda.current_stream().wait_stream(s)
-    case["q"].copy_(torch.randn_like(case["q"], dtype=torch.float32).to(torch.bfloat16))
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    o_graph, l_graph = out.clone(), lse.clone()
-    check(case, o_graph, l_graph)
-    out.fill_(float("nan"))
-    run_t(case, out, lse, sched, ws)
-    torch.cuda.synchronize()
-    assert torch.equal(o_graph, out)
-    assert torch.equal(l_graph, lse)
+    graph_replay_equals_eager(lambda: run_t(case, out, lse, sched, ws), out, lse,
+                              refresh=lambda: fresh_values(case["q"]), check=lambda o, l: check(case, o, l),
+                              scratch=ws)
