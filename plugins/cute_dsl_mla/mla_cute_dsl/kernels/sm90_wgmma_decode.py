@@ -1047,30 +1047,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         sQ_layout, sK_layout, sP_layout, sV_layout = self._smem_layouts()
         mma_s, mma_o_rs, mma_o_ss = self._tiled_mmas()
         mma_s_first, _, _ = self._tiled_mmas()
-        SharedStorage, g2s, g2s_wg, r2s_P = self._seesaw_launch_parts(sQ_layout, sK_layout, mma_s)
-        tma_atom, mKV_tma = None, None
-        if cutlass.const_expr(self.tma):
-            tma_atom, mKV_tma = self._kv_tma(mKV, sP_layout)
-        grid = (
-            cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M),
-            cute.size(mRanges.shape[0]) - 1,
-            1,
-        )
-        self.kernel_seesaw(
-            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
-            scale_log2, scale_ln, v_scale, s_q, num_heads,
-            sQ_layout, sK_layout, sP_layout, sV_layout,
-            g2s, g2s_wg, r2s_P,
-            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, mRanges,
-        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
-
-    def _seesaw_launch_parts(self, sQ_layout, sK_layout, mma_s):
-        """call_balanced's SharedStorage and copies: what __call__ builds inline (kept there as it was, so the
-        one-item-per-CTA kernel is traced exactly as before)."""
         mt = self.mma_dtype
 
         @cute.struct
-        class SharedStorage:
+        class SharedStorage:  # __call__'s
             sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
             sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
@@ -1087,7 +1067,21 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         )
         g2s_wg = self._wg_copy()
         r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
-        return SharedStorage, g2s, g2s_wg, r2s_P
+        tma_atom, mKV_tma = None, None
+        if cutlass.const_expr(self.tma):
+            tma_atom, mKV_tma = self._kv_tma(mKV, sP_layout)
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M),
+            cute.size(mRanges.shape[0]) - 1,
+            1,
+        )
+        self.kernel_seesaw(
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+            scale_log2, scale_ln, v_scale, s_q, num_heads,
+            sQ_layout, sK_layout, sP_layout, sV_layout,
+            g2s, g2s_wg, r2s_P,
+            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, mRanges,
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.jit
@@ -1872,3 +1866,80 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
                                               wide_store=schedule.wide_store, tma=tma)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
+
+
+# ---------------------------------------------------------------------- balanced seesaw (branch seesaw-balanced)
+
+
+def seesaw_item_phases(T: int) -> tuple[int, int]:
+    """Phases one seesaw work item of T tiles completes on the mbarriers of buffer 0 (local tiles 0, 2, ...:
+    ceil(T / 2)) and of buffer 1 (tiles 1, 3, ...: floor(T / 2)); each tile completes one phase on both
+    mbarriers of its buffer (one part per loading warpgroup).  The balanced kernel adds these to its running
+    counts (ph0, ph1) after every item, and pair p of the next item waits with parity (ph0 + p) % 2 on buffer 0
+    and (ph1 + p) % 2 on buffer 1 (``seesaw_pair_parities``); the one-item kernel's p % 2 is the case ph0 = ph1
+    = 0.  Restarting at p % 2 in every item would wait with the wrong parity (for a phase that already
+    completed) once an earlier item completed an odd number of phases on a buffer, e.g. after T = 1, 2 or 3
+    (tests/test_seesaw_balanced_protocol.py catches it)."""
+    return (T + 1) // 2, T // 2
+
+
+def seesaw_pair_parities(ph0: int, ph1: int, p: int) -> tuple[int, int]:
+    """(buffer 0, buffer 1) mbarrier wait parities of pair p of an item after earlier phases ph0, ph1."""
+    return (ph0 + p) % 2, (ph1 + p) % 2
+
+
+def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int, *flags: str):
+    from . import api
+
+    unknown = [f for f in flags if f not in SEESAW_FLAGS and not f.startswith("partial_")]
+    if unknown:
+        raise ValueError(f"seesaw kernel key: unknown flags {unknown}, expected a subset of {SEESAW_FLAGS} "
+                         "and a partial_<dtype> tag")
+    k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
+                                    l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
+                                    tma="tma" in flags, balanced=True)
+    return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
+
+
+def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = None, *,
+                                             l2_prefetch: bool | None = None, partial: str = "fp32",
+                                             wide_store: bool = False, tma: bool = False):
+    """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
+    16-bit KV only; kernel cache kind ``partial_wgmma_seesaw_balanced`` with the even kernel's key
+    (``seesaw_spec``), so the even seesaw kernels' keys and symbols are unchanged and the two never collide.
+    ``l2_prefetch`` (None: ``seesaw_l2_prefetch_default``, off for 16-bit caches), ``partial``, ``wide_store``,
+    ``tma``: as ``get_partial_kernel_wgmma_seesaw``."""
+    from . import kernel_cache
+
+    kv_name = q_name if kv_name is None else kv_name
+    if kv_name != q_name:
+        raise ValueError(f"balanced seesaw kernel: needs a bf16/fp16 KV cache in the q dtype ({q_name}), got "
+                         f"{kv_name} (balanced split-KV is built for bf16/fp16 KV caches only)")
+    if l2_prefetch is None:
+        l2_prefetch = seesaw_l2_prefetch_default(kv_name)
+    return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
+                                     seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma),
+                                     _build_partial_wgmma_seesaw_balanced)
+
+
+def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
+                                          out, lse, schedule, workspace, *, check: bool = True,
+                                          l2_prefetch: bool | None = None, tma: bool = False):
+    """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
+    (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
+    schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
+    and wgmma_t balanced entries' launch).  Needs s_q * H > 32 (the 64-row tile: schedule.block_m 64) and a
+    bf16/fp16 cache (ValueError otherwise, also with check=False).  ``l2_prefetch``, ``tma``: see
+    ``get_partial_kernel_wgmma_seesaw``."""
+    from . import api
+
+    api.check_balanced(schedule, kv_cache)
+    if schedule.block_m != BLOCK_M:
+        raise ValueError(f"balanced seesaw: s_q * H must be > 32 (its 64-row tile), got {schedule.rows}")
+    if check:
+        api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
+    partial = get_partial_kernel_wgmma_seesaw_balanced(
+        api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype], l2_prefetch=l2_prefetch,
+        partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma)
+    return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                               workspace)
