@@ -825,6 +825,22 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       the critical path (H200 clock stamps), a TMA part a few instructions.  TMA does not
       zero-fill page tails, so on a request's last tile each warpgroup zeroes the tail rows of
       its own V half itself before its P V (``zero_v_tail``; the order is in its docstring).
+    * ``balanced=True`` (16-bit KV, cp.async or TMA loads; branch seesaw-balanced, compile-only: not yet run on a
+      GPU): launched with ``call_balanced`` (``api.launch_balanced``'s arguments: the work rows, then
+      ``cta_ranges``), grid (m-blocks, schedule.num_cols) fixed per decoder; CTA column c walks work rows
+      cta_ranges[c] .. cta_ranges[c + 1] - 1 of a ``make_schedule(..., balanced=True)`` schedule (either form
+      of the hybrid plan; slot -1 rows write out / lse, the others their partial slot for the combine).  Shared
+      memory and the 4 mbarriers are set up once per CTA; each item runs ``seesaw_item`` (the one-item kernel's
+      body: Q, only when the request changes; the prologue loads of its tiles 0 and 1; its pairs, tiles paired
+      within the item as always; its epilogue).  The KV pipeline drains at every item boundary: the next item's
+      first two tiles are issued only after the previous epilogue's CTA barrier, so each boundary costs one
+      unoverlapped tile load (~1 tile time, the prologue of the one-item kernel) plus the epilogue, per item.
+      The mbarrier phases continue across items: the CTA counts the phases completed per buffer
+      (``seesaw_item_phases``: ceil(T / 2) on buffer 0, floor(T / 2) on buffer 1) and pair p waits with parity
+      (ph0 + p) % 2 / (ph1 + p) % 2 (``seesaw_pair_parities``; p % 2 for one item per CTA, generated code
+      unchanged).  Host side: ``get_partial_kernel_wgmma_seesaw_balanced`` (cache kind
+      ``partial_wgmma_seesaw_balanced``), ``mla_decode_sm90_wgmma_seesaw_balanced``; the backend runs it for
+      option seesaw_split=balanced (opt-in).  fp8 KV: ValueError (see __init__).
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
