@@ -355,3 +355,21 @@ def test_the_kernel_walks_what_the_emulation_walks():
     item = " ".join(inspect.getsource(K.seesaw_item).split())
     assert "if cutlass.const_expr(q_load is None): self.load_q(" in item and "if q_load:" in item
     assert item.index("cute.arch.cp_async_wait_group(0)") > item.index("for p in cutlass.range(0, (T + 1) // 2, 1):")
+
+
+@needs_cutlass
+@pytest.mark.parametrize("flags", [("partial_bf16", "wide_store"), ("partial_bf16", "wide_store", "tma")],
+                         ids=["cp_async", "tma"])
+def test_the_backends_balanced_variants_compile(flags, tmp_path):
+    """What seesaw_split=balanced runs under the backend's defaults (bf16 partials, wide stores; cp.async below 256
+    rows, TMA from 256): the builder compiles them (the real compiler), without spills."""
+    from test_balanced_compile import _dump
+
+    from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
+
+    k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype("bf16"), api._cutlass_dtype("bf16"),
+                                    wide_store=api.wide_from_tags(flags), tma="tma" in flags, balanced=True)
+    ptx, regs, frame = _dump(k.call_balanced, api._fake_args_partial_balanced("bf16", "bf16", "bf16"), tmp_path)
+    assert regs <= 255 and frame == 0 and "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.count("st.global.v4") > 0  # the wide epilogue stores
