@@ -105,7 +105,7 @@ def test_seesaw_balanced_few_columns_walk_many_items(num_sms, s_q, tma):
     for form in ("even", "balanced"):
         sched, ws = _schedule(case, form, num_sms=num_sms)
         assert sched.num_cols == max(1, num_sms // s_q)
-        items, ranges = sched.work_info.tolist(), sched.cta_ranges.tolist()
+        ranges = sched.cta_ranges.tolist()
         assert max(ranges[c + 1] - ranges[c] for c in range(sched.num_cols)) > 3
         out, lse = _outs(case)
         run_bal(case, out, lse, sched, ws, tma)
