@@ -18,6 +18,9 @@ Option split_kv="balanced" (the default since 0.2.3; the mma.sync kernel or, wit
 mma=wgmma_t, the transposed WGMMA kernel, bf16/fp16 cache only; see balanced_split): the
 balanced split-KV kernel, whose schedule plan picks per step (the hybrid, kernels/schedule.py
 choose_form) into the same buffers, so graphs captured at one step replay at any later one.
+Option seesaw_split="balanced" (opt-in, default "even"; branch seesaw-balanced, compile-only) does the same
+for the seesaw kernel (>= 128 rows under mma=auto, bf16/fp16 cache): make_schedule(..., balanced=True) at
+plan, mla_decode_sm90_wgmma_seesaw_balanced (api.launch_balanced) at run; split_kv keeps not reaching it.
 
 mma=auto with a bf16/fp16 cache at 17-32 packed rows, split_kv=balanced and ctas_per_sm auto/1 picks per
 plan, from the step's host lengths: the transposed WGMMA kernel's balanced mode when the step has at least
@@ -121,6 +124,7 @@ SEESAW_TMA_MIN_ROWS = 256
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
 SplitKV = Literal["even", "balanced"]
+SeesawSplit = Literal["even", "balanced"]
 
 
 class CuteDslOptions(BackendOptions):
@@ -168,6 +172,19 @@ class CuteDslOptions(BackendOptions):
                     "mma=wgmma_t takes it as the mma.sync kernel does (its balanced mode: same schedule, one CTA "
                     "per SM). With even, mma=auto always runs the mma.sync even kernel at 17-32 rows (its "
                     "KV-block rule for wgmma_t applies to split_kv=balanced only); mma=wgmma_t runs its even entry")
+    seesaw_split: SeesawSplit = Field(
+        default="even",
+        description="how the seesaw WGMMA kernel (sm_90; mma=auto from s_q*num_heads >= "
+                    f"{SEESAW_MIN_ROWS}, or mma=seesaw) with a bf16/fp16 cache splits the KV work. even (default, "
+                    "unchanged): each request cut into equal items, one CTA per item, waves of CTAs over the SMs. "
+                    "balanced (opt-in, compile-only so far: not yet run on a GPU): the balanced seesaw kernel, a fixed "
+                    "grid of (m-blocks x 132/m-blocks) CTA columns walking a per-step hybrid plan (the balanced split "
+                    "when predicted >= 10% faster, else the even one in the same buffers; CUDA-graph safe), as "
+                    "split_kv=balanced does for the mma.sync and wgmma_t kernels; it drains its KV pipeline at each "
+                    "item boundary. A separate option and not a split_kv value because split_kv already defaults to "
+                    "balanced while the seesaw has always run even: routing it by split_kv would change every "
+                    ">= 128-row default, and the two can then be measured and flipped independently. fp8 caches "
+                    "and the other kernels ignore it")
     num_sms: Union[Literal["auto"], int] = Field(
         default="auto",
         description="SMs the split-KV schedule spreads one step's work over (sm_90). auto: all of the GPU's. Set "
@@ -377,8 +394,10 @@ def rule_kv_blocks(shape: DecodeShape, options: CuteDslOptions,
     return step_kv_blocks(kv_lens) if _wgmma_t_auto(shape, options) else None
 
 
-# partial kernels with a balanced mode (a column loop over the hybrid schedule), 16-bit caches only
+# partial kernels with a balanced mode (a column loop over the hybrid schedule) under split_kv, 16-bit caches only
 BALANCED_KERNELS = ("mma_sync", "wgmma_t")
+# the seesaw's balanced mode (16-bit caches only) is opted into by its own option, seesaw_split=balanced
+SEESAW_BALANCED_KERNEL = "seesaw"
 
 
 def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
@@ -389,9 +408,14 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
     producer pairs its register sets with ring stages at compile time. The other WGMMA kernels have none
     either. Shape class and options only, so the session's buffers and its CUDA graphs never change kind
     between steps: mma=auto's KV-block rule swaps mma_sync for wgmma_t, both balanced kernels, never changing
-    this answer."""
-    return (options.split_kv == "balanced" and partial_kernel(shape, options) in BALANCED_KERNELS
-            and shape.kv_dtype != "fp8_e4m3")
+    this answer. The seesaw kernel (a bf16/fp16 cache) runs its balanced mode with seesaw_split=balanced
+    (opt-in; split_kv does not reach it, so the default routing of >= 128-row shapes stays even)."""
+    if shape.kv_dtype == "fp8_e4m3":
+        return False
+    kernel = partial_kernel(shape, options)
+    if kernel == SEESAW_BALANCED_KERNEL:
+        return options.seesaw_split == "balanced"
+    return options.split_kv == "balanced" and kernel in BALANCED_KERNELS
 
 
 def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optional[int] = None) -> str:
@@ -401,7 +425,10 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
     per-step rule, which the text then names with the threshold and why; without it the text names both
     sides."""
     kernel = partial_kernel(shape, options, kv_blocks)
-    if balanced_split(shape, options):
+    if balanced_split(shape, options) and kernel == SEESAW_BALANCED_KERNEL:
+        text = ("seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan, "
+                "whichever is predicted >= 10% faster; compile-only so far, not run on a GPU)")
+    elif balanced_split(shape, options):
         text = (f"{kernel} kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
                 "whichever is predicted >= 10% faster)")
     else:
@@ -410,6 +437,8 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             why = ("has an fp8 cache" if kernel in BALANCED_KERNELS else f"runs the {kernel} kernel")
             text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
                      f"cache, this shape {why})")
+        if kernel == SEESAW_BALANCED_KERNEL and options.seesaw_split == "balanced":
+            text += " (seesaw_split=balanced ignored: the balanced seesaw takes a bf16/fp16 cache only)"
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
         text += f", {'TMA' if seesaw_tma(shape, options) else 'cp.async'} KV loads (loads={options.loads}"
         if options.loads == "auto":
@@ -496,6 +525,9 @@ class CuteDslBackend(Backend):
                    "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
                    "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA, "
                    "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly",
+                   "option seesaw_split=balanced (opt-in; default even) runs the seesaw kernel (s_q*H >= "
+                   f"{SEESAW_MIN_ROWS} under mma=auto) with a bf16/fp16 cache in its balanced mode: the same hybrid "
+                   "plan, fixed grid and combine as split_kv=balanced; compile-only so far (not yet run on a GPU)",
                    "split-KV partials: partials=auto writes them in q's dtype and stores=auto stores 16-bit rows 16 "
                    "bytes at a time (H200: up to 14% faster at H=128, fp8reg up to 31% at H=16); combine=auto merges them with the wide kernel on small "
                    "batches, a chunked row kernel (four warps per row) from num_sms/2 row-kernel CTAs (up to 15% "
@@ -614,9 +646,12 @@ def run_function(kernel: PartialKernel, balanced: bool = False) -> Callable[...,
     """The host entry (partial kernel + combine, same arguments for all) that runs `kernel`; `balanced`: the
     balanced split-KV entry (mma_sync and wgmma_t only; balanced_split says when)."""
     if balanced:
-        if kernel not in BALANCED_KERNELS:
-            raise ValueError(f"balanced split-KV is built for the mma_sync and wgmma_t kernels only, not {kernel}")
-        if kernel == "wgmma_t":
+        if kernel not in BALANCED_KERNELS + (SEESAW_BALANCED_KERNEL,):
+            raise ValueError(f"balanced split-KV is built for the mma_sync and wgmma_t kernels only (split_kv) and "
+                             f"the seesaw (seesaw_split), not {kernel}")
+        if kernel == SEESAW_BALANCED_KERNEL:
+            from .kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced as run_fn
+        elif kernel == "wgmma_t":
             from .kernels.sm90_wgmma_t_decode import mla_decode_sm90_wgmma_t_balanced as run_fn
         else:
             from .kernels.api import mla_decode_sm90_balanced as run_fn

@@ -266,10 +266,15 @@ def _hb(a, b):
     return a[0] <= b[0] and a[1] <= b[1]
 
 
-def run(T, seed, mutate=None, fp8=False, tma=False, tail=False):
-    """Interleave the two programs at random; return the list of violations (empty: fine)."""
+def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, tail_tiles=None):
+    """Interleave the two programs at random; return the list of violations (empty: fine).  ``programs`` (the
+    two warpgroups' event lists) and ``tail_tiles`` (tiles whose V rows must be zeroed before P V) replace the
+    one-item programs of T tiles: test_seesaw_balanced_protocol.py runs a balanced column's items that way."""
     rng = random.Random(seed)
     progs = [wg_program(0, T, mutate, fp8, tma, tail), wg_program(1, T, mutate, fp8, tma, tail)]
+    if programs is not None:
+        progs = [iter(programs[0]), iter(programs[1])]
+    tails = set(tail_tiles) if tail_tiles is not None else ({T - 1} if tail else set())
     staged = [None, None]  # fp8: (tile, blocks) in each warpgroup's staging registers
     vc = [[0, 0], [0, 0]]
     nxt = [next(progs[0], None), next(progs[1], None)]
@@ -362,7 +367,7 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False):
             if what == "V":  # P V reads: the K tile as loaded, or zeroed (it must be, if it is the partial tile)
                 for blk in blocks:
                     cell = mem.get((buf, blk))
-                    want = ("Z", t) if tail and t == T - 1 else ("K", t)
+                    want = ("Z", t) if t in tails else ("K", t)
                     if cell is None or cell["tag"] != want or not _hb(cell["vc"], vc[w]):
                         errors.append(f"RAW: WG{w} P V reads tile {t} buf {buf} block {blk}: "
                                       f"{None if cell is None else cell['tag']}, wants {want}")

@@ -825,14 +825,38 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       the critical path (H200 clock stamps), a TMA part a few instructions.  TMA does not
       zero-fill page tails, so on a request's last tile each warpgroup zeroes the tail rows of
       its own V half itself before its P V (``zero_v_tail``; the order is in its docstring).
+    * ``balanced=True`` (16-bit KV, cp.async or TMA loads; branch seesaw-balanced, compile-only: not yet run on a
+      GPU): launched with ``call_balanced`` (``api.launch_balanced``'s arguments: the work rows, then
+      ``cta_ranges``), grid (m-blocks, schedule.num_cols) fixed per decoder; CTA column c walks work rows
+      cta_ranges[c] .. cta_ranges[c + 1] - 1 of a ``make_schedule(..., balanced=True)`` schedule (either form
+      of the hybrid plan; slot -1 rows write out / lse, the others their partial slot for the combine).  Shared
+      memory and the 4 mbarriers are set up once per CTA; each item runs ``seesaw_item`` (the one-item kernel's
+      body: Q, only when the request changes; the prologue loads of its tiles 0 and 1; its pairs, tiles paired
+      within the item as always; its epilogue).  The KV pipeline drains at every item boundary: the next item's
+      first two tiles are issued only after the previous epilogue's CTA barrier, so each boundary costs one
+      unoverlapped tile load (~1 tile time, the prologue of the one-item kernel) plus the epilogue, per item.
+      The mbarrier phases continue across items: the CTA counts the phases completed per buffer
+      (``seesaw_item_phases``: ceil(T / 2) on buffer 0, floor(T / 2) on buffer 1) and pair p waits with parity
+      (ph0 + p) % 2 / (ph1 + p) % 2 (``seesaw_pair_parities``; p % 2 for one item per CTA, generated code
+      unchanged).  Host side: ``get_partial_kernel_wgmma_seesaw_balanced`` (cache kind
+      ``partial_wgmma_seesaw_balanced``), ``mla_decode_sm90_wgmma_seesaw_balanced``; the backend runs it for
+      option seesaw_split=balanced (opt-in).  fp8 KV: ValueError (see __init__).
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
-                 wide_store: bool = False, tma: bool = False):
+                 wide_store: bool = False, tma: bool = False, balanced: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
         if tma and self.is_fp8:
             raise ValueError("seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16); the fp8 "
                              "cache keeps its ld.global -> cvt -> st.shared loads")
+        if balanced and self.is_fp8:
+            raise ValueError("seesaw kernel: balanced=True needs a 16-bit KV cache (bf16 / fp16): every balanced "
+                             "entry refuses fp8 caches (api.check_balanced: the hybrid plan's cost model was "
+                             "measured with 16-bit caches) and the fp8 seesaw's register-staged loads across "
+                             "pairs were not checked under the item loop")
+        # balanced split-KV (schedule.make_schedule(..., balanced=True)): launched through call_balanced, grid
+        # (m-blocks, num_cols), each CTA walking its column's work items (kernel_seesaw, seesaw_item)
+        self.balanced = bool(balanced)
         # tma: KV parts by TMA boxes from one elected thread per warpgroup (16-bit KV; see above)
         self.tma = bool(tma)
         # l2_prefetch: thread 0 issues one cp.async.bulk.prefetch.L2 per tile of the next pair
@@ -971,6 +995,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         s_q: cutlass.Int32, num_heads: cutlass.Int32,
         stream,
     ):
+        assert not self.balanced, "MLADecodePartialWGMMASeesaw(balanced=True) is launched with call_balanced"
         mt = self.mma_dtype
         sQ_layout, sK_layout, sP_layout, sV_layout = self._smem_layouts()
         mma_s, mma_o_rs, mma_o_ss = self._tiled_mmas()
@@ -1011,7 +1036,67 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             scale_log2, scale_ln, v_scale, s_q, num_heads,
             sQ_layout, sK_layout, sP_layout, sV_layout,
             g2s, g2s_wg, r2s_P,
-            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma,
+            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, None,
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def call_balanced(
+        self,
+        mQ: cute.Tensor,  # (B, R, 576) q dtype, R = s_q * H
+        mKV: cute.Tensor,  # (P, page, 576) kv dtype (16 bit)
+        mPT: cute.Tensor,  # (B, max_pages) int32
+        mLens: cute.Tensor,  # (B,) int32
+        mO: cute.Tensor,  # (B, R, 512) q dtype
+        mLSE: cute.Tensor,  # (B, R) fp32
+        mWork: cute.Tensor,  # (capacity, 4) int32: b, kv_start, kv_end, slot (column by column)
+        mRanges: cute.Tensor,  # (num_cols + 1,) int32: column c runs work rows [mRanges[c], mRanges[c+1])
+        mOp: cute.Tensor,  # (slots, R, 512) fp32, bf16 or fp16 (alloc_workspace partial_dtype)
+        mLSEp: cute.Tensor,  # (slots, R) fp32
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        stream,
+    ):
+        """Balanced launch (api.launch_balanced's arguments, as the mma.sync and wgmma_t balanced kernels): grid
+        (m-blocks, num_cols), fixed for a decoder (the ranges' length), so a CUDA graph replays it with any later
+        schedule in the same buffers, whichever form the hybrid plan chose."""
+        assert self.balanced, "call_balanced needs MLADecodePartialWGMMASeesaw(balanced=True)"
+        sQ_layout, sK_layout, sP_layout, sV_layout = self._smem_layouts()
+        mma_s, mma_o_rs, mma_o_ss = self._tiled_mmas()
+        mma_s_first, _, _ = self._tiled_mmas()
+        mt = self.mma_dtype
+
+        @cute.struct
+        class SharedStorage:  # __call__'s
+            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
+            sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
+            sMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
+            sL: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
+
+        g2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), mt, num_bits_per_copy=128
+            ),
+            cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 8)),
+        )
+        g2s_wg = self._wg_copy()
+        r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
+        tma_atom, mKV_tma = None, None
+        if cutlass.const_expr(self.tma):
+            tma_atom, mKV_tma = self._kv_tma(mKV, sP_layout)
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M),
+            cute.size(mRanges.shape[0]) - 1,
+            1,
+        )
+        self.kernel_seesaw(
+            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
+            scale_log2, scale_ln, v_scale, s_q, num_heads,
+            sQ_layout, sK_layout, sP_layout, sV_layout,
+            g2s, g2s_wg, r2s_P,
+            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, mRanges,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -1234,6 +1319,29 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if cutlass.const_expr(wait):
             warpgroup.wait_group(0)
 
+    def seesaw_smem(self, SharedStorage, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+                    sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
+        """The CTA's shared memory (plain Python, traced inline where the kernel calls it): (sQ, sK, sV, sP0,
+        sP1, sScale, sMax, sL, mbar)."""
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        # P of the tile in buffer j: K-major SW128 (64, 64) over the RoPE columns 512..575
+        # of sK[:, :, j] (byte offset j * 73,728 + 65,536: 1024-aligned, same swizzle phase)
+        p_off = (D_QK // 64 - 1) * BLOCK_N * 64
+        sP0 = cute.make_tensor(
+            cute.recast_ptr(storage.sK.data_ptr() + p_off, sP_layout.inner), sP_layout.outer)
+        sP1 = cute.make_tensor(
+            cute.recast_ptr(storage.sK.data_ptr() + (BLOCK_N * D_QK + p_off), sP_layout.inner),
+            sP_layout.outer)
+        sScale = storage.sScale.get_tensor(cute.make_layout((BLOCK_M, 2)))
+        sMax = storage.sMax.get_tensor(cute.make_layout((BLOCK_M, 2)))
+        sL = storage.sL.get_tensor(cute.make_layout((BLOCK_M, 2)))
+        mbar = storage.mbar.data_ptr()  # index 2 * buffer + loading warpgroup
+        return sQ, sK, sV, sP0, sP1, sScale, sMax, sL, mbar
+
     @cute.kernel
     def kernel_seesaw(
         self,
@@ -1249,8 +1357,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
         tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor,  # tma=True only (else None: no parameter)
+        mRanges: cute.Tensor,  # balanced=True only (else None: no parameter): column c's work rows
     ):
-        mt = self.mma_dtype
+        """One work item per CTA (grid (m-blocks, work rows)), or with ``balanced`` CTA (m_block, column c) walks
+        work rows mRanges[c] .. mRanges[c + 1] - 1 (rows with b < 0 skipped): the shared memory and mbarriers
+        are set up once, each item runs ``seesaw_item`` (Q only when the request changes, its own prologue,
+        pairs and epilogue: the KV pipeline drains at every item boundary) with the mbarrier phases the
+        column's earlier items completed (``seesaw_item_phases``)."""
         cute.arch.griddepcontrol_launch_dependents()  # PDL trigger for the combine (combine.MLACombine)
         tidx, _, _ = cute.arch.thread_idx()
         m_block, wi, _ = cute.arch.block_idx()
@@ -1258,329 +1371,386 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         wg_tidx = tidx % WG_THREADS
         lane = tidx % 32
 
-        b = mWork[wi, 0]
-        if b >= 0:
-            kv_start = mWork[wi, 1]
-            kv_end = mWork[wi, 2]
-            slot = mWork[wi, 3]
-            kv_len = mLens[b]
+        if cutlass.const_expr(self.balanced):
             R = mQ.shape[1]
             blocks_per_page = mKV.shape[1] // BLOCK_N
-            n_start = kv_start // BLOCK_N
-            n_end = (kv_end + BLOCK_N - 1) // BLOCK_N
-            T = n_end - n_start  # tiles of this item (>= 0); local tile i is KV block n_start + i
-
-            smem = cutlass.utils.SmemAllocator()
-            storage = smem.allocate(SharedStorage)
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
-            # P of the tile in buffer j: K-major SW128 (64, 64) over the RoPE columns 512..575
-            # of sK[:, :, j] (byte offset j * 73,728 + 65,536: 1024-aligned, same swizzle phase)
-            p_off = (D_QK // 64 - 1) * BLOCK_N * 64
-            sP0 = cute.make_tensor(
-                cute.recast_ptr(storage.sK.data_ptr() + p_off, sP_layout.inner), sP_layout.outer)
-            sP1 = cute.make_tensor(
-                cute.recast_ptr(storage.sK.data_ptr() + (BLOCK_N * D_QK + p_off), sP_layout.inner),
-                sP_layout.outer)
-            sScale = storage.sScale.get_tensor(cute.make_layout((BLOCK_M, 2)))
-            sMax = storage.sMax.get_tensor(cute.make_layout((BLOCK_M, 2)))
-            sL = storage.sL.get_tensor(cute.make_layout((BLOCK_M, 2)))
-            mbar = storage.mbar.data_ptr()  # index 2 * buffer + loading warpgroup
-
+            smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
+            mbar = smem[8]
             if tidx == 0:
                 for i in cutlass.range_constexpr(4):
-                    # cp.async (16-bit KV): 128 noinc + 128 plain arrives; fp8 KV: 128 plain; TMA: 1
                     cute.arch.mbarrier_init(mbar + i, self._mbar_count())
             cute.arch.mbarrier_init_fence()
             cute.arch.barrier()
+            ph0 = cutlass.Int32(0)  # phases completed so far on buffer 0's two mbarriers (tiles 0, 2, ...)
+            ph1 = cutlass.Int32(0)  # ... on buffer 1's (tiles 1, 3, ...)
+            q_of = cutlass.Int32(-1)  # request whose Q rows sQ holds
+            for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):
+                b = mWork[it, 0]
+                if b >= 0:
+                    slot = mWork[it, 3]
+                    kv_len = mLens[b]
+                    n_start = mWork[it, 1] // BLOCK_N
+                    T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start
+                    self.seesaw_item(
+                        mQ, mKV, mPT, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                        g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, tma_atom, mKV_tma, smem,
+                        tidx, m_block, wg, wg_tidx, lane, b, slot, kv_len, R, blocks_per_page, n_start, T,
+                        b != q_of, ph0, ph1,
+                    )
+                    q_of = b
+                    # seesaw_item_phases: buffer 0 holds local tiles 0, 2, ..., buffer 1 tiles 1, 3, ...
+                    ph0 = ph0 + (T + 1) // 2
+                    ph1 = ph1 + T // 2
+        else:
+            b = mWork[wi, 0]
+            if b >= 0:
+                kv_start = mWork[wi, 1]
+                kv_end = mWork[wi, 2]
+                slot = mWork[wi, 3]
+                kv_len = mLens[b]
+                R = mQ.shape[1]
+                blocks_per_page = mKV.shape[1] // BLOCK_N
+                n_start = kv_start // BLOCK_N
+                n_end = (kv_end + BLOCK_N - 1) // BLOCK_N
+                T = n_end - n_start  # tiles of this item (>= 0); local tile i is KV block n_start + i
 
-            # ---------------- Q: gmem -> smem (rows >= R zero), its own commit group ----------
-            thr_g2s = g2s.get_slice(tidx)
-            _, _, r2s_q, g2r_q = self._fp8_copies()
-            self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
-            cute.arch.cp_async_commit_group()
-
-            # ---------------- KV tiles 0 and 1: each warpgroup loads its parts ----------------
-            thr_g2s_wg = g2s_wg.get_slice(wg_tidx)
-            cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
-            tKcK = thr_g2s_wg.partition_S(cKV)  # (CPY, 4, 9)
-            tKsK = thr_g2s_wg.partition_D(sK)  # (CPY, 4, 9, STAGES)
-            kv_src = (g2s_wg, thr_g2s_wg, mKV, tKcK, tKsK)  # load_kv_part: cp.async
-            if cutlass.const_expr(self.tma):
-                # TMA: boxes (64 tokens, 64 columns); the smem side is sK's 64-column blocks
-                # (TMA, 1, 9, STAGES), the gmem side (TMA, page_size / 64, 9, pages)
-                tKsT, tKgT = cpasync.tma_partition(
-                    tma_atom, 0, cute.make_layout(1),
-                    cute.group_modes(cute.flat_divide(sK, (BLOCK_N, KV_BOX)), 0, 2),
-                    cute.group_modes(cute.flat_divide(mKV_tma, (BLOCK_N, KV_BOX)), 0, 2))
-                tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
-                kv_src = (tma_atom, tKgT, tKsT, tma_warp)
+                smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
+                mbar = smem[8]
                 if tidx == 0:
-                    cpasync.prefetch_descriptor(tma_atom)
-            if cutlass.const_expr(self.is_fp8):
-                # fp8 KV: ld.global -> registers (one part: up to 5 blocks x 4 passes x 8
-                # fp8 = 40 registers), later cvt + st.shared into the fp16 sK; same (row, col)
-                # per position as tKsK (the TV layout of g2s_wg)
-                g2r_wg, r2s_wg = self._wg_fp8_copies()
-                thr_g2r_wg = g2r_wg.get_slice(wg_tidx)
-                tKsK = r2s_wg.get_slice(wg_tidx).partition_D(sK)  # (CPY, 4, 9, STAGES)
-                rRaw = cute.make_rmem_tensor(
-                    (cute.size(tKcK.shape[0]), cute.size(tKcK.shape[1]), 5), cutlass.Float8E4M3FN)
-            # WG w loads blocks SEESAW_LOAD_BLOCKS[w][0] of the tile it owns (w) and
-            # SEESAW_LOAD_BLOCKS[w][1] of the other one; mbarrier 2 * buffer + w
-            for t in cutlass.range_constexpr(2):
-                if T > t:
-                    pg = mPT[b, (n_start + t) // blocks_per_page]
-                    if cutlass.const_expr(self.is_fp8):
-                        if wg == 0:
-                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg, n_start + t,
-                                              SEESAW_LOAD_BLOCKS[0][t], blocks_per_page, kv_len, tKcK,
-                                              rRaw)
-                            self.store_part_fp8(r2s_wg, n_start + t, t, SEESAW_LOAD_BLOCKS[0][t],
-                                                kv_len, tKcK, tKsK, rRaw, mbar + 2 * t)
-                        else:
-                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg, n_start + t,
-                                              SEESAW_LOAD_BLOCKS[1][1 - t], blocks_per_page, kv_len,
-                                              tKcK, rRaw)
-                            self.store_part_fp8(r2s_wg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
-                                                kv_len, tKcK, tKsK, rRaw, mbar + 2 * t + 1)
-                    else:
-                        if wg == 0:
-                            self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[0][t],
-                                              blocks_per_page, kv_len, mbar + 2 * t)
-                        else:
-                            self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
-                                              blocks_per_page, kv_len, mbar + 2 * t + 1)
-            cute.arch.cp_async_commit_group()
-            # Q landed (the KV group may still fly), visible to the async proxy and to all threads
-            cute.arch.cp_async_wait_group(1)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier()
-
-            # ---------------- per-warpgroup MMA partitions ----------------
-            mma_o_rs.set(warpgroup.Field.ACCUMULATE, True)
-            mma_o_ss.set(warpgroup.Field.ACCUMULATE, True)
-            mma_s.set(warpgroup.Field.ACCUMULATE, True)
-            mma_s_first.set(warpgroup.Field.ACCUMULATE, False)
-            thr_s = mma_s.get_slice(wg_tidx)
-            tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))  # (MMA, 1, 36)
-            tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))  # (MMA, 1, 36, STAGES)
-            s_shape = thr_s.partition_shape_C((BLOCK_M, BLOCK_N))
-            cS = cute.make_identity_tensor((BLOCK_M, BLOCK_N))
-            tScS = _acc_mn_view(thr_s.partition_C(cS))
-            n_rows = cute.size(tScS.shape[0])
-
-            sV_half = cute.local_tile(sV, (D_V_HALF, BLOCK_N, STAGES), (wg, 0, 0))
-            thr_o = mma_o_rs.get_slice(wg_tidx)
-            tOrV = thr_o.make_fragment_B(thr_o.partition_B(sV_half))  # (MMA, 1, 4, STAGES)
-            acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_M, D_V_HALF)), cutlass.Float32)
-            acc_O.fill(0.0)
-            acc_O_mn = _acc_mn_view(acc_O)
-            acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-            # P of the own tile (16 bit): the RS A operand (its values in S's C order)
-            tOrP = cute.make_rmem_tensor(thr_o.partition_shape_A((BLOCK_M, BLOCK_N)), mt)
-            is_quad_leader = lane % 4 == 0
-
-            row_lim = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
-            for r in cutlass.range_constexpr(n_rows):
-                grow = m_block * BLOCK_M + tScS[r, 0][0]
-                row_lim[r] = kv_len - s_q + grow // num_heads + 1
-            row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            row_corr = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            row_max.fill(-cutlass.Float32.inf)
-            row_sum.fill(0.0)
-
-            pg_next2 = cutlass.Int32(0)
-            pg_next3 = cutlass.Int32(0)
-            if T > 2:
-                pg_next2 = mPT[b, (n_start + 2) // blocks_per_page]
-            if T > 3:
-                pg_next3 = mPT[b, (n_start + 3) // blocks_per_page]
-            for p in cutlass.range(0, (T + 1) // 2, 1):
-                ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
-                parity = p % 2
-                # cache pages of the next pair's tiles (tiles a+2, b+2), read one pair ahead so
-                # that neither the L2 prefetch below nor the cp.asyncs after this pair's P V
-                # WGMMAs wait for the page table (clamped: always a valid entry of this
-                # request; unused when the tile does not exist)
-                pg2 = pg_next2
-                pg3 = pg_next3
-                # tiles a+2, b+2 -> L2 now (one bulk prefetch each: a 64-token block of a page is
-                # contiguous), so that their cp.asyncs later in this pair hit L2
-                if cutlass.const_expr(self.l2_prefetch):
-                    if tidx == 0:
-                        if ta + 2 < T:
-                            self.prefetch_tile_l2(mKV, pg2, n_start + ta + 2, blocks_per_page)
-                        if ta + 3 < T:
-                            self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
-                pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
-                pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
-                if cutlass.const_expr(self.is_fp8):
-                    # fp8 KV: the same schedule, parts, mbarriers and named barriers as the
-                    # cp.async version; each part is ld.global'ed into registers *before* the
-                    # wait that frees its columns, then converted and stored.  Two stores move
-                    # under the converting warpgroup's own WGMMAs (WG0: tile b under S_a; WG1:
-                    # tile a+2 under P_b V_R); tests/test_seesaw_protocol.py models this order
-                    if wg == 0:
-                        # issue S_a, then convert this pair's tile b part (columns 0..255 + RoPE,
-                        # ld.global'ed during the previous pair) under those WGMMAs, then wait
-                        self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
-                                mbar + 0, mbar + 1, parity, False)
-                        if p > 0 and ta + 1 < T:
-                            self.store_part_fp8(r2s_wg, n_start + ta + 1, 1, SEESAW_LOAD_BLOCKS[0][1],
-                                                kv_len, tKcK, tKsK, rRaw, mbar + 2)
-                        warpgroup.wait_group(0)
-                        self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
-                                             acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
-                                             scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
-                                             True)
-                        if ta + 2 < T:  # tile a+2, columns 0..255: in flight during P_a V_L
-                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg2, n_start + ta + 2,
-                                              SEESAW_LOAD_BLOCKS[0][0], blocks_per_page, kv_len, tKcK,
-                                              rRaw)
-                        self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
-                        if ta + 2 < T:  # columns 0..255 of buffer 0 are free
-                            self.store_part_fp8(r2s_wg, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[0][0],
-                                                kv_len, tKcK, tKsK, rRaw, mbar + 0)
-                        if ta + 1 < T:
-                            if ta + 3 < T:  # tile b+2, columns 0..255 + RoPE: staged in registers
-                                # here, stored under the next pair's S_{a+2} WGMMAs (above)
-                                self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg3, n_start + ta + 3,
-                                                  SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len,
-                                                  tKcK, rRaw)
-                            self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
-                                           row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
-                    else:
-                        if ta + 1 < T:
-                            self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
-                                    mbar + 3, mbar + 2, parity)
-                        self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
-                                       row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
-                        if ta + 1 < T:
-                            self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
-                                                 acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
-                                                 scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1],
-                                                 row_corr, False)
-                        if ta + 2 < T:  # tile a+2, columns 256..575: in flight under P_a V_R
-                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg2, n_start + ta + 2,
-                                              SEESAW_LOAD_BLOCKS[1][1], blocks_per_page, kv_len, tKcK,
-                                              rRaw)
-                        warpgroup.wait_group(0)  # P_a V_R done: columns 256..575 of buffer 0 free
-                        if ta + 1 < T:
-                            # O_R *= scale_b, issue P_b V_R (RS) and convert tile a+2's part under it
-                            for r in cutlass.range_constexpr(n_rows):
-                                acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
-                            warpgroup.fence()
-                            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                                cute.gemm(mma_o_rs, acc_O, tOrP[None, None, k], tOrV[None, None, k, 1],
-                                          acc_O)
-                            warpgroup.commit_group()
-                        if ta + 2 < T:
-                            self.store_part_fp8(r2s_wg, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[1][1],
-                                                kv_len, tKcK, tKsK, rRaw, mbar + 1)
-                        if ta + 1 < T:
-                            if ta + 3 < T:  # tile b+2, columns 256..511: in flight under P_b V_R
-                                self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg3, n_start + ta + 3,
-                                                  SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len,
-                                                  tKcK, rRaw)
-                            warpgroup.wait_group(0)  # P_b V_R done: columns 256..511 of buffer 1 free
-                            if ta + 3 < T:
-                                self.store_part_fp8(r2s_wg, n_start + ta + 3, 1,
-                                                    SEESAW_LOAD_BLOCKS[1][0], kv_len, tKcK, tKsK, rRaw,
-                                                    mbar + 3)
-                else:
-                    if wg == 0:
-                        # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
-                        self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
-                                mbar + 0, mbar + 1, parity)
-                        self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
-                                             acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
-                                             scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
-                                             True)
-                        # tma=True, request's last tile: zero its V_L tail rows (zero_v_tail)
-                        if cutlass.const_expr(self.tma):
-                            self.zero_v_tail(tKcK, tKsK, n_start + ta, 0, 0, kv_len, mbar + 0, parity)
-                        self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
-                        # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
-                        if ta + 2 < T:
-                            self.load_kv_part(kv_src, pg2, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[0][0],
-                                              blocks_per_page, kv_len, mbar + 0)
-                        if ta + 1 < T:
-                            # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS); tma=True: its V_L
-                            # tail rows zeroed after the P_b barrier (S_b is done) if it is the last
-                            self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
-                                           row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True,
-                                           (tKcK, tKsK, n_start + ta + 1, 1, 0, kv_len, mbar + 2, parity)
-                                           if self.tma else None)
-                            # columns 0..255 and P's block of buffer 1 are free: tile b+2's
-                            if ta + 3 < T:
-                                self.load_kv_part(kv_src, pg3, n_start + ta + 3, 1, SEESAW_LOAD_BLOCKS[0][1],
-                                                  blocks_per_page, kv_len, mbar + 2)
-                    else:
-                        if ta + 1 < T:
-                            # S_b (runs while WG0 does softmax_a)
-                            self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
-                                    mbar + 3, mbar + 2, parity)
-                        # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet;
-                        # tma=True: V_R tail rows of tile a zeroed after the P_a barrier if last
-                        self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
-                                       row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False,
-                                       (tKcK, tKsK, n_start + ta, 0, 1, kv_len, mbar + 1, parity)
-                                       if self.tma else None)
-                        if ta + 1 < T:
-                            # softmax_b under the P_a V WGMMAs; O_R *= scale_b needs them done
-                            self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
-                                                 acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
-                                                 scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1], row_corr,
-                                                 False)
-                        warpgroup.wait_group(0)
-                        # columns 256..575 of buffer 0 are free: tile a+2's
-                        if ta + 2 < T:
-                            self.load_kv_part(kv_src, pg2, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[1][1],
-                                              blocks_per_page, kv_len, mbar + 1)
-                        if ta + 1 < T:
-                            # tma=True, request's last tile: zero its V_R tail rows (S_b is done)
-                            if cutlass.const_expr(self.tma):
-                                self.zero_v_tail(tKcK, tKsK, n_start + ta + 1, 1, 1, kv_len, mbar + 3,
-                                                 parity)
-                            for r in cutlass.range_constexpr(n_rows):
-                                acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
-                            self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
-                            if ta + 3 < T:
-                                self.load_kv_part(kv_src, pg3, n_start + ta + 3, 1, SEESAW_LOAD_BLOCKS[1][0],
-                                                  blocks_per_page, kv_len, mbar + 3)
-
-            cute.arch.cp_async_wait_group(0)
-
-            # ---------------- epilogue ----------------
-            # both warpgroups hold the final running max; the row sum is the sum of the two
-            for r in cutlass.range_constexpr(n_rows):
-                s_own = _quad_sum(row_sum[r])
-                row_sum[r] = s_own
-                if is_quad_leader:
-                    sL[tScS[r, 0][0], wg] = s_own
-            cute.arch.barrier()
-            row_scale = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            row_lse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            for r in cutlass.range_constexpr(n_rows):
-                s = row_sum[r] + sL[tScS[r, 0][0], 1 - wg]
-                ok = s > 0.0
-                row_scale[r] = v_scale / s if ok else 0.0
-                row_lse[r] = (
-                    row_max[r] * scale_ln + cute.math.log(s, fastmath=False)
-                    if ok
-                    else -cutlass.Float32.inf
+                    for i in cutlass.range_constexpr(4):
+                        # cp.async (16-bit KV): 128 noinc + 128 plain arrives; fp8 KV: 128 plain; TMA: 1
+                        cute.arch.mbarrier_init(mbar + i, self._mbar_count())
+                cute.arch.mbarrier_init_fence()
+                cute.arch.barrier()
+                self.seesaw_item(
+                    mQ, mKV, mPT, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                    g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, tma_atom, mKV_tma, smem,
+                    tidx, m_block, wg, wg_tidx, lane, b, slot, kv_len, R, blocks_per_page, n_start, T,
+                    None, None, None,
                 )
 
-            cO = cute.make_identity_tensor((BLOCK_M, D_V_HALF))
-            tOcO = _acc_mn_view(thr_o.partition_C(cO))
-            lse_writer = is_quad_leader
-            if wg != 0:
-                lse_writer = False
-            self.store_epilogue(mO, mLSE, mOp, mLSEp, b, slot, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block,
-                                wg, R, lane, lse_writer)
+    @cute.jit
+    def seesaw_item(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        g2s: cute.TiledCopy, g2s_wg: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
+        mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
+        tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, smem,
+        tidx: cutlass.Int32, m_block: cutlass.Int32, wg: cutlass.Int32, wg_tidx: cutlass.Int32,
+        lane: cutlass.Int32, b: cutlass.Int32, slot: cutlass.Int32, kv_len: cutlass.Int32, R: cutlass.Int32,
+        blocks_per_page: cutlass.Int32, n_start: cutlass.Int32, T: cutlass.Int32,
+        q_load, ph0, ph1,
+    ):
+        """One work item (request b, local tiles 0 .. T - 1 = KV blocks n_start .., partial slot or -1): Q,
+        the prologue loads of tiles 0 and 1, the pairs, the epilogue.  The shared memory and initialised
+        mbarriers come from the caller (``smem``: seesaw_smem's tuple).  ``q_load``, ``ph0``, ``ph1``: None
+        for one item per CTA (Q always loaded, parities p % 2); balanced: whether to load Q (the request
+        changed) and the phases the column's earlier items completed on buffer 0's / buffer 1's mbarriers."""
+        mt = self.mma_dtype
+        sQ, sK, sV, sP0, sP1, sScale, sMax, sL, mbar = smem
+
+        # ---------------- Q: gmem -> smem (rows >= R zero), its own commit group ----------
+        thr_g2s = g2s.get_slice(tidx)
+        _, _, r2s_q, g2r_q = self._fp8_copies()
+        if cutlass.const_expr(q_load is None):
+            self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
+        else:
+            if q_load:  # balanced: sQ still holds this request's rows when the column's previous item had them
+                self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
+        cute.arch.cp_async_commit_group()
+
+        # ---------------- KV tiles 0 and 1: each warpgroup loads its parts ----------------
+        thr_g2s_wg = g2s_wg.get_slice(wg_tidx)
+        cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
+        tKcK = thr_g2s_wg.partition_S(cKV)  # (CPY, 4, 9)
+        tKsK = thr_g2s_wg.partition_D(sK)  # (CPY, 4, 9, STAGES)
+        kv_src = (g2s_wg, thr_g2s_wg, mKV, tKcK, tKsK)  # load_kv_part: cp.async
+        if cutlass.const_expr(self.tma):
+            # TMA: boxes (64 tokens, 64 columns); the smem side is sK's 64-column blocks
+            # (TMA, 1, 9, STAGES), the gmem side (TMA, page_size / 64, 9, pages)
+            tKsT, tKgT = cpasync.tma_partition(
+                tma_atom, 0, cute.make_layout(1),
+                cute.group_modes(cute.flat_divide(sK, (BLOCK_N, KV_BOX)), 0, 2),
+                cute.group_modes(cute.flat_divide(mKV_tma, (BLOCK_N, KV_BOX)), 0, 2))
+            tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
+            kv_src = (tma_atom, tKgT, tKsT, tma_warp)
+            if tidx == 0:
+                cpasync.prefetch_descriptor(tma_atom)
+        if cutlass.const_expr(self.is_fp8):
+            # fp8 KV: ld.global -> registers (one part: up to 5 blocks x 4 passes x 8
+            # fp8 = 40 registers), later cvt + st.shared into the fp16 sK; same (row, col)
+            # per position as tKsK (the TV layout of g2s_wg)
+            g2r_wg, r2s_wg = self._wg_fp8_copies()
+            thr_g2r_wg = g2r_wg.get_slice(wg_tidx)
+            tKsK = r2s_wg.get_slice(wg_tidx).partition_D(sK)  # (CPY, 4, 9, STAGES)
+            rRaw = cute.make_rmem_tensor(
+                (cute.size(tKcK.shape[0]), cute.size(tKcK.shape[1]), 5), cutlass.Float8E4M3FN)
+        # WG w loads blocks SEESAW_LOAD_BLOCKS[w][0] of the tile it owns (w) and
+        # SEESAW_LOAD_BLOCKS[w][1] of the other one; mbarrier 2 * buffer + w
+        for t in cutlass.range_constexpr(2):
+            if T > t:
+                pg = mPT[b, (n_start + t) // blocks_per_page]
+                if cutlass.const_expr(self.is_fp8):
+                    if wg == 0:
+                        self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg, n_start + t,
+                                          SEESAW_LOAD_BLOCKS[0][t], blocks_per_page, kv_len, tKcK,
+                                          rRaw)
+                        self.store_part_fp8(r2s_wg, n_start + t, t, SEESAW_LOAD_BLOCKS[0][t],
+                                            kv_len, tKcK, tKsK, rRaw, mbar + 2 * t)
+                    else:
+                        self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg, n_start + t,
+                                          SEESAW_LOAD_BLOCKS[1][1 - t], blocks_per_page, kv_len,
+                                          tKcK, rRaw)
+                        self.store_part_fp8(r2s_wg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
+                                            kv_len, tKcK, tKsK, rRaw, mbar + 2 * t + 1)
+                else:
+                    if wg == 0:
+                        self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[0][t],
+                                          blocks_per_page, kv_len, mbar + 2 * t)
+                    else:
+                        self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
+                                          blocks_per_page, kv_len, mbar + 2 * t + 1)
+        cute.arch.cp_async_commit_group()
+        # Q landed (the KV group may still fly), visible to the async proxy and to all threads
+        cute.arch.cp_async_wait_group(1)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier()
+
+        # ---------------- per-warpgroup MMA partitions ----------------
+        mma_o_rs.set(warpgroup.Field.ACCUMULATE, True)
+        mma_o_ss.set(warpgroup.Field.ACCUMULATE, True)
+        mma_s.set(warpgroup.Field.ACCUMULATE, True)
+        mma_s_first.set(warpgroup.Field.ACCUMULATE, False)
+        thr_s = mma_s.get_slice(wg_tidx)
+        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))  # (MMA, 1, 36)
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))  # (MMA, 1, 36, STAGES)
+        s_shape = thr_s.partition_shape_C((BLOCK_M, BLOCK_N))
+        cS = cute.make_identity_tensor((BLOCK_M, BLOCK_N))
+        tScS = _acc_mn_view(thr_s.partition_C(cS))
+        n_rows = cute.size(tScS.shape[0])
+
+        sV_half = cute.local_tile(sV, (D_V_HALF, BLOCK_N, STAGES), (wg, 0, 0))
+        thr_o = mma_o_rs.get_slice(wg_tidx)
+        tOrV = thr_o.make_fragment_B(thr_o.partition_B(sV_half))  # (MMA, 1, 4, STAGES)
+        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_M, D_V_HALF)), cutlass.Float32)
+        acc_O.fill(0.0)
+        acc_O_mn = _acc_mn_view(acc_O)
+        acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        # P of the own tile (16 bit): the RS A operand (its values in S's C order)
+        tOrP = cute.make_rmem_tensor(thr_o.partition_shape_A((BLOCK_M, BLOCK_N)), mt)
+        is_quad_leader = lane % 4 == 0
+
+        row_lim = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
+        for r in cutlass.range_constexpr(n_rows):
+            grow = m_block * BLOCK_M + tScS[r, 0][0]
+            row_lim[r] = kv_len - s_q + grow // num_heads + 1
+        row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_corr = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+
+        pg_next2 = cutlass.Int32(0)
+        pg_next3 = cutlass.Int32(0)
+        if T > 2:
+            pg_next2 = mPT[b, (n_start + 2) // blocks_per_page]
+        if T > 3:
+            pg_next3 = mPT[b, (n_start + 3) // blocks_per_page]
+        for p in cutlass.range(0, (T + 1) // 2, 1):
+            ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
+            parity = p % 2
+            # mbarrier parities of this pair's waits on buffer 0 (tile a) and buffer 1 (tile b): p % 2 for
+            # one item per CTA; balanced: the phases the column's earlier items completed on that buffer
+            # come first (seesaw_item_phases), so an item after one with an odd tile count waits right
+            par0 = parity
+            par1 = parity
+            if cutlass.const_expr(ph0 is not None):
+                par0 = (ph0 + p) % 2
+                par1 = (ph1 + p) % 2
+            # cache pages of the next pair's tiles (tiles a+2, b+2), read one pair ahead so
+            # that neither the L2 prefetch below nor the cp.asyncs after this pair's P V
+            # WGMMAs wait for the page table (clamped: always a valid entry of this
+            # request; unused when the tile does not exist)
+            pg2 = pg_next2
+            pg3 = pg_next3
+            # tiles a+2, b+2 -> L2 now (one bulk prefetch each: a 64-token block of a page is
+            # contiguous), so that their cp.asyncs later in this pair hit L2
+            if cutlass.const_expr(self.l2_prefetch):
+                if tidx == 0:
+                    if ta + 2 < T:
+                        self.prefetch_tile_l2(mKV, pg2, n_start + ta + 2, blocks_per_page)
+                    if ta + 3 < T:
+                        self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
+            pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
+            pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
+            if cutlass.const_expr(self.is_fp8):
+                # fp8 KV: the same schedule, parts, mbarriers and named barriers as the
+                # cp.async version; each part is ld.global'ed into registers *before* the
+                # wait that frees its columns, then converted and stored.  Two stores move
+                # under the converting warpgroup's own WGMMAs (WG0: tile b under S_a; WG1:
+                # tile a+2 under P_b V_R); tests/test_seesaw_protocol.py models this order
+                if wg == 0:
+                    # issue S_a, then convert this pair's tile b part (columns 0..255 + RoPE,
+                    # ld.global'ed during the previous pair) under those WGMMAs, then wait
+                    self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
+                            mbar + 0, mbar + 1, parity, False)
+                    if p > 0 and ta + 1 < T:
+                        self.store_part_fp8(r2s_wg, n_start + ta + 1, 1, SEESAW_LOAD_BLOCKS[0][1],
+                                            kv_len, tKcK, tKsK, rRaw, mbar + 2)
+                    warpgroup.wait_group(0)
+                    self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
+                                         acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
+                                         scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
+                                         True)
+                    if ta + 2 < T:  # tile a+2, columns 0..255: in flight during P_a V_L
+                        self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg2, n_start + ta + 2,
+                                          SEESAW_LOAD_BLOCKS[0][0], blocks_per_page, kv_len, tKcK,
+                                          rRaw)
+                    self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
+                    if ta + 2 < T:  # columns 0..255 of buffer 0 are free
+                        self.store_part_fp8(r2s_wg, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[0][0],
+                                            kv_len, tKcK, tKsK, rRaw, mbar + 0)
+                    if ta + 1 < T:
+                        if ta + 3 < T:  # tile b+2, columns 0..255 + RoPE: staged in registers
+                            # here, stored under the next pair's S_{a+2} WGMMAs (above)
+                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg3, n_start + ta + 3,
+                                              SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len,
+                                              tKcK, rRaw)
+                        self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
+                                       row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
+                else:
+                    if ta + 1 < T:
+                        self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
+                                mbar + 3, mbar + 2, parity)
+                    self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
+                                   row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
+                    if ta + 1 < T:
+                        self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
+                                             acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
+                                             scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1],
+                                             row_corr, False)
+                    if ta + 2 < T:  # tile a+2, columns 256..575: in flight under P_a V_R
+                        self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg2, n_start + ta + 2,
+                                          SEESAW_LOAD_BLOCKS[1][1], blocks_per_page, kv_len, tKcK,
+                                          rRaw)
+                    warpgroup.wait_group(0)  # P_a V_R done: columns 256..575 of buffer 0 free
+                    if ta + 1 < T:
+                        # O_R *= scale_b, issue P_b V_R (RS) and convert tile a+2's part under it
+                        for r in cutlass.range_constexpr(n_rows):
+                            acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
+                        warpgroup.fence()
+                        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+                            cute.gemm(mma_o_rs, acc_O, tOrP[None, None, k], tOrV[None, None, k, 1],
+                                      acc_O)
+                        warpgroup.commit_group()
+                    if ta + 2 < T:
+                        self.store_part_fp8(r2s_wg, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[1][1],
+                                            kv_len, tKcK, tKsK, rRaw, mbar + 1)
+                    if ta + 1 < T:
+                        if ta + 3 < T:  # tile b+2, columns 256..511: in flight under P_b V_R
+                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg3, n_start + ta + 3,
+                                              SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len,
+                                              tKcK, rRaw)
+                        warpgroup.wait_group(0)  # P_b V_R done: columns 256..511 of buffer 1 free
+                        if ta + 3 < T:
+                            self.store_part_fp8(r2s_wg, n_start + ta + 3, 1,
+                                                SEESAW_LOAD_BLOCKS[1][0], kv_len, tKcK, tKsK, rRaw,
+                                                mbar + 3)
+            else:
+                if wg == 0:
+                    # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
+                    self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
+                            mbar + 0, mbar + 1, par0)
+                    self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
+                                         acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
+                                         scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
+                                         True)
+                    # tma=True, request's last tile: zero its V_L tail rows (zero_v_tail)
+                    if cutlass.const_expr(self.tma):
+                        self.zero_v_tail(tKcK, tKsK, n_start + ta, 0, 0, kv_len, mbar + 0, par0)
+                    self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
+                    # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
+                    if ta + 2 < T:
+                        self.load_kv_part(kv_src, pg2, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[0][0],
+                                          blocks_per_page, kv_len, mbar + 0)
+                    if ta + 1 < T:
+                        # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS); tma=True: its V_L
+                        # tail rows zeroed after the P_b barrier (S_b is done) if it is the last
+                        self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
+                                       row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True,
+                                       (tKcK, tKsK, n_start + ta + 1, 1, 0, kv_len, mbar + 2, par1)
+                                       if self.tma else None)
+                        # columns 0..255 and P's block of buffer 1 are free: tile b+2's
+                        if ta + 3 < T:
+                            self.load_kv_part(kv_src, pg3, n_start + ta + 3, 1, SEESAW_LOAD_BLOCKS[0][1],
+                                              blocks_per_page, kv_len, mbar + 2)
+                else:
+                    if ta + 1 < T:
+                        # S_b (runs while WG0 does softmax_a)
+                        self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
+                                mbar + 3, mbar + 2, par1)
+                    # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet;
+                    # tma=True: V_R tail rows of tile a zeroed after the P_a barrier if last
+                    self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
+                                   row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False,
+                                   (tKcK, tKsK, n_start + ta, 0, 1, kv_len, mbar + 1, par0)
+                                   if self.tma else None)
+                    if ta + 1 < T:
+                        # softmax_b under the P_a V WGMMAs; O_R *= scale_b needs them done
+                        self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
+                                             acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
+                                             scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1], row_corr,
+                                             False)
+                    warpgroup.wait_group(0)
+                    # columns 256..575 of buffer 0 are free: tile a+2's
+                    if ta + 2 < T:
+                        self.load_kv_part(kv_src, pg2, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[1][1],
+                                          blocks_per_page, kv_len, mbar + 1)
+                    if ta + 1 < T:
+                        # tma=True, request's last tile: zero its V_R tail rows (S_b is done)
+                        if cutlass.const_expr(self.tma):
+                            self.zero_v_tail(tKcK, tKsK, n_start + ta + 1, 1, 1, kv_len, mbar + 3,
+                                             par1)
+                        for r in cutlass.range_constexpr(n_rows):
+                            acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
+                        self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
+                        if ta + 3 < T:
+                            self.load_kv_part(kv_src, pg3, n_start + ta + 3, 1, SEESAW_LOAD_BLOCKS[1][0],
+                                              blocks_per_page, kv_len, mbar + 3)
+
+        cute.arch.cp_async_wait_group(0)
+
+        # ---------------- epilogue ----------------
+        # both warpgroups hold the final running max; the row sum is the sum of the two
+        for r in cutlass.range_constexpr(n_rows):
+            s_own = _quad_sum(row_sum[r])
+            row_sum[r] = s_own
+            if is_quad_leader:
+                sL[tScS[r, 0][0], wg] = s_own
+        cute.arch.barrier()
+        row_scale = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_lse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            s = row_sum[r] + sL[tScS[r, 0][0], 1 - wg]
+            ok = s > 0.0
+            row_scale[r] = v_scale / s if ok else 0.0
+            row_lse[r] = (
+                row_max[r] * scale_ln + cute.math.log(s, fastmath=False)
+                if ok
+                else -cutlass.Float32.inf
+            )
+
+        cO = cute.make_identity_tensor((BLOCK_M, D_V_HALF))
+        tOcO = _acc_mn_view(thr_o.partition_C(cO))
+        lse_writer = is_quad_leader
+        if wg != 0:
+            lse_writer = False
+        self.store_epilogue(mO, mLSE, mOp, mLSEp, b, slot, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block,
+                            wg, R, lane, lse_writer)
 
 
 # ---------------------------------------------------------------------- host helpers
@@ -1712,3 +1882,80 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
                                               wide_store=schedule.wide_store, tma=tma)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
+
+
+# ---------------------------------------------------------------------- balanced seesaw (branch seesaw-balanced)
+
+
+def seesaw_item_phases(T: int) -> tuple[int, int]:
+    """Phases one seesaw work item of T tiles completes on the mbarriers of buffer 0 (local tiles 0, 2, ...:
+    ceil(T / 2)) and of buffer 1 (tiles 1, 3, ...: floor(T / 2)); each tile completes one phase on both
+    mbarriers of its buffer (one part per loading warpgroup).  The balanced kernel adds these to its running
+    counts (ph0, ph1) after every item, and pair p of the next item waits with parity (ph0 + p) % 2 on buffer 0
+    and (ph1 + p) % 2 on buffer 1 (``seesaw_pair_parities``); the one-item kernel's p % 2 is the case ph0 = ph1
+    = 0.  Restarting at p % 2 in every item would wait with the wrong parity (for a phase that already
+    completed) once an earlier item completed an odd number of phases on a buffer, e.g. after T = 1, 2 or 3
+    (tests/test_seesaw_balanced_protocol.py catches it)."""
+    return (T + 1) // 2, T // 2
+
+
+def seesaw_pair_parities(ph0: int, ph1: int, p: int) -> tuple[int, int]:
+    """(buffer 0, buffer 1) mbarrier wait parities of pair p of an item after earlier phases ph0, ph1."""
+    return (ph0 + p) % 2, (ph1 + p) % 2
+
+
+def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int, *flags: str):
+    from . import api
+
+    unknown = [f for f in flags if f not in SEESAW_FLAGS and not f.startswith("partial_")]
+    if unknown:
+        raise ValueError(f"seesaw kernel key: unknown flags {unknown}, expected a subset of {SEESAW_FLAGS} "
+                         "and a partial_<dtype> tag")
+    k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
+                                    l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
+                                    tma="tma" in flags, balanced=True)
+    return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
+
+
+def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = None, *,
+                                             l2_prefetch: bool | None = None, partial: str = "fp32",
+                                             wide_store: bool = False, tma: bool = False):
+    """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
+    16-bit KV only; kernel cache kind ``partial_wgmma_seesaw_balanced`` with the even kernel's key
+    (``seesaw_spec``), so the even seesaw kernels' keys and symbols are unchanged and the two never collide.
+    ``l2_prefetch`` (None: ``seesaw_l2_prefetch_default``, off for 16-bit caches), ``partial``, ``wide_store``,
+    ``tma``: as ``get_partial_kernel_wgmma_seesaw``."""
+    from . import kernel_cache
+
+    kv_name = q_name if kv_name is None else kv_name
+    if kv_name != q_name:
+        raise ValueError(f"balanced seesaw kernel: needs a bf16/fp16 KV cache in the q dtype ({q_name}), got "
+                         f"{kv_name} (balanced split-KV is built for bf16/fp16 KV caches only)")
+    if l2_prefetch is None:
+        l2_prefetch = seesaw_l2_prefetch_default(kv_name)
+    return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
+                                     seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma),
+                                     _build_partial_wgmma_seesaw_balanced)
+
+
+def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
+                                          out, lse, schedule, workspace, *, check: bool = True,
+                                          l2_prefetch: bool | None = None, tma: bool = False):
+    """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
+    (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
+    schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
+    and wgmma_t balanced entries' launch).  Needs s_q * H > 32 (the 64-row tile: schedule.block_m 64) and a
+    bf16/fp16 cache (ValueError otherwise, also with check=False).  ``l2_prefetch``, ``tma``: see
+    ``get_partial_kernel_wgmma_seesaw``."""
+    from . import api
+
+    api.check_balanced(schedule, kv_cache)
+    if schedule.block_m != BLOCK_M:
+        raise ValueError(f"balanced seesaw: s_q * H must be > 32 (its 64-row tile), got {schedule.rows}")
+    if check:
+        api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
+    partial = get_partial_kernel_wgmma_seesaw_balanced(
+        api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype], l2_prefetch=l2_prefetch,
+        partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma)
+    return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
+                               workspace)

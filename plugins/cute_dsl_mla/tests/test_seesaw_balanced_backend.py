@@ -1,0 +1,167 @@
+"""cute_dsl_mla's option seesaw_split (branch seesaw-balanced) on the CPU: opt-in only (the default routing of the
+seesaw is unchanged: even split, the even entry, a plan_items schedule), seesaw_split=balanced plans a
+make_schedule(..., balanced=True) schedule into the session's fixed buffers and runs
+mla_decode_sm90_wgmma_seesaw_balanced, which launches through api.launch_balanced with the schedule's cta_ranges;
+fp8 caches and the other kernels ignore it."""
+
+import pytest
+import torch
+
+from test_backend_host import _cpu_session, prob  # noqa: E402  (same directory)
+
+from mla_cute_dsl import backend as be
+from mla_cute_dsl.backend import CuteDslBackend, CuteDslOptions
+from mlacore import StepInputs
+
+
+def _plan(monkeypatch, options, lens_l, heads=128, s_q=1, kv="bf16", session=None, rec=None):
+    B = len(lens_l)
+    lens = torch.tensor(lens_l, dtype=torch.int32)
+    table = torch.zeros(B, 128, dtype=torch.int32)
+    session = session or _cpu_session(monkeypatch, options, heads=heads, kv_dtype=kv, rec=rec)
+    planned = session.plan(prob(num_heads=heads, seq_len_q=s_q, batch_size=B, kv_dtype=kv, max_kv_len=8192),
+                           StepInputs(lens, table, lens, table))
+    return session, planned
+
+
+def test_option_is_opt_in_and_validated():
+    assert CuteDslOptions().seesaw_split == "even"
+    assert CuteDslOptions().split_kv == "balanced"  # unchanged default, which the seesaw keeps ignoring
+    with pytest.raises(ValueError, match="seesaw_split"):
+        CuteDslOptions(seesaw_split="balanced_seesaw")
+    assert CuteDslOptions(seesaw_split="balanced").seesaw_split == "balanced"
+
+
+@pytest.mark.parametrize("heads,s_q", [(128, 1), (128, 2), (64, 2), (126, 2)])
+def test_default_routing_of_the_seesaw_is_unchanged(monkeypatch, heads, s_q):
+    """Defaults (split_kv=balanced, seesaw_split=even): the seesaw's even entry on a plan_items schedule (no
+    cta_ranges), not balanced, exactly as before the option existed."""
+    import types
+
+    rec = types.SimpleNamespace(made=[], filled=[], partials=[])
+    _, planned = _plan(monkeypatch, CuteDslOptions(), [3000, 17, 0, 4096], heads=heads, s_q=s_q, rec=rec)
+    assert planned.kernel == "seesaw" and planned.balanced is False
+    assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw"
+    assert planned.schedule.cta_ranges is None and not planned.schedule.balanced
+    assert rec.made == [(1, False)]
+    assert not be.balanced_split(prob(num_heads=heads, seq_len_q=s_q), CuteDslOptions())
+    assert not be.balanced_split(prob(num_heads=heads, seq_len_q=s_q), CuteDslOptions(split_kv="even"))
+
+
+@pytest.mark.parametrize("heads,s_q,tma", [(128, 1, False), (128, 2, True), (126, 2, False), (64, 4, True)])
+def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, heads, s_q, tma):
+    """seesaw_split=balanced: the balanced seesaw entry (tma as option loads decides), a balanced schedule for
+    one CTA per SM with num_cols = 132 // m-blocks, its form following the lengths (uniform 4096: balanced at B=40,
+    where the even plan's second wave is 1.5x the balanced columns; even at B=32, one wave), re-planned in place
+    (the buffers a captured graph reads stay), equal to make_schedule's own answer."""
+    import types
+
+    from mla_cute_dsl.kernels import schedule as S
+
+    rec = types.SimpleNamespace(made=[], filled=[], partials=[])
+    opts = CuteDslOptions(seesaw_split="balanced")
+    steps = [[4096] * 40, [4096] * 32, [4096] * 40]
+    real_make = S.make_schedule  # (the session patches the module's: it records its calls)
+    session, forms, ptrs = None, [], set()
+    for lens_l in steps:
+        B = len(lens_l)
+        session, planned = _plan(monkeypatch, opts, lens_l, heads=heads, s_q=s_q, session=session, rec=rec)
+        assert planned.kernel == "seesaw" and planned.balanced is True
+        assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"
+        assert getattr(planned.run_fn, "keywords", {}) == ({"tma": True} if tma else {})
+        sched = planned.schedule
+        m_blocks = -(-heads * s_q // 64)
+        assert sched.balanced and sched.block_m == 64 and sched.num_cols == 132 // m_blocks
+        want = real_make(lens_l, s_q, heads, 132, device="cpu", balanced=True, ctas_per_sm=1)
+        assert sched.form == want.form
+        n = want.num_items
+        assert torch.equal(sched.work_info[:n], want.work_info[:n])
+        assert torch.equal(sched.cta_ranges, want.cta_ranges)
+        assert torch.equal(sched.split_info[:B], want.split_info[:B])
+        forms.append(sched.form)
+        ptrs.add((sched.work_info.data_ptr(), sched.cta_ranges.data_ptr(), sched.split_info.data_ptr()))
+    assert forms == ["balanced", "even", "balanced"], forms
+    assert len(ptrs) == 1  # planned in place
+    assert rec.made == [(1, True)] and rec.filled == [(1, True), (1, True)]
+
+
+def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch):
+    """Planned.run reaches mla_decode_sm90_wgmma_seesaw_balanced with check=False, which asks the balanced getter
+    for the session's partial dtype / wide stores / loads and launches through api.launch_balanced with the
+    plan's schedule (its cta_ranges go to the kernel there)."""
+    from mla_cute_dsl.kernels import api, sm90_wgmma_decode
+
+    asked, launched = [], []
+    monkeypatch.setattr(sm90_wgmma_decode, "get_partial_kernel_wgmma_seesaw_balanced",
+                        lambda q, kv, **k: asked.append((q, kv, k)) or "balanced-kernel")
+    monkeypatch.setattr(sm90_wgmma_decode, "get_partial_kernel_wgmma_seesaw",
+                        lambda *a, **k: pytest.fail("the even seesaw kernel was asked for"))
+    monkeypatch.setattr(api, "launch_balanced", lambda partial, *a: launched.append((partial, a)))
+    monkeypatch.setattr(api, "launch", lambda *a: pytest.fail("the even launch ran"))
+    opts = CuteDslOptions(seesaw_split="balanced")
+    session = None
+    for s_q, tma in ((2, True), (1, False)):
+        session, planned = _plan(monkeypatch, opts, [3000, 17, 0, 4096], s_q=s_q, session=session)
+        q = torch.zeros(4, s_q, 128, 576, dtype=torch.bfloat16)
+        kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+        out = torch.empty(4, s_q, 128, 512, dtype=torch.bfloat16)
+        planned.run(q, kv, out, torch.empty(4, s_q, 128))
+        assert asked[-1] == ("bf16", "bf16", {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma})
+        partial, args = launched[-1]
+        assert partial == "balanced-kernel" and args[-2] is planned.schedule and args[-1] is planned.workspace
+
+
+@pytest.mark.parametrize("opts,heads,kv,want_kernel", [
+    ({"seesaw_split": "balanced"}, 128, "fp8_e4m3", "seesaw"),  # fp8: even seesaw, option ignored
+    ({"seesaw_split": "balanced", "mma": "wgmma"}, 128, "bf16", "wgmma"),
+    ({"seesaw_split": "balanced"}, 64, "bf16", "wgmma"),  # 64 rows: mma=auto runs the plain WGMMA kernel
+    ({"seesaw_split": "balanced", "split_kv": "even"}, 16, "bf16", "mma_sync"),  # does not reach mma.sync
+])
+def test_seesaw_split_leaves_other_kernels_and_fp8_caches_alone(monkeypatch, opts, heads, kv, want_kernel):
+    _, planned = _plan(monkeypatch, CuteDslOptions(**opts), [3000, 17], heads=heads, kv=kv)
+    assert planned.kernel == want_kernel and planned.balanced is False
+    assert planned.schedule.cta_ranges is None
+    assert not planned.run_fn.__name__.endswith("_balanced")
+
+
+def test_seesaw_split_does_not_change_split_kv_for_the_mma_sync_kernel(monkeypatch):
+    """seesaw_split=even with split_kv=balanced at 16 rows: the mma.sync balanced entry as before; seesaw_split
+    changes nothing there either way."""
+    for split in ("even", "balanced"):
+        _, planned = _plan(monkeypatch, CuteDslOptions(seesaw_split=split), [3000, 17], heads=16)
+        assert planned.kernel == "mma_sync" and planned.balanced is True
+        assert planned.run_fn.__name__ == "mla_decode_sm90_balanced"
+
+
+def test_kernel_summary_run_function_and_notes():
+    bal = CuteDslOptions(seesaw_split="balanced")
+    assert be.kernel_summary(prob(num_heads=128), bal).startswith(
+        "seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan")
+    assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), bal).endswith(
+        "TMA KV loads (loads=auto: TMA from 256 rows)")
+    fp8 = be.kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), bal)
+    assert fp8.startswith("seesaw kernel, even split-KV") and "seesaw_split=balanced ignored" in fp8
+    # the default text is unchanged (test_backend_host pins it too)
+    assert be.kernel_summary(prob(num_heads=128), CuteDslOptions()).startswith("seesaw kernel, even split-KV "
+                                                                               "(split_kv=balanced ignored")
+    assert "seesaw_split" not in be.kernel_summary(prob(num_heads=128), CuteDslOptions())
+    assert be.run_function("seesaw", balanced=True).__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"
+    assert be.run_function("seesaw").__name__ == "mla_decode_sm90_wgmma_seesaw"
+    with pytest.raises(ValueError, match="not wgmma"):
+        be.run_function("wgmma", balanced=True)
+    notes = CuteDslBackend().info().notes
+    assert any("seesaw_split=balanced" in n and "opt-in" in n for n in notes)
+    desc = CuteDslOptions.model_fields["seesaw_split"].description
+    assert "default" in desc and "split_kv already defaults to balanced" in desc
+
+
+def test_policy_accepts_the_option():
+    """`mla bench --backend cute_dsl_mla:seesaw_split=balanced` builds its dispatcher this way."""
+    from mlacore import BackendRegistry
+    from mlacore.testing.compare import only_backend_dispatcher
+    from mlacore.tools.bench import BackendSpec
+
+    reg = BackendRegistry(env={}).load()
+    spec = BackendSpec.parse("cute_dsl_mla:seesaw_split=balanced")
+    d = only_backend_dispatcher(spec.name, reg, dict(spec.options))
+    assert d.options["cute_dsl_mla"].base.seesaw_split == "balanced"

@@ -1,0 +1,375 @@
+"""CPU tests (no GPU) of the balanced seesaw kernel (``MLADecodePartialWGMMASeesaw(balanced=True)``, branch
+seesaw-balanced).
+
+1. The one-item-per-CTA seesaw kernels are unchanged: the TMA kernels' PTX hashes below were computed at 7dcd77a
+   (main, before the item body moved into ``seesaw_item``); the cp.async / fp8 / backend-default kernels are
+   pinned in test_seesaw_tma_compile.py (from 2e50b17) and pass unchanged.
+2. The balanced kernel compiles for bf16 / fp16 with cp.async and TMA loads, without spills, with the one-item
+   kernel's instruction mix (one copy of the item body: the same WGMMAs, loads, waits and barriers, the mbarriers
+   initialised once per CTA) inside a loop over the column's work rows.
+3. A float64 emulation of the column walk (per 64-row m-block: the seesaw's tile pairing, WG0 owning even and WG1
+   odd tiles with the running max shared and the row sums split between them, Q reloaded only when the request
+   changes, page tails as the kernel treats them: cp.async zero-fills rows past kv_len, TMA zeroes the V half of a
+   request's last tile and lets NaN K rows be masked by assignment) + the combine, on hybrid schedules of both
+   forms at H=64 s_q=1, H=128 s_q=1/2 and H=126 (odd rows), against softmax attention; a mutation (Q never
+   reloaded) fails it.
+4. Refusals (fp8 cache, rows <= 32, a schedule that is not balanced), the cache kind and key, the builder, and that
+   the host entry launches through api.launch_balanced with the schedule's cta_ranges.
+The protocol of a column (mbarrier phases across items) is modelled in test_seesaw_balanced_protocol.py; the GPU
+run is test_seesaw_balanced_gpu.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from test_balanced_schedule import _reference, emulate_combine  # noqa: E402  (same directory)
+from test_kernel_compile import _has_cutlass  # noqa: E402
+
+from mla_cute_dsl.kernels import schedule as S  # noqa: E402
+
+needs_cutlass = pytest.mark.skipif(not _has_cutlass(), reason="nvidia-cutlass-dsl not installed")
+
+# ptx_sha256 of the one-item seesaw kernel with tma=True at 7dcd77a (nvidia-cutlass-dsl 4.8.1, sm_90a):
+# (q, partial dtype, wide stores)
+EVEN_TMA_PTX_SHA256 = {
+    ("bf16", "fp32", False): "a27b31895a48bb74bc24ab90f1ba85b8ce7fb88cb927dd9cb135b8afb7f10389",
+    ("fp16", "fp32", False): "7e791151cda53831475737a3df64e78d6b4fc9d4d817626ad70cd704580860da",
+    ("bf16", "bf16", True): "acdd9aba97f75af130c8d00e954bdce616839547fdb6fc5b68d797cb0a72dfef",
+}
+
+
+def _kernel(q, tma=False, balanced=False, wide_store=False):
+    from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
+
+    return MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), api._cutlass_dtype(q), tma=tma, balanced=balanced,
+                                       wide_store=wide_store)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("spec", sorted(EVEN_TMA_PTX_SHA256))
+def test_even_tma_seesaw_ptx_is_unchanged(spec, tmp_path):
+    from test_balanced_compile import _dump, ptx_sha256
+
+    from mla_cute_dsl.kernels import api
+
+    q, partial, wide = spec
+    ptx, _, _ = _dump(_kernel(q, tma=True, wide_store=wide), api._fake_args_partial(q, q, partial), tmp_path)
+    assert ptx_sha256(ptx) == EVEN_TMA_PTX_SHA256[spec]
+
+
+_COUNTED = ("wgmma.mma_async.sync.aligned.m64n64k16", "wgmma.mma_async.sync.aligned.m64n256k16",
+            "cp.async.cg.shared.global", "cp.async.bulk.tensor", "mbarrier.arrive.expect_tx", "cp.async.mbarrier.arrive",
+            "mbarrier.init.shared.b64", "mbarrier.try_wait", "bar.sync", "bar.arrive", "fence.proxy.async.shared::cta",
+            "griddepcontrol.launch_dependents", "prefetch.tensormap")
+
+
+@needs_cutlass
+@pytest.mark.parametrize("tma", [False, True], ids=["cp_async", "tma"])
+@pytest.mark.parametrize("q", ["bf16", "fp16"])
+def test_balanced_kernel_compiles_with_the_one_item_kernels_body(q, tma, tmp_path):
+    """call_balanced compiles; no spills; the same instruction mix as the one-item kernel (one copy of the item
+    body: its WGMMAs, loads, mbarrier arms and waits, named and CTA barriers; mbarriers initialised once) and two
+    loops more than it (the column's rows around the pair loop: a back edge with the item's ranges read from
+    the cta_ranges parameter)."""
+    from test_balanced_compile import _dump
+
+    from mla_cute_dsl.kernels import api
+
+    (tmp_path / "bal").mkdir()
+    (tmp_path / "even").mkdir()
+    bal, regs, frame = _dump(_kernel(q, tma=tma, balanced=True).call_balanced,
+                             api._fake_args_partial_balanced(q, q), tmp_path / "bal")
+    even, even_regs, _ = _dump(_kernel(q, tma=tma), api._fake_args_partial(q, q), tmp_path / "even")
+    print(f"balanced seesaw {q} tma={tma}: {regs} registers (one-item kernel {even_regs}), stack frame {frame} B")
+    assert regs <= 255 and frame == 0
+    assert "ld.local" not in bal and "st.local" not in bal
+    counts = {p: bal.count(p) for p in _COUNTED}
+    assert counts == {p: even.count(p) for p in _COUNTED}, counts
+    assert counts["mbarrier.init.shared.b64"] == 4 and counts["griddepcontrol.launch_dependents"] == 1
+    assert counts["wgmma.mma_async.sync.aligned.m64n64k16"] == 72
+    assert counts["cp.async.bulk.tensor"] == (36 if tma else 0)
+    assert counts["cp.async.cg.shared.global"] == (18 if tma else 162)
+    # one kernel parameter more than the one-item kernel (the ranges; the grid's y is the column)
+    n_params = lambda ptx: len(re.findall(r"_param_\d+", re.search(r"\.entry\s+\S+\(([^)]*)\)", ptx).group(1)))  # noqa: E731
+    assert "kernel_seesaw" in bal and n_params(bal) > n_params(even)
+
+
+@needs_cutlass
+def test_balanced_refusals_cache_kind_and_entry(monkeypatch):
+    """fp8 caches are refused (kernel object, getter, host entry; nothing compiled), as are schedules that are not
+    balanced and rows <= 32; the getter's kind is partial_wgmma_seesaw_balanced with the even kernel's key (so the
+    two never share a cache entry or a symbol), the builder makes balanced kernels with the key's options, and the
+    host entry passes tma / the workspace dtype / wide stores to the getter and launches through
+    api.launch_balanced."""
+    import cutlass
+
+    from mla_cute_dsl.kernels import alloc_workspace, api, kernel_cache, make_schedule
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
+    with pytest.raises(ValueError, match="balanced=True needs a 16-bit KV cache"):
+        W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, balanced=True)
+    assert not W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.BFloat16).balanced
+    built = []
+    monkeypatch.setattr(kernel_cache, "get_or_build", lambda kind, spec, build: built.append((kind, spec, build)))
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        W.get_partial_kernel_wgmma_seesaw_balanced("bf16", "fp8_e4m3")
+    assert built == []
+    W.get_partial_kernel_wgmma_seesaw_balanced("bf16")
+    W.get_partial_kernel_wgmma_seesaw_balanced("fp16", "fp16", partial="fp16", wide_store=True, tma=True)
+    W.get_partial_kernel_wgmma_seesaw("bf16")
+    assert [(k, s) for k, s, _ in built] == [
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64)),
+        ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "partial_fp16", "wide_store", "tma")),
+        ("partial_wgmma_seesaw", ("bf16", "bf16", 64))]
+    assert built[0][2] is W._build_partial_wgmma_seesaw_balanced
+    assert kernel_cache.symbol_for("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64)) == \
+        "mla_partial_wgmma_seesaw_balanced_bf16_bf16_64"
+
+    import cutlass.cute as cute
+
+    compiled = []
+    monkeypatch.setattr(cute, "compile", lambda fn, *a, **kw: compiled.append((fn, len(a))))
+    W._build_partial_wgmma_seesaw_balanced("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma")
+    fn, n_args = compiled[0]
+    k = fn.__self__
+    assert fn.__name__ == "call_balanced" and k.balanced and k.tma and k.wide_store and not k.l2_prefetch
+    assert n_args == len(api._fake_args_partial_balanced("bf16", "bf16"))
+    with pytest.raises(ValueError, match="unknown flags"):
+        W._build_partial_wgmma_seesaw_balanced("bf16", "bf16", 64, "balanced")
+
+    # host entry (CPU tensors, getter and launch stubbed: nothing compiled or run)
+    B, s_q, H = 3, 1, 128
+    q = torch.zeros(B, s_q, H, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
+    pt = torch.zeros(B, 4, dtype=torch.int32)
+    lens = torch.tensor([100, 0, 64], dtype=torch.int32)
+    out = torch.zeros(B, s_q, H, 512, dtype=torch.bfloat16)
+    lse = torch.zeros(B, s_q, H)
+    asked, launched = [], []
+    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw_balanced",
+                        lambda q_name, kv_name, **kw: asked.append((q_name, kv_name, kw)) or "kernel")
+    monkeypatch.setattr(api, "launch_balanced", lambda partial, *a: launched.append((partial, a[-2])))
+    even = make_schedule([100, 0, 64], s_q, H, 132, device="cpu")
+    bal = make_schedule([100, 0, 64], s_q, H, 132, device="cpu", balanced=True)
+    ws = alloc_workspace(bal, device="cpu", partial_dtype=torch.bfloat16)
+    for check in (True, False):
+        with pytest.raises(ValueError, match="balanced=True"):
+            W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, even, ws, check=check)
+        with pytest.raises(ValueError, match="bf16/fp16"):
+            W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv.to(torch.float8_e4m3fn), pt, lens, 0.1, 1.0, out, lse,
+                                                     bal, ws, check=check)
+    narrow = make_schedule([100, 0, 64], 2, 16, 132, device="cpu", balanced=True)
+    with pytest.raises(ValueError, match="> 32"):
+        W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, narrow, ws, check=False)
+    assert asked == [] and launched == []
+    bal.wide_store = True
+    W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, bal, ws, tma=True)
+    W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, bal, ws, check=False)
+    assert asked == [("bf16", "bf16", dict(l2_prefetch=None, partial="bf16", wide_store=True, tma=True)),
+                     ("bf16", "bf16", dict(l2_prefetch=None, partial="bf16", wide_store=True, tma=False))]
+    assert [p for p, _ in launched] == ["kernel", "kernel"] and all(s is bal for _, s in launched)
+    # the balanced grid: 2 m-blocks of 64 rows at H=128 s_q=1 -> 66 columns on 132 SMs
+    assert bal.num_cols == 66 and bal.block_m == 64
+
+
+# ------------------------- float64 emulation: the column walk + combine -------------------------
+
+BLOCK_N, BLOCK_M = 64, 64
+
+
+def _emulate_columns(q, kv, lens, s_q, H, sched, sm_scale, tma=False, reload_q=True):
+    """What MLADecodePartialWGMMASeesaw(balanced=True).call_balanced and the combine compute, in float64, read
+    from the Schedule's tensors.  CTA (m_block, column c) walks rows cta_ranges[c] .. cta_ranges[c + 1] - 1
+    (b < 0 skipped); per item: Q rows of its m-block from sQ, reloaded only when the request changes
+    (reload_q=False: the mutation, never after the column's first item); fresh row state (running max, each
+    warpgroup's row sum, O halves); tiles n_start .. n_start + T - 1 in pairs: the owner (WG0 for even local
+    tiles, WG1 for odd) computes S, masks (assignment to -inf), updates the shared running max and its own row
+    sum, and both warpgroups rescale their O half and add P V for their 256 columns; the non-owner rescales its
+    row sum only (pv_remote).  Page tails: cp.async zero-fills rows >= kv_len of the whole tile; TMA copies them
+    (NaN here) and zeroes rows >= kv_len of both V halves on the request's last tile (zero_v_tail), K rows and the
+    RoPE columns stay NaN (their S columns are masked).  Epilogue: the two row sums added, out/lse (slot -1) or
+    the partial slot; rows >= R are never written.  Then the combine over split_info."""
+    items = sched.work_info.tolist()
+    ranges = sched.cta_ranges.tolist()
+    split = sched.split_info.tolist()
+    B, R = len(lens), s_q * H
+    m_blocks = -(-R // BLOCK_M)
+    out = torch.full((B, R, 512), float("nan"), dtype=torch.float64)
+    lse = torch.full((B, R), float("nan"), dtype=torch.float64)
+    o_p = torch.full((max(1, sched.num_slots), R, 512), float("nan"), dtype=torch.float64)
+    l_p = torch.full((max(1, sched.num_slots), R), float("nan"), dtype=torch.float64)
+    for m in range(m_blocks):
+        rows = torch.arange(m * BLOCK_M, min(R, (m + 1) * BLOCK_M))
+        for c in range(len(ranges) - 1):
+            q_of, sQ = -1, None
+            for b, s, e, slot in (items[i] for i in range(ranges[c], ranges[c + 1])):
+                if b < 0:
+                    continue
+                if b != q_of and (reload_q or sQ is None):
+                    sQ = q[b, rows].clone()
+                q_of = b
+                L = lens[b]
+                lim = L - s_q + rows // H + 1
+                mx = torch.full((len(rows),), -math.inf, dtype=torch.float64)
+                ssum = torch.zeros(2, len(rows), dtype=torch.float64)  # per warpgroup
+                acc = torch.zeros(len(rows), 512, dtype=torch.float64)
+                n0 = s // BLOCK_N
+                T = (e + BLOCK_N - 1) // BLOCK_N - n0
+                for i in range(T):
+                    n = n0 + i
+                    tok = torch.arange(n * BLOCK_N, (n + 1) * BLOCK_N)
+                    tile = kv[b, tok.clamp(max=kv.shape[1] - 1)].clone()
+                    if not tma:
+                        tile[tok >= L] = 0.0  # cp.async zero-fill
+                    elif L - n * BLOCK_N < BLOCK_N:
+                        tile[tok >= L, :512] = 0.0  # zero_v_tail, both V halves; K / RoPE rows stay NaN
+                    owner = i % 2
+                    sc = (sQ @ tile.T) * sm_scale
+                    sc = torch.where(tok[None, :] < lim[:, None], sc, torch.tensor(-math.inf, dtype=torch.float64))
+                    m_new = torch.maximum(mx, sc.max(1).values)
+                    m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+                    p = torch.exp(sc - m_use[:, None])
+                    corr = torch.exp(mx - m_use)
+                    ssum[owner] = ssum[owner] * corr + p.sum(1)
+                    ssum[1 - owner] = ssum[1 - owner] * corr
+                    acc = acc * corr[:, None] + p @ tile[:, :512]
+                    mx = m_new
+                tot = ssum[0] + ssum[1]
+                ok = tot > 0
+                o_r = torch.where(ok[:, None], acc / torch.where(ok, tot, 1.0)[:, None], 0.0)
+                l_r = torch.where(ok, mx + torch.log(torch.where(ok, tot, 1.0)), -math.inf)
+                if slot < 0:
+                    out[b, rows], lse[b, rows] = o_r, l_r
+                else:
+                    o_p[slot, rows], l_p[slot, rows] = o_r, l_r
+    return emulate_combine(out, lse, o_p, l_p, split)
+
+
+CASES = [  # (s_q, H, num_sms): block_m 64 at every one; few SMs make columns walk several items
+    (1, 64, 5), (1, 128, 8), (2, 128, 12), (1, 126, 6), (2, 64, 3), (4, 128, 16),
+]
+
+
+def _case(seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    s_q, H, n_sm = CASES[seed % len(CASES)]
+    B = rng.choice([2, 5, 9])
+    kind = seed % 3
+    if kind == 0:
+        lens = [rng.choice([0, 1, max(0, s_q - 1), 64, 65, 128, rng.randint(1, 400)]) for _ in range(B)]
+    elif kind == 1:
+        lens = [rng.randint(1, 40) for _ in range(B - 1)] + [rng.randint(600, 1300)]
+    else:
+        lens = [rng.choice([0, rng.randint(1, 64), rng.randint(64, 700)]) for _ in range(B)]
+    form = ("auto", "even", "balanced")[seed % 3 if seed % 4 else 0]
+    sched = S.make_schedule(lens, s_q, H, n_sm, device="cpu", balanced=True, form=form, ctas_per_sm=1)
+    maxlen = -(-max(lens + [1]) // 64) * 64
+    R = s_q * H
+    q = torch.randn(B, R, 576, generator=g, dtype=torch.float64) * (10.0 if seed == 5 else 1.0)
+    kv = torch.randn(B, maxlen, 576, generator=g, dtype=torch.float64)
+    for b, L in enumerate(lens):
+        kv[b, L:] = float("nan")  # page tails / unused rows poisoned
+    return q, kv, lens, s_q, H, sched
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["cp_async", "tma"])
+@pytest.mark.parametrize("seed", range(12))
+def test_emulated_column_walk_and_combine_match_softmax_attention(seed, tma):
+    q, kv, lens, s_q, H, sched = _case(seed)
+    assert sched.block_m == 64 and sched.num_cols >= 1
+    sm_scale = 1.0 / math.sqrt(192)
+    o, l = _emulate_columns(q, kv, lens, s_q, H, sched, sm_scale, tma=tma)
+    ro, rl = _reference(q, torch.nan_to_num(kv, nan=0.0), lens, s_q, H, sm_scale)
+    assert not torch.isnan(o).any() and not torch.isnan(l).any()  # every row written, no NaN tail reached out
+    assert torch.allclose(o, ro, rtol=1e-9, atol=1e-9)
+    assert torch.equal(torch.isinf(l), torch.isinf(rl))
+    fin = ~torch.isinf(rl)
+    assert torch.allclose(l[fin], rl[fin], rtol=1e-9, atol=1e-9)
+
+
+def test_emulation_covers_the_column_cases():
+    """Multi-item columns, columns spanning several requests, 1-tile and odd-tile items, empty columns, lengths
+    0 and < s_q, and both forms appear in the seeds above."""
+    seen = dict(multi=0, spans=0, one_tile=0, odd=0, empty=0, zero_len=0, short=0, forms=set())
+    for seed in range(12):
+        _, _, lens, s_q, _, sched = _case(seed)
+        items, ranges = sched.work_info.tolist(), sched.cta_ranges.tolist()
+        seen["forms"].add(sched.form)
+        seen["zero_len"] += lens.count(0)
+        seen["short"] += sum(0 < L < s_q for L in lens)
+        for c in range(len(ranges) - 1):
+            col = [items[i] for i in range(ranges[c], ranges[c + 1])]
+            seen["multi"] += len(col) > 1
+            seen["spans"] += len({it[0] for it in col}) > 1
+            seen["empty"] += not col
+            tiles = [-(-e // 64) - s // 64 for _, s, e, _ in col]
+            seen["one_tile"] += tiles.count(1)
+            seen["odd"] += sum(t % 2 for t in tiles)
+    assert all(seen[k] for k in ("multi", "spans", "one_tile", "odd", "empty", "zero_len", "short")), seen
+    assert seen["forms"] == {"even", "balanced"}, seen
+
+
+def test_emulation_catches_q_not_reloaded():
+    """Mutation: sQ kept from the column's first request -> wrong rows (a column spanning two requests)."""
+    for seed in range(12):
+        q, kv, lens, s_q, H, sched = _case(seed)
+        items, ranges = sched.work_info.tolist(), sched.cta_ranges.tolist()
+        if sched.form == "balanced" and any(len({items[i][0] for i in range(ranges[c], ranges[c + 1])}) > 1
+                                            for c in range(len(ranges) - 1)):
+            break
+    else:
+        pytest.fail("no balanced seed with a column spanning two requests")
+    sm_scale = 1.0 / math.sqrt(192)
+    o, _ = _emulate_columns(q, kv, lens, s_q, H, sched, sm_scale, reload_q=False)
+    ro, _ = _reference(q, torch.nan_to_num(kv, nan=0.0), lens, s_q, H, sm_scale)
+    assert not torch.allclose(o, ro, rtol=1e-6, atol=1e-6)
+
+
+def test_the_kernel_walks_what_the_emulation_walks():
+    """Source check of the balanced branch of kernel_seesaw: the column's rows from mRanges, b < 0 skipped, T
+    and n_start as the one-item kernel computes them, Q reloaded only when the request changes, the phase counts
+    advanced after each item (test_seesaw_balanced_protocol.py checks their arithmetic)."""
+    import inspect
+
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw as K
+
+    src = " ".join(inspect.getsource(K.kernel_seesaw).split())
+    bal = src[src.index("if cutlass.const_expr(self.balanced):"):src.index("else: b = mWork[wi, 0]")]
+    for piece in ("for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1): b = mWork[it, 0] if b >= 0:",
+                  "n_start = mWork[it, 1] // BLOCK_N", "T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start",
+                  "b != q_of, ph0, ph1, ) q_of = b", "ph0 = ph0 + (T + 1) // 2 ph1 = ph1 + T // 2",
+                  "cute.arch.mbarrier_init(mbar + i, self._mbar_count())"):
+        assert piece in bal, piece
+    assert bal.index("mbarrier_init") < bal.index("for it in")  # once per CTA, not per item
+    item = " ".join(inspect.getsource(K.seesaw_item).split())
+    assert "if cutlass.const_expr(q_load is None): self.load_q(" in item and "if q_load:" in item
+    assert item.index("cute.arch.cp_async_wait_group(0)") > item.index("for p in cutlass.range(0, (T + 1) // 2, 1):")
+
+
+@needs_cutlass
+@pytest.mark.parametrize("flags", [("partial_bf16", "wide_store"), ("partial_bf16", "wide_store", "tma")],
+                         ids=["cp_async", "tma"])
+def test_the_backends_balanced_variants_compile(flags, tmp_path):
+    """What seesaw_split=balanced runs under the backend's defaults (bf16 partials, wide stores; cp.async below 256
+    rows, TMA from 256): the builder compiles them (the real compiler), without spills."""
+    from test_balanced_compile import _dump
+
+    from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
+
+    k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype("bf16"), api._cutlass_dtype("bf16"),
+                                    wide_store=api.wide_from_tags(flags), tma="tma" in flags, balanced=True)
+    ptx, regs, frame = _dump(k.call_balanced, api._fake_args_partial_balanced("bf16", "bf16", "bf16"), tmp_path)
+    assert regs <= 255 and frame == 0 and "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.count("st.global.v4") > 0  # the wide epilogue stores
