@@ -23,7 +23,8 @@ def specs():
     device scripts' option arms (partials=fp32, stores=narrow, combine=fused) pick."""
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_decode_fp8 import get_partial_kernel_fp8
-    from mla_cute_dsl.kernels.sm90_wgmma_decode import get_partial_kernel_wgmma, get_partial_kernel_wgmma_seesaw
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import (get_partial_kernel_wgmma, get_partial_kernel_wgmma_seesaw,
+                                                        get_partial_kernel_wgmma_seesaw_balanced)
     from mla_cute_dsl.kernels.sm90_wgmma_t_decode import (get_partial_kernel_wgmma_t,
                                                           get_partial_kernel_wgmma_t_balanced)
 
@@ -43,6 +44,11 @@ def specs():
                 if kv == q:  # tma=True: seesaw_tma_gpu.sh (fp32, narrow), the backend's loads=tma/auto (default)
                     out.append((f"seesaw {q} {kv} {tag} tma", lambda q=q, p=partial, w=wide:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial=p, wide_store=w, tma=True)))
+                if kv == q:  # the balanced seesaw (seesaw_split=balanced, the default since 0.2.13), both loads
+                    for tma in (False, True):
+                        out.append((f"seesaw_balanced {q} {tag}{' tma' if tma else ''}", lambda q=q, p=partial, w=wide,
+                                    t=tma: get_partial_kernel_wgmma_seesaw_balanced(q, q, partial=p, wide_store=w,
+                                                                                    tma=t)))
                 if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
                     out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))

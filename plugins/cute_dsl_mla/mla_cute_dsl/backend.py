@@ -18,9 +18,10 @@ Option split_kv="balanced" (the default since 0.2.3; the mma.sync kernel or, wit
 mma=wgmma_t, the transposed WGMMA kernel, bf16/fp16 cache only; see balanced_split): the
 balanced split-KV kernel, whose schedule plan picks per step (the hybrid, kernels/schedule.py
 choose_form) into the same buffers, so graphs captured at one step replay at any later one.
-Option seesaw_split="balanced" (opt-in, default "even"; branch seesaw-balanced, compile-only) does the same
-for the seesaw kernel (>= 128 rows under mma=auto, bf16/fp16 cache): make_schedule(..., balanced=True) at
-plan, mla_decode_sm90_wgmma_seesaw_balanced (api.launch_balanced) at run; split_kv keeps not reaching it.
+Option seesaw_split="balanced" (the default since 0.2.13; GPU-verified on an H200 in the seventeenth session)
+does the same for the seesaw kernel (>= 128 rows under mma=auto, bf16/fp16 cache): make_schedule(...,
+balanced=True) at plan, mla_decode_sm90_wgmma_seesaw_balanced (api.launch_balanced) at run; split_kv does not
+reach it; seesaw_split="even" keeps the one-CTA-per-item kernel of 0.2.12.
 
 mma=auto with a bf16/fp16 cache at 17-32 packed rows, split_kv=balanced and ctas_per_sm auto/1 picks per
 plan, from the step's host lengths: the transposed WGMMA kernel's balanced mode when the step has at least
@@ -173,18 +174,18 @@ class CuteDslOptions(BackendOptions):
                     "per SM). With even, mma=auto always runs the mma.sync even kernel at 17-32 rows (its "
                     "KV-block rule for wgmma_t applies to split_kv=balanced only); mma=wgmma_t runs its even entry")
     seesaw_split: SeesawSplit = Field(
-        default="even",
+        default="balanced",
         description="how the seesaw WGMMA kernel (sm_90; mma=auto from s_q*num_heads >= "
-                    f"{SEESAW_MIN_ROWS}, or mma=seesaw) with a bf16/fp16 cache splits the KV work. even (default, "
-                    "unchanged): each request cut into equal items, one CTA per item, waves of CTAs over the SMs. "
-                    "balanced (opt-in, compile-only so far: not yet run on a GPU): the balanced seesaw kernel, a fixed "
-                    "grid of (m-blocks x 132/m-blocks) CTA columns walking a per-step hybrid plan (the balanced split "
-                    "when predicted >= 10% faster, else the even one in the same buffers; CUDA-graph safe), as "
-                    "split_kv=balanced does for the mma.sync and wgmma_t kernels; it drains its KV pipeline at each "
-                    "item boundary. A separate option and not a split_kv value because split_kv already defaults to "
-                    "balanced while the seesaw has always run even: routing it by split_kv would change every "
-                    ">= 128-row default, and the two can then be measured and flipped independently. fp8 caches "
-                    "and the other kernels ignore it")
+                    f"{SEESAW_MIN_ROWS}, or mma=seesaw) with a bf16/fp16 cache splits the KV work. balanced "
+                    "(default since 0.2.13): the balanced seesaw kernel, a fixed grid of (m-blocks x "
+                    "num_sms/m-blocks) CTA columns walking a per-step hybrid plan (the balanced split when "
+                    "predicted >= 10% faster, else the even one in the same buffers; CUDA-graph safe), as "
+                    "split_kv=balanced does for the mma.sync and wgmma_t kernels; on an H200 at H=128 S=4096 "
+                    "0.69-0.89x the even kernel's time where the plan is balanced (B=24/40/48, s_q 1 and 2; 0.77-0.82x "
+                    "with lengths 410-4096 at B=48), within 3% where it stays even (B=16/32/128). even: each request "
+                    "cut into equal items, one CTA per item, waves of CTAs over the SMs (0.2.12's kernel). A separate "
+                    "option and not a split_kv value because the two defaults were measured and flipped "
+                    "independently. fp8 caches and the other kernels ignore it")
     num_sms: Union[Literal["auto"], int] = Field(
         default="auto",
         description="SMs the split-KV schedule spreads one step's work over (sm_90). auto: all of the GPU's. Set "
@@ -396,7 +397,7 @@ def rule_kv_blocks(shape: DecodeShape, options: CuteDslOptions,
 
 # partial kernels with a balanced mode (a column loop over the hybrid schedule) under split_kv, 16-bit caches only
 BALANCED_KERNELS = ("mma_sync", "wgmma_t")
-# the seesaw's balanced mode (16-bit caches only) is opted into by its own option, seesaw_split=balanced
+# the seesaw's balanced mode (16-bit caches only) follows its own option, seesaw_split (default balanced)
 SEESAW_BALANCED_KERNEL = "seesaw"
 
 
@@ -409,7 +410,7 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
     either. Shape class and options only, so the session's buffers and its CUDA graphs never change kind
     between steps: mma=auto's KV-block rule swaps mma_sync for wgmma_t, both balanced kernels, never changing
     this answer. The seesaw kernel (a bf16/fp16 cache) runs its balanced mode with seesaw_split=balanced
-    (opt-in; split_kv does not reach it, so the default routing of >= 128-row shapes stays even)."""
+    (the default since 0.2.13; split_kv does not reach it)."""
     if shape.kv_dtype == "fp8_e4m3":
         return False
     kernel = partial_kernel(shape, options)
@@ -427,7 +428,7 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
     kernel = partial_kernel(shape, options, kv_blocks)
     if balanced_split(shape, options) and kernel == SEESAW_BALANCED_KERNEL:
         text = ("seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan, "
-                "whichever is predicted >= 10% faster; compile-only so far, not run on a GPU)")
+                "whichever is predicted >= 10% faster)")
     elif balanced_split(shape, options):
         text = (f"{kernel} kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
                 "whichever is predicted >= 10% faster)")
@@ -525,9 +526,10 @@ class CuteDslBackend(Backend):
                    "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
                    "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA, "
                    "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly",
-                   "option seesaw_split=balanced (opt-in; default even) runs the seesaw kernel (s_q*H >= "
-                   f"{SEESAW_MIN_ROWS} under mma=auto) with a bf16/fp16 cache in its balanced mode: the same hybrid "
-                   "plan, fixed grid and combine as split_kv=balanced; compile-only so far (not yet run on a GPU)",
+                   "option seesaw_split=balanced (the default since 0.2.13; even: 0.2.12's kernel) runs the seesaw "
+                   f"kernel (s_q*H >= {SEESAW_MIN_ROWS} under mma=auto) with a bf16/fp16 cache in its balanced mode: "
+                   "the same hybrid plan, fixed grid and combine as split_kv=balanced (H200, H=128: 0.69-0.89x the "
+                   "even kernel's time where the plan is balanced, within 3% where it stays even)",
                    "split-KV partials: partials=auto writes them in q's dtype and stores=auto stores 16-bit rows 16 "
                    "bytes at a time (H200: up to 14% faster at H=128, fp8reg up to 31% at H=16); combine=auto merges them with the wide kernel on small "
                    "batches, a chunked row kernel (four warps per row) from num_sms/2 row-kernel CTAs (up to 15% "

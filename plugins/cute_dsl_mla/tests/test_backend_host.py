@@ -278,8 +278,10 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     # every combine a step may pick by its batch (combine_kind_for): wide, row and chunked
     want = {("bf16", True, False, 512), ("bf16", False, False, 512), ("bf16", False, False, 128)}
     assert set(built) == want and len(built) == len(want)  # option pdl: false by default
-    runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma", "seesaw": "mla_decode_sm90_wgmma_seesaw",
-            # split_kv=balanced (the default) takes the mma.sync kernel with a 16-bit cache to its balanced entry
+    runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma",
+            # seesaw_split=balanced (the default since 0.2.13) takes the seesaw with a 16-bit cache to its balanced
+            # entry, split_kv=balanced (the default) the mma.sync kernel
+            "seesaw": "mla_decode_sm90_wgmma_seesaw" if kv_dtype == "fp8_e4m3" else "mla_decode_sm90_wgmma_seesaw_balanced",
             "mma_sync": "mla_decode_sm90" if kv_dtype == "fp8_e4m3" else "mla_decode_sm90_balanced"}
     assert planned.run_fn.__name__ == runs[kernel]
     session.plan(problem, StepInputs(lens, table, lens, table))
@@ -525,7 +527,9 @@ def test_split_kv_applies_only_to_the_mma_sync_and_wgmma_t_kernels_with_a_16_bit
     assert not balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
                                                                                        mma="mma_sync"))
     assert not balanced_split(prob(num_heads=64), bal)  # wgmma
-    assert not balanced_split(prob(num_heads=128), bal)  # seesaw
+    # the seesaw follows its own option seesaw_split (default balanced since 0.2.13), never split_kv
+    assert balanced_split(prob(num_heads=128), bal)
+    assert not balanced_split(prob(num_heads=128), CuteDslOptions(split_kv="balanced", seesaw_split="even"))
     assert balanced_split(prob(num_heads=128), CuteDslOptions(split_kv="balanced", mma="mma_sync"))
     assert balanced_split(prob(num_heads=16, seq_len_q=2), CuteDslOptions(split_kv="balanced", mma="wgmma_t"))
     assert not balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(mma="wgmma_t"))
@@ -533,7 +537,7 @@ def test_split_kv_applies_only_to_the_mma_sync_and_wgmma_t_kernels_with_a_16_bit
     # which kernel runs, and why the option is ignored where it is
     assert kernel_summary(prob(num_heads=16), bal).startswith("mma_sync kernel, balanced split-KV")
     assert kernel_summary(prob(num_heads=16), CuteDslOptions(split_kv="even")) == "mma_sync kernel, even split-KV"
-    assert kernel_summary(prob(num_heads=128), bal) == (
+    assert kernel_summary(prob(num_heads=128), CuteDslOptions(split_kv="balanced", seesaw_split="even")) == (
         "seesaw kernel, even split-KV (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels "
         "with a bf16/fp16 cache, this shape runs the seesaw kernel), cp.async KV loads (loads=auto: TMA from 256 "
         "rows)")
@@ -806,7 +810,9 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
     planned = _cpu_session(monkeypatch, opts, heads=heads, kv_dtype=kv).plan(
         problem, StepInputs(lens, table, lens, table))
     assert planned.kernel == "seesaw" and be.seesaw_tma(problem, opts) is want
-    assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw"
+    # seesaw_split=balanced (the default) runs a 16-bit cache on the balanced entry; an fp8 cache on the even one
+    assert planned.run_fn.__name__ == ("mla_decode_sm90_wgmma_seesaw_balanced" if kv == "bf16"
+                                       else "mla_decode_sm90_wgmma_seesaw")
     assert getattr(planned.run_fn, "keywords", {}) == ({"tma": True} if want else {})
     summary = be.kernel_summary(problem, opts)
     if kv == "bf16":
@@ -834,20 +840,23 @@ def test_option_loads_leaves_other_kernels_and_fp8_caches_alone(monkeypatch, opt
     assert "tma" not in getattr(planned.run_fn, "keywords", {})
 
 
-def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch):
-    """loads=auto at H=128 s_q=2: running the plan reaches the seesaw kernel getter with tma=True (and the partial
-    dtype and wide stores of the defaults), and launches what it returned; at s_q=1 the same session asks for the
-    cp.async kernel."""
+@pytest.mark.parametrize("split,getter,launch", [
+    ("balanced", "get_partial_kernel_wgmma_seesaw_balanced", "launch_balanced"),  # the default since 0.2.13
+    ("even", "get_partial_kernel_wgmma_seesaw", "launch")])
+def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch, split, getter, launch):
+    """loads=auto at H=128 s_q=2: running the plan reaches the seesaw kernel getter (balanced or even, as
+    seesaw_split says) with tma=True (and the partial dtype and wide stores of the defaults), and launches what it
+    returned; at s_q=1 the same session asks for the cp.async kernel."""
     from mla_cute_dsl.kernels import api, sm90_wgmma_decode
     from mlacore import StepInputs
 
     asked, launched = [], []
-    monkeypatch.setattr(sm90_wgmma_decode, "get_partial_kernel_wgmma_seesaw",
+    monkeypatch.setattr(sm90_wgmma_decode, getter,
                         lambda q, kv, **k: asked.append((q, kv, k)) or ("kernel", k["tma"]))
-    monkeypatch.setattr(api, "launch", lambda partial, *a: launched.append(partial))
+    monkeypatch.setattr(api, launch, lambda partial, *a: launched.append(partial))
     table = torch.zeros(2, 64, dtype=torch.int32)
     lens = torch.tensor([3000, 17], dtype=torch.int32)
-    session = _cpu_session(monkeypatch, CuteDslOptions(), heads=128)
+    session = _cpu_session(monkeypatch, CuteDslOptions(seesaw_split=split), heads=128)
     for s_q, tma in ((2, True), (1, False)):
         planned = session.plan(prob(num_heads=128, seq_len_q=s_q, batch_size=2), StepInputs(lens, table, lens, table))
         q = torch.zeros(2, s_q, 128, 576, dtype=torch.bfloat16)

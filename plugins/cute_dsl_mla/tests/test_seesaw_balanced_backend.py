@@ -1,6 +1,5 @@
-"""cute_dsl_mla's option seesaw_split (branch seesaw-balanced) on the CPU: opt-in only (the default routing of the
-seesaw is unchanged: even split, the even entry, a plan_items schedule), seesaw_split=balanced plans a
-make_schedule(..., balanced=True) schedule into the session's fixed buffers and runs
+"""cute_dsl_mla's option seesaw_split on the CPU: balanced by default since 0.2.13 (even: the even entry on a
+plan_items schedule, 0.2.12's routing), seesaw_split=balanced plans a make_schedule(..., balanced=True) schedule into the session's fixed buffers and runs
 mla_decode_sm90_wgmma_seesaw_balanced, which launches through api.launch_balanced with the schedule's cta_ranges;
 fp8 caches and the other kernels ignore it."""
 
@@ -24,8 +23,8 @@ def _plan(monkeypatch, options, lens_l, heads=128, s_q=1, kv="bf16", session=Non
     return session, planned
 
 
-def test_option_is_opt_in_and_validated():
-    assert CuteDslOptions().seesaw_split == "even"
+def test_option_defaults_to_balanced_and_is_validated():
+    assert CuteDslOptions().seesaw_split == "balanced"
     assert CuteDslOptions().split_kv == "balanced"  # unchanged default, which the seesaw keeps ignoring
     with pytest.raises(ValueError, match="seesaw_split"):
         CuteDslOptions(seesaw_split="balanced_seesaw")
@@ -33,19 +32,24 @@ def test_option_is_opt_in_and_validated():
 
 
 @pytest.mark.parametrize("heads,s_q", [(128, 1), (128, 2), (64, 2), (126, 2)])
-def test_default_routing_of_the_seesaw_is_unchanged(monkeypatch, heads, s_q):
-    """Defaults (split_kv=balanced, seesaw_split=even): the seesaw's even entry on a plan_items schedule (no
-    cta_ranges), not balanced, exactly as before the option existed."""
+def test_seesaw_split_even_keeps_the_even_routing(monkeypatch, heads, s_q):
+    """seesaw_split=even (split_kv at its default, balanced): the seesaw's even entry on a plan_items schedule (no
+    cta_ranges), not balanced, exactly as 0.2.12 routed every seesaw shape."""
     import types
 
     rec = types.SimpleNamespace(made=[], filled=[], partials=[])
-    _, planned = _plan(monkeypatch, CuteDslOptions(), [3000, 17, 0, 4096], heads=heads, s_q=s_q, rec=rec)
+    even = CuteDslOptions(seesaw_split="even")
+    _, planned = _plan(monkeypatch, even, [3000, 17, 0, 4096], heads=heads, s_q=s_q, rec=rec)
     assert planned.kernel == "seesaw" and planned.balanced is False
     assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw"
     assert planned.schedule.cta_ranges is None and not planned.schedule.balanced
     assert rec.made == [(1, False)]
-    assert not be.balanced_split(prob(num_heads=heads, seq_len_q=s_q), CuteDslOptions())
-    assert not be.balanced_split(prob(num_heads=heads, seq_len_q=s_q), CuteDslOptions(split_kv="even"))
+    assert not be.balanced_split(prob(num_heads=heads, seq_len_q=s_q), even)
+    assert not be.balanced_split(prob(num_heads=heads, seq_len_q=s_q), CuteDslOptions(split_kv="even",
+                                                                                     seesaw_split="even"))
+    # the default is the balanced seesaw, whatever split_kv says
+    assert be.balanced_split(prob(num_heads=heads, seq_len_q=s_q), CuteDslOptions())
+    assert be.balanced_split(prob(num_heads=heads, seq_len_q=s_q), CuteDslOptions(split_kv="even"))
 
 
 @pytest.mark.parametrize("heads,s_q,tma", [(128, 1, False), (128, 2, True), (126, 2, False), (64, 4, True)])
@@ -141,18 +145,20 @@ def test_kernel_summary_run_function_and_notes():
         "TMA KV loads (loads=auto: TMA from 256 rows)")
     fp8 = be.kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), bal)
     assert fp8.startswith("seesaw kernel, even split-KV") and "seesaw_split=balanced ignored" in fp8
-    # the default text is unchanged (test_backend_host pins it too)
-    assert be.kernel_summary(prob(num_heads=128), CuteDslOptions()).startswith("seesaw kernel, even split-KV "
-                                                                               "(split_kv=balanced ignored")
-    assert "seesaw_split" not in be.kernel_summary(prob(num_heads=128), CuteDslOptions())
+    # the default is the balanced text; seesaw_split=even gives 0.2.12's (test_backend_host pins it too)
+    assert be.kernel_summary(prob(num_heads=128), CuteDslOptions()) == be.kernel_summary(prob(num_heads=128), bal)
+    even = CuteDslOptions(seesaw_split="even")
+    assert be.kernel_summary(prob(num_heads=128), even).startswith("seesaw kernel, even split-KV "
+                                                                  "(split_kv=balanced ignored")
+    assert "seesaw_split" not in be.kernel_summary(prob(num_heads=128), even)
     assert be.run_function("seesaw", balanced=True).__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"
     assert be.run_function("seesaw").__name__ == "mla_decode_sm90_wgmma_seesaw"
     with pytest.raises(ValueError, match="not wgmma"):
         be.run_function("wgmma", balanced=True)
     notes = CuteDslBackend().info().notes
-    assert any("seesaw_split=balanced" in n and "opt-in" in n for n in notes)
+    assert any("seesaw_split=balanced" in n and "the default since 0.2.13" in n for n in notes)
     desc = CuteDslOptions.model_fields["seesaw_split"].description
-    assert "default" in desc and "split_kv already defaults to balanced" in desc
+    assert "balanced (default since 0.2.13)" in desc and "0.2.12's kernel" in desc
 
 
 def test_policy_accepts_the_option():

@@ -815,9 +815,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       tile b+2 at the end of a pair and stores it in the next pair after issuing S_{a+2};
       WG1 stores its part of tile a+2 after issuing its P_b V_R.  The other two run in
       the other warpgroup's WGMMA time (seesaw).  See NOTES.md.
-    * ``tma=True`` (16-bit KV only, opt-in; on an H200 in the fifteenth session: 22 GPU tests, bitwise
-      equal to the cp.async loads; one interleaved A/B: 0.946x the default's time at B64 H128 s_q2
-      S4096, 1.001x at B128 s_q1, 1.024x at B64 s_q1, so not the default yet): the same parts,
+    * ``tma=True`` (16-bit KV only; GPU-verified on an H200 in the fifteenth session: 22 GPU tests, bitwise
+      equal to the cp.async loads; the backend's loads=auto takes it from 256 packed rows since
+      mla-cute-dsl 0.2.12, 0.86-0.89x the cp.async time there, about equal below): the same parts,
       schedule, mbarriers and waits, but each part is 4 or 5 TMA boxes (64 tokens x 64 columns,
       ``cp.async.bulk.tensor`` over one tensor map of the whole cache) issued by one elected
       thread of the loading warpgroup after its ``mbarrier.arrive.expect_tx`` (mbarrier count 1),
@@ -825,8 +825,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       the critical path (H200 clock stamps), a TMA part a few instructions.  TMA does not
       zero-fill page tails, so on a request's last tile each warpgroup zeroes the tail rows of
       its own V half itself before its P V (``zero_v_tail``; the order is in its docstring).
-    * ``balanced=True`` (16-bit KV, cp.async or TMA loads; branch seesaw-balanced, compile-only: not yet run on a
-      GPU): launched with ``call_balanced`` (``api.launch_balanced``'s arguments: the work rows, then
+    * ``balanced=True`` (16-bit KV, cp.async or TMA loads; GPU-verified on an H200 in the seventeenth session:
+      45 GPU tests; the backend's default since mla-cute-dsl 0.2.13, seesaw_split): launched with ``call_balanced`` (``api.launch_balanced``'s arguments: the work rows, then
       ``cta_ranges``), grid (m-blocks, schedule.num_cols) fixed per decoder; CTA column c walks work rows
       cta_ranges[c] .. cta_ranges[c + 1] - 1 of a ``make_schedule(..., balanced=True)`` schedule (either form
       of the hybrid plan; slot -1 rows write out / lse, the others their partial slot for the combine).  Shared
@@ -840,7 +840,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       (ph0 + p) % 2 / (ph1 + p) % 2 (``seesaw_pair_parities``; p % 2 for one item per CTA, generated code
       unchanged).  Host side: ``get_partial_kernel_wgmma_seesaw_balanced`` (cache kind
       ``partial_wgmma_seesaw_balanced``), ``mla_decode_sm90_wgmma_seesaw_balanced``; the backend runs it for
-      option seesaw_split=balanced (opt-in).  fp8 KV: ValueError (see __init__).
+      option seesaw_split=balanced (the default).  fp8 KV: ValueError (see __init__).
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
@@ -1852,7 +1852,8 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
     next pair's tiles (None: ``seesaw_l2_prefetch_default`` of the cache dtype).  ``tma``: KV parts by
-    TMA boxes instead of cp.async (16-bit cache only; opt-in, measured in the class docstring)."""
+    TMA boxes instead of cp.async (16-bit cache only; the backend's loads=auto from 256 rows; measured in the
+    class docstring)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
