@@ -32,7 +32,7 @@ def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
     at s_q=2 on capability 9.0 to our kernels; a larger batch, or the same batch on a B200 (10.0), stays with
     FlashInfer, each with the policy's reason on our verdict."""
     chosen, reasons = {}, {}
-    for s_q, batch, cap in ((1, 16, "9.0"), (1, 50, "9.0"), (1, 51, "9.0"), (2, 34, "9.0"), (2, 35, "9.0"),
+    for s_q, batch, cap in ((1, 16, "9.0"), (1, 59, "9.0"), (1, 60, "9.0"), (2, 49, "9.0"), (2, 50, "9.0"),
                             (1, 16, "10.0")):
         code = main(["backends", "explain", "--num-heads", "128", "--seq-len-q", str(s_q), "--batch", str(batch),
                      "--device", "cuda", "--capability", cap, "--json"])
@@ -41,11 +41,11 @@ def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
         chosen[s_q, batch, cap] = data["chosen"]
         reasons[s_q, batch, cap] = " ".join(r for v in data["verdicts"] if v["backend"] == "cute_dsl_mla"
                                             for r in v["reasons"])
-    assert chosen == {(1, 16, "9.0"): "cute_dsl_mla", (1, 50, "9.0"): "cute_dsl_mla", (1, 51, "9.0"): "flashinfer_mla",
-                      (2, 34, "9.0"): "cute_dsl_mla", (2, 35, "9.0"): "flashinfer_mla",
+    assert chosen == {(1, 16, "9.0"): "cute_dsl_mla", (1, 59, "9.0"): "cute_dsl_mla", (1, 60, "9.0"): "flashinfer_mla",
+                      (2, 49, "9.0"): "cute_dsl_mla", (2, 50, "9.0"): "flashinfer_mla",
                       (1, 16, "10.0"): "flashinfer_mla"}
-    assert "batch=51 > max_batch=50" in reasons[1, 51, "9.0"]
-    assert "batch=35 > max_batch=34" in reasons[2, 35, "9.0"]
+    assert "batch=60 > max_batch=59" in reasons[1, 60, "9.0"]
+    assert "batch=50 > max_batch=49" in reasons[2, 50, "9.0"]
     assert "capability=10.0 not in ['9.0']" in reasons[1, 16, "10.0"]
 
 
