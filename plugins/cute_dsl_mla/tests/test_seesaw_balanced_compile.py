@@ -46,6 +46,17 @@ EVEN_TMA_PTX_SHA256 = {
     ("bf16", "bf16", True): "acdd9aba97f75af130c8d00e954bdce616839547fdb6fc5b68d797cb0a72dfef",
 }
 
+# ptx_sha256 of the balanced seesaw (call_balanced) as it ran on the H200 in the seventeenth session (45 GPU tests;
+# the backend's seesaw classes): (q, partial dtype, wide stores, tma). A change to the kernel's code shows here and
+# asks for a GPU run before the pin moves.
+BALANCED_PTX_SHA256 = {
+    ("bf16", "fp32", False, False): "858b85e0aeeade4b6f6bdc86e4153b0dd610f4357d77cd3681319b7f57b2a566",
+    ("bf16", "fp32", False, True): "aebe47a31a371e41819040355be877c447f6a4f8fc2d7d73591169d3b1aac1c8",
+    ("bf16", "bf16", True, False): "ce78a98d4cda13a3cca6f4f855dc022f23f6661c17aabaf35cb413bf7335d852",
+    ("bf16", "bf16", True, True): "e2fa68a10f75dab4acdaa66aca228d0a861c6dddadbecfc143207616bb85c1ab",
+    ("fp16", "fp16", True, True): "f9d12be4a3e6c5881043077beb5db0b080f19c4b8f615560e3237387819e8065",
+}
+
 
 def _kernel(q, tma=False, balanced=False, wide_store=False):
     from mla_cute_dsl.kernels import api
@@ -53,6 +64,18 @@ def _kernel(q, tma=False, balanced=False, wide_store=False):
 
     return MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), api._cutlass_dtype(q), tma=tma, balanced=balanced,
                                        wide_store=wide_store)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("spec", sorted(BALANCED_PTX_SHA256))
+def test_balanced_seesaw_ptx_is_the_gpu_verified_one(spec, tmp_path):
+    from mla_cute_dsl.kernels import api
+    from test_balanced_compile import _dump, ptx_sha256
+
+    q, partial, wide, tma = spec
+    ptx, _, _ = _dump(_kernel(q, tma=tma, balanced=True, wide_store=wide).call_balanced,
+                      api._fake_args_partial_balanced(q, q, partial), tmp_path)
+    assert ptx_sha256(ptx) == BALANCED_PTX_SHA256[spec]
 
 
 @needs_cutlass

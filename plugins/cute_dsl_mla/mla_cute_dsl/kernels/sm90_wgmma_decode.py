@@ -996,48 +996,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         stream,
     ):
         assert not self.balanced, "MLADecodePartialWGMMASeesaw(balanced=True) is launched with call_balanced"
-        mt = self.mma_dtype
-        sQ_layout, sK_layout, sP_layout, sV_layout = self._smem_layouts()
-        mma_s, mma_o_rs, mma_o_ss = self._tiled_mmas()
-        mma_s_first, _, _ = self._tiled_mmas()
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
-            sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
-            sMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
-            sL: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
-
-        g2s = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), mt, num_bits_per_copy=128
-            ),
-            cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, 8)),
-        )
-        g2s_wg = self._wg_copy()
-        r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
-        # tma=True: the KV tensor map, built here from the runtime tensor (a kernel parameter);
-        # None otherwise (no kernel parameter: the default kernel's PTX is unchanged).  The box's
-        # smem layout is sP's: (64, 64) SW128 K-major, exactly one 64-column block of sK
-        tma_atom, mKV_tma = None, None
-        if cutlass.const_expr(self.tma):
-            tma_atom, mKV_tma = self._kv_tma(mKV, sP_layout)
-
-        grid = (
-            cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M),
-            cute.size(mWork.shape[0]),
-            1,
-        )
-        self.kernel_seesaw(
-            mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
-            scale_log2, scale_ln, v_scale, s_q, num_heads,
-            sQ_layout, sK_layout, sP_layout, sV_layout,
-            g2s, g2s_wg, r2s_P,
-            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, None,
-        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+        # one work item per CTA: grid (m-blocks, work rows)
+        self._launch(mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q,
+                     num_heads, None, cute.size(mWork.shape[0]), stream)
 
     @cute.jit
     def call_balanced(
@@ -1060,19 +1021,31 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         (m-blocks, num_cols), fixed for a decoder (the ranges' length), so a CUDA graph replays it with any later
         schedule in the same buffers, whichever form the hybrid plan chose."""
         assert self.balanced, "call_balanced needs MLADecodePartialWGMMASeesaw(balanced=True)"
+        self._launch(mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q,
+                     num_heads, mRanges, cute.size(mRanges.shape[0]) - 1, stream)
+
+    def _launch(self, mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q,
+                num_heads, mRanges, cols, stream):
+        """Both launches' host side (plain Python, traced inline from ``__call__`` / ``call_balanced``): the smem
+        layouts and struct, the tiled MMAs and copies, the TMA atom with tma=True, then ``kernel_seesaw`` on grid
+        (m-blocks, cols): one work row per CTA column (``mRanges`` None: no kernel parameter, so the one-item
+        kernel's PTX is unchanged), or a column's rows ``mRanges[c] .. mRanges[c + 1] - 1`` (balanced)."""
+        mt = self.mma_dtype
         sQ_layout, sK_layout, sP_layout, sV_layout = self._smem_layouts()
         mma_s, mma_o_rs, mma_o_ss = self._tiled_mmas()
         mma_s_first, _, _ = self._tiled_mmas()
-        mt = self.mma_dtype
 
-        @cute.struct
-        class SharedStorage:  # __call__'s
-            sQ: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[mt, cute.cosize(sK_layout)], 1024]
-            sScale: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
-            sMax: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
-            sL: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * BLOCK_M], 16]
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 4], 8]
+        # the struct's fields as objects: this module's annotations are strings (PEP 563), which only the jit
+        # functions' own tracing resolves
+        Align, MemRange = cute.struct.Align, cute.struct.MemRange
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": {
+            "sQ": Align[MemRange[mt, cute.cosize(sQ_layout)], 1024],
+            "sK": Align[MemRange[mt, cute.cosize(sK_layout)], 1024],
+            "sScale": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
+            "sMax": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
+            "sL": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
+            "mbar": Align[MemRange[cutlass.Int64, 4], 8],
+        }}))
 
         g2s = cute.make_tiled_copy_tv(
             cute.make_copy_atom(
@@ -1083,14 +1056,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         )
         g2s_wg = self._wg_copy()
         r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
+        # tma=True: the KV tensor map, built here from the runtime tensor (a kernel parameter);
+        # None otherwise (no kernel parameter: the default kernel's PTX is unchanged).  The box's
+        # smem layout is sP's: (64, 64) SW128 K-major, exactly one 64-column block of sK
         tma_atom, mKV_tma = None, None
         if cutlass.const_expr(self.tma):
             tma_atom, mKV_tma = self._kv_tma(mKV, sP_layout)
-        grid = (
-            cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M),
-            cute.size(mRanges.shape[0]) - 1,
-            1,
-        )
+        grid = (cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M), cols, 1)
         self.kernel_seesaw(
             mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
