@@ -28,7 +28,7 @@ def test_explain_json_lists_every_verdict(capsys):
 
 
 def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
-    """The built-in policy's H=128 bf16 rules (measured on an H200 only) take batches up to 50 at s_q=1 and up to 34
+    """The built-in policy's H=128 bf16 rules (measured on an H200 only) take batches up to 59 at s_q=1 and up to 49
     at s_q=2 on capability 9.0 to our kernels; a larger batch, or the same batch on a B200 (10.0), stays with
     FlashInfer, each with the policy's reason on our verdict."""
     chosen, reasons = {}, {}

@@ -415,7 +415,9 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
         return False
     kernel = partial_kernel(shape, options)
     if kernel == SEESAW_BALANCED_KERNEL:
-        return options.seesaw_split == "balanced"
+        # one seesaw CTA fits an SM (222 KB of shared memory): the balanced grid's columns must all run at once
+        # (the hybrid's cost model assumes it), so ctas_per_sm=2 keeps the even kernel
+        return options.seesaw_split == "balanced" and options.ctas_per_sm in ("auto", 1)
     return options.split_kv == "balanced" and kernel in BALANCED_KERNELS
 
 
@@ -439,7 +441,9 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
                      f"cache, this shape {why})")
         if kernel == SEESAW_BALANCED_KERNEL and options.seesaw_split == "balanced":
-            text += " (seesaw_split=balanced ignored: the balanced seesaw takes a bf16/fp16 cache only)"
+            why = ("takes a bf16/fp16 cache only" if shape.kv_dtype == "fp8_e4m3"
+                   else "runs one CTA per SM, ctas_per_sm=2 asks for two")
+            text += f" (seesaw_split=balanced ignored: the balanced seesaw {why})"
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
         text += f", {'TMA' if seesaw_tma(shape, options) else 'cp.async'} KV loads (loads={options.loads}"
         if options.loads == "auto":
@@ -524,8 +528,9 @@ class CuteDslBackend(Backend):
                    "later plan, and keeps that kernel whatever the later steps' blocks (capture with "
                    "representative lengths)",
                    "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
-                   "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA, "
-                   "seesaw or fp8reg kernel, or an fp8 cache, ignore it and split evenly",
+                   "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA or "
+                   "fp8reg kernel, or an fp8 cache, ignore it and split evenly; the seesaw kernel follows "
+                   "seesaw_split instead",
                    "option seesaw_split=balanced (the default since 0.2.13; even: 0.2.12's kernel) runs the seesaw "
                    f"kernel (s_q*H >= {SEESAW_MIN_ROWS} under mma=auto) with a bf16/fp16 cache in its balanced mode: "
                    "the same hybrid plan, fixed grid and combine as split_kv=balanced (H200, H=128: 0.69-0.89x the "
@@ -646,7 +651,8 @@ def session_sms(device_sms: int, options: CuteDslOptions) -> int:
 
 def run_function(kernel: PartialKernel, balanced: bool = False) -> Callable[..., Any]:
     """The host entry (partial kernel + combine, same arguments for all) that runs `kernel`; `balanced`: the
-    balanced split-KV entry (mma_sync and wgmma_t only; balanced_split says when)."""
+    balanced split-KV entry (mma_sync and wgmma_t under split_kv, the seesaw under seesaw_split; balanced_split
+    says when)."""
     if balanced:
         if kernel not in BALANCED_KERNELS + (SEESAW_BALANCED_KERNEL,):
             raise ValueError(f"balanced split-KV is built for the mma_sync and wgmma_t kernels only (split_kv) and "

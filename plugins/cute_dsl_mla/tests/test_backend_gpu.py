@@ -120,6 +120,17 @@ class TestCuteDslSeesawTmaFp16Conformance(TestCuteDslSeesawTmaConformance):
     kv_dtypes = ("fp16",)
 
 
+class TestCuteDslSeesawEvenConformance(TestCuteDslSeesawConformance):
+    """seesaw_split=even: 0.2.12's one-CTA-per-item seesaw kernel through the backend (the default since 0.2.13 is the
+    balanced one, which every other seesaw class here runs), cp.async and TMA loads as loads=auto picks them.
+    Added in the seventeenth session after its device time was spent: not yet run as a class on a GPU (the same
+    kernel ran there through `mla bench`, every output checked against the fp64 reference)."""
+
+    options = {"mma": "seesaw", "seesaw_split": "even"}
+    kv_dtypes = ("bf16",)
+    page_sizes = (64, 256)
+
+
 class TestCuteDslSeesawCpAsyncConformance(TestCuteDslConformance):
     """loads=cp_async: the seesaw kernel's cp.async loads where auto would take TMA (from 256 rows: H=64 s_q=4,
     H=128 s_q=2 and 4), so both load paths stay covered through the backend."""

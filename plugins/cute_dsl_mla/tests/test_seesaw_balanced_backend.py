@@ -171,3 +171,16 @@ def test_policy_accepts_the_option():
     spec = BackendSpec.parse("cute_dsl_mla:seesaw_split=balanced")
     d = only_backend_dispatcher(spec.name, reg, dict(spec.options))
     assert d.options["cute_dsl_mla"].base.seesaw_split == "balanced"
+
+
+def test_ctas_per_sm_2_keeps_the_even_seesaw(monkeypatch):
+    """One seesaw CTA fits an SM: with ctas_per_sm=2 the balanced grid's columns would run in two waves, which the
+    hybrid's cost model does not assume, so the seesaw keeps its even kernel there and says why."""
+    opts = CuteDslOptions(ctas_per_sm=2)
+    assert not be.balanced_split(prob(num_heads=128), opts)
+    assert be.balanced_split(prob(num_heads=128), CuteDslOptions(ctas_per_sm=1))
+    _, planned = _plan(monkeypatch, opts, [3000, 17], heads=128)
+    assert planned.kernel == "seesaw" and planned.balanced is False
+    assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw"
+    assert "seesaw_split=balanced ignored: the balanced seesaw runs one CTA per SM" in be.kernel_summary(
+        prob(num_heads=128), opts)

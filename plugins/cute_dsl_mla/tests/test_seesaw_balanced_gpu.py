@@ -1,7 +1,7 @@
 """GPU tests of the balanced seesaw kernel (sm90_wgmma_decode.mla_decode_sm90_wgmma_seesaw_balanced:
 MLADecodePartialWGMMASeesaw(balanced=True), a fixed grid of (m-blocks, 132 / m-blocks) CTA columns each walking its
 items of a make_schedule(..., balanced=True) schedule) + the combine, against the fp64 reference of
-test_kernel_gpu.py.  Branch seesaw-balanced: written on a CPU machine, not yet run on a GPU.
+test_kernel_gpu.py.  Written on a CPU machine (branch seesaw-balanced); 45 passed on an H200 in the seventeenth session.
 
 * The smallest case first (one 64-token request: a wrong mbarrier parity across items or a lost arrive shows as a
   hang there; run this file under `timeout`).
