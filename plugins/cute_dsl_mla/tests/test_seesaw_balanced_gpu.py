@@ -221,7 +221,7 @@ def test_seesaw_balanced_graph_replays_the_other_form_equal_to_eager(first, seco
     assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)
 
 
-# ---- through the backend: option seesaw_split=balanced (opt-in) ----
+# ---- through the backend: option seesaw_split=balanced (the default since 0.2.13) ----
 
 
 def _backend_problem(lens, s_q, H=128):
