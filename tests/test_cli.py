@@ -28,11 +28,11 @@ def test_explain_json_lists_every_verdict(capsys):
 
 
 def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
-    """The built-in policy's H=128 bf16 rules (measured on an H200 only) take batches up to 59 at s_q=1 and up to 49
-    at s_q=2 on capability 9.0 to our kernels; a larger batch, or the same batch on a B200 (10.0), stays with
+    """The built-in policy's H=128 bf16 rules (measured on an H200 only) take batches up to 102 at s_q=1 and up to
+    118 at s_q=2 on capability 9.0 to our kernels; a larger batch, or the same batch on a B200 (10.0), stays with
     FlashInfer, each with the policy's reason on our verdict."""
     chosen, reasons = {}, {}
-    for s_q, batch, cap in ((1, 16, "9.0"), (1, 59, "9.0"), (1, 60, "9.0"), (2, 49, "9.0"), (2, 50, "9.0"),
+    for s_q, batch, cap in ((1, 16, "9.0"), (1, 102, "9.0"), (1, 103, "9.0"), (2, 118, "9.0"), (2, 119, "9.0"),
                             (1, 16, "10.0")):
         code = main(["backends", "explain", "--num-heads", "128", "--seq-len-q", str(s_q), "--batch", str(batch),
                      "--device", "cuda", "--capability", cap, "--json"])
@@ -41,11 +41,11 @@ def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
         chosen[s_q, batch, cap] = data["chosen"]
         reasons[s_q, batch, cap] = " ".join(r for v in data["verdicts"] if v["backend"] == "cute_dsl_mla"
                                             for r in v["reasons"])
-    assert chosen == {(1, 16, "9.0"): "cute_dsl_mla", (1, 59, "9.0"): "cute_dsl_mla", (1, 60, "9.0"): "flashinfer_mla",
-                      (2, 49, "9.0"): "cute_dsl_mla", (2, 50, "9.0"): "flashinfer_mla",
+    assert chosen == {(1, 16, "9.0"): "cute_dsl_mla", (1, 102, "9.0"): "cute_dsl_mla",
+                      (1, 103, "9.0"): "flashinfer_mla", (2, 118, "9.0"): "cute_dsl_mla", (2, 119, "9.0"): "flashinfer_mla",
                       (1, 16, "10.0"): "flashinfer_mla"}
-    assert "batch=60 > max_batch=59" in reasons[1, 60, "9.0"]
-    assert "batch=50 > max_batch=49" in reasons[2, 50, "9.0"]
+    assert "batch=103 > max_batch=102" in reasons[1, 103, "9.0"]
+    assert "batch=119 > max_batch=118" in reasons[2, 119, "9.0"]
     assert "capability=10.0 not in ['9.0']" in reasons[1, 16, "10.0"]
 
 

@@ -122,6 +122,12 @@ PDL_AUTO_MAX_ROWS = 32
 # loads=auto against loads=cp_async and fa3, interleaved) 0.864-0.890x at s_q=2 and 4 from B=32 (ours against fa3
 # 1.16-1.18x -> 1.015-1.037x), 0.953x at s_q=2 B=16 (0.989x fa3); s_q=1 (cp.async under auto) 1.000-1.005x
 SEESAW_TMA_MIN_ROWS = 256
+# ... and the balanced seesaw (seesaw_split=balanced, the default since 0.2.13) from this many: at every row count
+# mma=auto gives it (mla-cute-dsl 0.2.14). Measured on an H200 (docs/results/gpu18_session/h128_loads.txt, mla
+# bench, interleaved, H=128 s_q=1 bf16, loads=tma against 0.2.13's cp.async): 0.95-0.97x the time at B=64 and 128
+# (S=4096: 148.3 against 153.2 us, 294.5 against 310.6; S=10000: 344.6 / 361.7, 701.5 / 733.4), 0.98-1.00x at
+# B=12 and 16. The even seesaw kept cp.async below 256 rows: there the two measured within 2% (gpu16_session)
+SEESAW_BALANCED_TMA_MIN_ROWS = 128
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
 SplitKV = Literal["even", "balanced"]
@@ -137,7 +143,10 @@ class CuteDslOptions(BackendOptions):
         description="how the seesaw kernel (sm_90, s_q*num_heads >= 128 under mma=auto) brings KV tiles into shared "
                     "memory with a bf16/fp16 cache: cp_async (each thread of the loading warpgroup issues 16-20 "
                     "16-byte cp.async per part; zero-fills page tails) or tma (one elected thread issues a part's "
-                    "64-token x 64-column TMA boxes; the kernel zeroes page tails itself). auto (default): tma from "
+                    "64-token x 64-column TMA boxes; the kernel zeroes page tails itself). auto (default): tma wherever "
+                    f"the balanced seesaw runs (from {SEESAW_BALANCED_TMA_MIN_ROWS} packed rows; since 0.2.14: "
+                    "0.95-0.97x cp_async's time at H=128 s_q=1 B=64/128, 0.98-1.00x at B=12/16, "
+                    "docs/results/gpu18_session/), with the even seesaw (seesaw_split=even or ctas_per_sm=2) from "
                     f"{SEESAW_TMA_MIN_ROWS} packed rows, cp_async below. On an H200 (docs/results/gpu16_session/, "
                     "H=128 S=4096 bf16, mla bench, interleaved) auto took 0.86-0.89x loads=cp_async's time at "
                     "s_q=2 and 4 from batch 32 (0.95x at s_q=2 B=16); the kernels alone, 0.92-0.96x there and "
@@ -447,7 +456,7 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
         text += f", {'TMA' if seesaw_tma(shape, options) else 'cp.async'} KV loads (loads={options.loads}"
         if options.loads == "auto":
-            text += f": TMA from {SEESAW_TMA_MIN_ROWS} rows"
+            text += f": TMA from {seesaw_tma_min_rows(shape, options)} rows"
         text += ")"
     if _wgmma_t_auto(shape, options):
         rows = shape.seq_len_q * shape.num_heads
@@ -475,13 +484,19 @@ def pdl_combine(shape: DecodeShape, options: CuteDslOptions) -> bool:
     return shape.seq_len_q * shape.num_heads <= PDL_AUTO_MAX_ROWS
 
 
+def seesaw_tma_min_rows(shape: DecodeShape, options: CuteDslOptions) -> int:
+    """The packed rows from which loads=auto gives the seesaw TMA loads: SEESAW_BALANCED_TMA_MIN_ROWS when the
+    seesaw runs balanced (balanced_split), else SEESAW_TMA_MIN_ROWS (the even seesaw, e.g. ctas_per_sm=2)."""
+    return SEESAW_BALANCED_TMA_MIN_ROWS if balanced_split(shape, options) else SEESAW_TMA_MIN_ROWS
+
+
 def seesaw_tma(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether the seesaw kernel, where it runs this shape class, loads KV by TMA (option loads; auto: from
-    SEESAW_TMA_MIN_ROWS packed rows). False for an fp8 cache (its loads convert in registers). A function of the
+    seesaw_tma_min_rows packed rows). False for an fp8 cache (its loads convert in registers). A function of the
     shape class and options only: one session's graphs keep one kernel."""
     if shape.kv_dtype == "fp8_e4m3" or options.loads == "cp_async":
         return False
-    return options.loads == "tma" or shape.seq_len_q * shape.num_heads >= SEESAW_TMA_MIN_ROWS
+    return options.loads == "tma" or shape.seq_len_q * shape.num_heads >= seesaw_tma_min_rows(shape, options)
 
 
 # option s_accs=auto: 4 independent S accumulators in the fp8reg kernel up to this many packed rows (BLOCK_M 16),
@@ -514,7 +529,8 @@ class CuteDslBackend(Backend):
         return BackendInfo(
             description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
             notes=("sm_90 kernels checked on an H200: WGMMA from s_q*H >= 64 (its seesaw schedule from 128, "
-                   f"bf16, fp16 or fp8 KV; TMA KV loads from {SEESAW_TMA_MIN_ROWS} rows with a 16-bit cache, "
+                   f"bf16, fp16 or fp8 KV; TMA KV loads with a 16-bit cache from {SEESAW_BALANCED_TMA_MIN_ROWS} rows "
+                   f"when balanced, from {SEESAW_TMA_MIN_ROWS} when even, "
                    "option loads), fp8reg for an fp8 cache up to s_q*H = 32, mma.sync otherwise "
                    "(at 17-32 rows with a 16-bit cache wgmma_t on large steps, below)",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"

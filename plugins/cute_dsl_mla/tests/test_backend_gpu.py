@@ -132,12 +132,12 @@ class TestCuteDslSeesawEvenConformance(TestCuteDslSeesawConformance):
 
 
 class TestCuteDslSeesawCpAsyncConformance(TestCuteDslConformance):
-    """loads=cp_async: the seesaw kernel's cp.async loads where auto would take TMA (from 256 rows: H=64 s_q=4,
-    H=128 s_q=2 and 4), so both load paths stay covered through the backend."""
+    """loads=cp_async: the seesaw kernel's cp.async loads where auto takes TMA (the balanced seesaw, the default:
+    from 128 rows; H=64 s_q=2 and 4, H=128 s_q=1, 2 and 4), so both load paths stay covered through the backend."""
 
     options = {"loads": "cp_async"}
     num_heads = (64, 128)
-    seq_lens_q = (2, 4)
+    seq_lens_q = (1, 2, 4)
     single_cell_heads = 128
 
 

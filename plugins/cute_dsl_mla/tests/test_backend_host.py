@@ -793,11 +793,13 @@ def test_option_s_accs_is_validated():
 
 
 @pytest.mark.parametrize("loads,heads,s_q,kv,want", [
-    ("auto", 128, 2, "bf16", True), ("auto", 64, 4, "bf16", True), ("auto", 128, 1, "bf16", False),
-    ("auto", 64, 3, "bf16", False), ("tma", 128, 1, "bf16", True), ("cp_async", 128, 2, "bf16", False),
+    ("auto", 128, 2, "bf16", True), ("auto", 64, 4, "bf16", True), ("auto", 128, 1, "bf16", True),
+    ("auto", 64, 3, "bf16", True), ("auto", 64, 2, "bf16", True), ("tma", 128, 1, "bf16", True),
+    ("cp_async", 128, 2, "bf16", False), ("cp_async", 128, 1, "bf16", False),
     ("auto", 128, 2, "fp8_e4m3", False), ("tma", 128, 2, "fp8_e4m3", False)])
 def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, kv, want):
-    """Option loads (auto: TMA from 256 packed rows, cp.async below; fp8 caches always load through registers)
+    """Option loads (auto with the balanced seesaw, the default: TMA at every row count it runs, from 128 packed
+    rows; fp8 caches always load through registers)
     reaches the seesaw host entry the plan runs as tma=True (no keyword for cp.async: the entry's default kernel),
     the plan's log line names it, and a shape on another kernel ignores it."""
     from mla_cute_dsl import backend as be
@@ -846,7 +848,8 @@ def test_option_loads_leaves_other_kernels_and_fp8_caches_alone(monkeypatch, opt
 def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch, split, getter, launch):
     """loads=auto at H=128 s_q=2: running the plan reaches the seesaw kernel getter (balanced or even, as
     seesaw_split says) with tma=True (and the partial dtype and wide stores of the defaults), and launches what it
-    returned; at s_q=1 the same session asks for the cp.async kernel."""
+    returned; at s_q=1 (128 rows) the balanced session asks for the TMA kernel too (from 128 rows since 0.2.14),
+    the even one for the cp.async kernel (from 256)."""
     from mla_cute_dsl.kernels import api, sm90_wgmma_decode
     from mlacore import StepInputs
 
@@ -857,7 +860,7 @@ def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch,
     table = torch.zeros(2, 64, dtype=torch.int32)
     lens = torch.tensor([3000, 17], dtype=torch.int32)
     session = _cpu_session(monkeypatch, CuteDslOptions(seesaw_split=split), heads=128)
-    for s_q, tma in ((2, True), (1, False)):
+    for s_q, tma in ((2, True), (1, split == "balanced")):
         planned = session.plan(prob(num_heads=128, seq_len_q=s_q, batch_size=2), StepInputs(lens, table, lens, table))
         q = torch.zeros(2, s_q, 128, 576, dtype=torch.bfloat16)
         kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
@@ -873,6 +876,7 @@ def test_option_loads_is_validated():
     with pytest.raises(ValueError, match="loads"):
         CuteDslOptions(loads="bulk")
     assert CuteDslOptions().loads == "auto" and be.SEESAW_TMA_MIN_ROWS == 256
+    assert be.SEESAW_BALANCED_TMA_MIN_ROWS == 128
 
 
 @pytest.mark.parametrize("stores,want", [("auto", True), ("narrow", False), ("wide", True)])

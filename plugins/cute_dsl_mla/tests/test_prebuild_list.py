@@ -42,7 +42,7 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
         ("partial_wgmma_seesaw", ("bf16", "bf16", 64, "partial_bf16", "wide_store")),
         ("partial_wgmma_seesaw", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma")),  # loads=auto, s_q*H>=256
         ("partial_wgmma_seesaw", ("fp16", "fp16", 64, "partial_fp16", "wide_store", "tma")),
-        # seesaw_split=balanced (the default): the balanced seesaw, cp.async below 256 rows, TMA from 256
+        # seesaw_split=balanced (the default): the balanced seesaw, TMA under loads=auto (cp.async: loads=cp_async)
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma")),
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "partial_fp16", "wide_store", "tma")),

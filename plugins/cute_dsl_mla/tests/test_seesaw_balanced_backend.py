@@ -52,9 +52,12 @@ def test_seesaw_split_even_keeps_the_even_routing(monkeypatch, heads, s_q):
     assert be.balanced_split(prob(num_heads=heads, seq_len_q=s_q), CuteDslOptions(split_kv="even"))
 
 
-@pytest.mark.parametrize("heads,s_q,tma", [(128, 1, False), (128, 2, True), (126, 2, False), (64, 4, True)])
-def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, heads, s_q, tma):
-    """seesaw_split=balanced: the balanced seesaw entry (tma as option loads decides), a balanced schedule for
+@pytest.mark.parametrize("heads,s_q,loads,tma", [(128, 1, "auto", True), (128, 2, "auto", True),
+                                                 (126, 2, "auto", True), (128, 1, "cp_async", False),
+                                                 (64, 4, "auto", True)])
+def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, heads, s_q, loads, tma):
+    """seesaw_split=balanced: the balanced seesaw entry (tma as option loads decides: auto takes TMA at every row
+    count the balanced seesaw runs since 0.2.14), a balanced schedule for
     one CTA per SM with num_cols = 132 // m-blocks, its form following the lengths (uniform 4096: balanced at B=40,
     where the even plan's second wave is 1.5x the balanced columns; even at B=32, one wave), re-planned in place
     (the buffers a captured graph reads stay), equal to make_schedule's own answer."""
@@ -63,7 +66,7 @@ def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, 
     from mla_cute_dsl.kernels import schedule as S
 
     rec = types.SimpleNamespace(made=[], filled=[], partials=[])
-    opts = CuteDslOptions(seesaw_split="balanced")
+    opts = CuteDslOptions(seesaw_split="balanced", loads=loads)
     steps = [[4096] * 40, [4096] * 32, [4096] * 40]
     real_make = S.make_schedule  # (the session patches the module's: it records its calls)
     session, forms, ptrs = None, [], set()
@@ -102,10 +105,11 @@ def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch)
                         lambda *a, **k: pytest.fail("the even seesaw kernel was asked for"))
     monkeypatch.setattr(api, "launch_balanced", lambda partial, *a: launched.append((partial, a)))
     monkeypatch.setattr(api, "launch", lambda *a: pytest.fail("the even launch ran"))
-    opts = CuteDslOptions(seesaw_split="balanced")
-    session = None
-    for s_q, tma in ((2, True), (1, False)):
-        session, planned = _plan(monkeypatch, opts, [3000, 17, 0, 4096], s_q=s_q, session=session)
+    sessions = {}
+    for s_q, loads, tma in ((2, "auto", True), (1, "auto", True), (1, "cp_async", False)):
+        opts = CuteDslOptions(seesaw_split="balanced", loads=loads)
+        sessions[loads], planned = _plan(monkeypatch, opts, [3000, 17, 0, 4096], s_q=s_q,
+                                         session=sessions.get(loads))
         q = torch.zeros(4, s_q, 128, 576, dtype=torch.bfloat16)
         kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
         out = torch.empty(4, s_q, 128, 512, dtype=torch.bfloat16)
@@ -142,7 +146,11 @@ def test_kernel_summary_run_function_and_notes():
     assert be.kernel_summary(prob(num_heads=128), bal).startswith(
         "seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan")
     assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), bal).endswith(
-        "TMA KV loads (loads=auto: TMA from 256 rows)")
+        "TMA KV loads (loads=auto: TMA from 128 rows)")
+    # since 0.2.14 the balanced seesaw loads by TMA at 128 rows too; the even one (ctas_per_sm=2) from 256
+    assert be.kernel_summary(prob(num_heads=128), bal).endswith("TMA KV loads (loads=auto: TMA from 128 rows)")
+    assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(ctas_per_sm=2)).endswith(
+        "cp.async KV loads (loads=auto: TMA from 256 rows)")
     fp8 = be.kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), bal)
     assert fp8.startswith("seesaw kernel, even split-KV") and "seesaw_split=balanced ignored" in fp8
     # the default is the balanced text; seesaw_split=even gives 0.2.12's (test_backend_host pins it too)

@@ -384,8 +384,8 @@ def test_the_kernel_walks_what_the_emulation_walks():
 @pytest.mark.parametrize("flags", [("partial_bf16", "wide_store"), ("partial_bf16", "wide_store", "tma")],
                          ids=["cp_async", "tma"])
 def test_the_backends_balanced_variants_compile(flags, tmp_path):
-    """What seesaw_split=balanced runs under the backend's defaults (bf16 partials, wide stores; cp.async below 256
-    rows, TMA from 256): the builder compiles them (the real compiler), without spills."""
+    """What seesaw_split=balanced runs under the backend's defaults (bf16 partials, wide stores; TMA loads under
+    loads=auto since 0.2.14, cp.async with loads=cp_async): the builder compiles them (the real compiler), without spills."""
     from test_balanced_compile import _dump
 
     from mla_cute_dsl.kernels import api

@@ -817,7 +817,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       the other warpgroup's WGMMA time (seesaw).  See NOTES.md.
     * ``tma=True`` (16-bit KV only; GPU-verified on an H200 in the fifteenth session: 22 GPU tests, bitwise
       equal to the cp.async loads; the backend's loads=auto takes it from 256 packed rows since
-      mla-cute-dsl 0.2.12, 0.86-0.89x the cp.async time there, about equal below): the same parts,
+      mla-cute-dsl 0.2.12, 0.86-0.89x the cp.async time there, about equal below; with ``balanced=True``
+      from 128 rows since 0.2.14, 0.95-1.01x there): the same parts,
       schedule, mbarriers and waits, but each part is 4 or 5 TMA boxes (64 tokens x 64 columns,
       ``cp.async.bulk.tensor`` over one tensor map of the whole cache) issued by one elected
       thread of the loading warpgroup after its ``mbarrier.arrive.expect_tx`` (mbarrier count 1),
@@ -1824,8 +1825,8 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
     next pair's tiles (None: ``seesaw_l2_prefetch_default`` of the cache dtype).  ``tma``: KV parts by
-    TMA boxes instead of cp.async (16-bit cache only; the backend's loads=auto from 256 rows; measured in the
-    class docstring)."""
+    TMA boxes instead of cp.async (16-bit cache only; the backend's loads=auto from 256 rows, from 128 for the
+    balanced kernel; measured in the class docstring)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
