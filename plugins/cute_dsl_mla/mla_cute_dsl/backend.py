@@ -113,8 +113,9 @@ WGMMA_T_AUTO_MIN_BLOCKS = 640
 # (docs/results/gpu11_pdl/, same method) auto lost up to 1.53x at B=1-2 (H=16 s_q=2 B=1: S=8192 1.40x bf16 / 1.14x
 # fp8, S=16384 1.36x / 1.53x; s_q=1 fp8 S=16384 1.13-1.22x; s_q=1 bf16 0.97-1.03x), so pdl is off by default.
 PDL_AUTO_MAX_ROWS = 32
-# option loads=auto gives the seesaw kernel with a bf16/fp16 cache TMA KV loads (one elected thread per warpgroup
-# issues a part's 64x64 boxes) from this many packed rows (s_q*num_heads), cp.async below: the row counts where it was
+# option loads=auto gives the even seesaw kernel (seesaw_split=even, ctas_per_sm=2) with a bf16/fp16 cache TMA KV
+# loads (one elected thread per warpgroup issues a part's 64x64 boxes) from this many packed rows (s_q*num_heads),
+# cp.async below (the balanced seesaw: SEESAW_BALANCED_TMA_MIN_ROWS): the row counts where it was
 # measured faster (256-512 rows: H=128 s_q=2 and 4; H=64 s_q>=4 and 193-255 rows, e.g. H=126 s_q=2, not measured). Measured on an H200, H=128 S=4096 bf16: the kernels alone
 # (docs/results/gpu16_session/tma_ab_run{1,2}.txt, benchmarks/wgmma_speed.py, fp32 partials, narrow stores, ways
 # timed interleaved, two processes) TMA took 0.92-0.96x cp.async's time at s_q=2 (B=32/64/128) and s_q=4
@@ -143,8 +144,9 @@ class CuteDslOptions(BackendOptions):
         description="how the seesaw kernel (sm_90, s_q*num_heads >= 128 under mma=auto) brings KV tiles into shared "
                     "memory with a bf16/fp16 cache: cp_async (each thread of the loading warpgroup issues 16-20 "
                     "16-byte cp.async per part; zero-fills page tails) or tma (one elected thread issues a part's "
-                    "64-token x 64-column TMA boxes; the kernel zeroes page tails itself). auto (default): tma wherever "
-                    f"the balanced seesaw runs (from {SEESAW_BALANCED_TMA_MIN_ROWS} packed rows; since 0.2.14: "
+                    "64-token x 64-column TMA boxes; the kernel zeroes page tails itself). auto (default): tma for the "
+                    f"balanced seesaw from {SEESAW_BALANCED_TMA_MIN_ROWS} packed rows, every row count mma=auto "
+                    "gives it (since 0.2.14: "
                     "0.95-0.97x cp_async's time at H=128 s_q=1 B=64/128, 0.98-1.00x at B=12/16, "
                     "docs/results/gpu18_session/), with the even seesaw (seesaw_split=even or ctas_per_sm=2) from "
                     f"{SEESAW_TMA_MIN_ROWS} packed rows, cp_async below. On an H200 (docs/results/gpu16_session/, "

@@ -108,8 +108,8 @@ class TestCuteDslSeesawFp16Conformance(TestCuteDslSeesawConformance):
 
 
 class TestCuteDslSeesawTmaConformance(TestCuteDslSeesawConformance):
-    """loads=tma with the seesaw kernel forced: TMA KV loads at every row count it takes (auto uses them from 256
-    rows only), page 64 and 256; fp8 caches ignore the option (their loads convert in registers)."""
+    """loads=tma with the seesaw kernel forced: TMA KV loads at every row count it takes (auto uses them from 128
+    rows with the balanced seesaw, from 256 with the even one), page 64 and 256; fp8 caches ignore the option (their loads convert in registers)."""
 
     options = {"mma": "seesaw", "loads": "tma"}
     page_sizes = (64, 256)
@@ -123,8 +123,8 @@ class TestCuteDslSeesawTmaFp16Conformance(TestCuteDslSeesawTmaConformance):
 class TestCuteDslSeesawEvenConformance(TestCuteDslSeesawConformance):
     """seesaw_split=even: 0.2.12's one-CTA-per-item seesaw kernel through the backend (the default since 0.2.13 is the
     balanced one, which every other seesaw class here runs), cp.async and TMA loads as loads=auto picks them.
-    Added in the seventeenth session after its device time was spent: not yet run as a class on a GPU (the same
-    kernel ran there through `mla bench`, every output checked against the fp64 reference)."""
+    Added in the seventeenth session after its device time was spent; first run on the H200 in the eighteenth
+    (7 passed, docs/results/gpu18_session/backend_seesaw_even_gpu_tests.log)."""
 
     options = {"mma": "seesaw", "seesaw_split": "even"}
     kv_dtypes = ("bf16",)

@@ -798,8 +798,8 @@ def test_option_s_accs_is_validated():
     ("cp_async", 128, 2, "bf16", False), ("cp_async", 128, 1, "bf16", False),
     ("auto", 128, 2, "fp8_e4m3", False), ("tma", 128, 2, "fp8_e4m3", False)])
 def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, kv, want):
-    """Option loads (auto with the balanced seesaw, the default: TMA at every row count it runs, from 128 packed
-    rows; fp8 caches always load through registers)
+    """Option loads (auto with the balanced seesaw, the default: TMA from 128 packed rows, every row count
+    mma=auto gives it; fp8 caches always load through registers)
     reaches the seesaw host entry the plan runs as tma=True (no keyword for cp.async: the entry's default kernel),
     the plan's log line names it, and a shape on another kernel ignores it."""
     from mla_cute_dsl import backend as be
@@ -877,6 +877,13 @@ def test_option_loads_is_validated():
         CuteDslOptions(loads="bulk")
     assert CuteDslOptions().loads == "auto" and be.SEESAW_TMA_MIN_ROWS == 256
     assert be.SEESAW_BALANCED_TMA_MIN_ROWS == 128
+    # mma=seesaw forced below 128 rows: the balanced seesaw runs, with cp.async loads under auto
+    for heads, s_q in ((64, 1), (32, 2)):
+        shape = prob(num_heads=heads, seq_len_q=s_q)
+        assert be.balanced_split(shape, CuteDslOptions(mma="seesaw"))
+        assert not be.seesaw_tma(shape, CuteDslOptions(mma="seesaw"))
+        assert be.seesaw_tma(shape, CuteDslOptions(mma="seesaw", loads="tma"))
+    assert be.seesaw_tma(prob(num_heads=64, seq_len_q=2), CuteDslOptions(mma="seesaw"))  # 128 rows
 
 
 @pytest.mark.parametrize("stores,want", [("auto", True), ("narrow", False), ("wide", True)])

@@ -56,8 +56,8 @@ def test_seesaw_split_even_keeps_the_even_routing(monkeypatch, heads, s_q):
                                                  (126, 2, "auto", True), (128, 1, "cp_async", False),
                                                  (64, 4, "auto", True)])
 def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, heads, s_q, loads, tma):
-    """seesaw_split=balanced: the balanced seesaw entry (tma as option loads decides: auto takes TMA at every row
-    count the balanced seesaw runs since 0.2.14), a balanced schedule for
+    """seesaw_split=balanced: the balanced seesaw entry (tma as option loads decides: auto takes TMA from 128 rows,
+    every row count mma=auto gives the balanced seesaw, since 0.2.14), a balanced schedule for
     one CTA per SM with num_cols = 132 // m-blocks, its form following the lengths (uniform 4096: balanced at B=40,
     where the even plan's second wave is 1.5x the balanced columns; even at B=32, one wave), re-planned in place
     (the buffers a captured graph reads stay), equal to make_schedule's own answer."""
