@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Here, on the CPU, before a device session: compile the cute_dsl_mla kernels into ./.kcache (git-ignored), to be
-# carried to the GPU machine (`carry: [".kcache"]`, ~5 MB); project_env.sh copies it into the kernel cache there,
+# carried to the GPU machine (`carry: [".kcache"]`, ~14 MB for the 165 kernels of prebuild_kernels.py); project_env.sh copies it into the kernel cache there,
 # so that a fresh machine loads the kernels instead of compiling them.
 #
 # The cache key (mla_cute_dsl/kernels/cache_key.py) must come out as on the device, so this runs the devpack's
@@ -23,4 +23,18 @@ EXCLUDE="$(git rev-parse --git-common-dir)/info/exclude"  # also from a git work
 grep -qxF "/.kcache/" "$EXCLUDE" 2>/dev/null || echo "/.kcache/" >> "$EXCLUDE"
 PYTHONPATH=/tmp/mla-devenv/site:/tmp/mla-devenv/site/nvidia_cutlass_dsl/dsl_packages:plugins/cute_dsl_mla:. \
   CUTE_DSL_ARCH=sm_90a MLA_CUTE_DSL_CACHE_DIR="$PWD/.kcache" "$PY312" benchmarks/device/prebuild_kernels.py --only "${ONLY:-}"
+# keep one entry per kernel, the newest: a kernels/ edit changes every key's hash, and the stale entries would make
+# the carried folder grow past the device's 64 MiB transfer limit (tree + carries) after two prebuilds
+"$PY312" - .kcache <<'PRUNE'
+import pathlib, sys
+newest = {}
+for f in pathlib.Path(sys.argv[1]).rglob("*.kernel"):
+    kernel = (f.parent, f.name.rsplit("-", 1)[0])
+    if kernel not in newest or f.stat().st_mtime > newest[kernel].stat().st_mtime:
+        newest[kernel] = f
+stale = [f for f in pathlib.Path(sys.argv[1]).rglob("*.kernel") if newest[(f.parent, f.name.rsplit("-", 1)[0])] != f]
+for f in stale:
+    f.unlink()
+print(f"pruned {len(stale)} stale kernel-cache entries")
+PRUNE
 du -sh .kcache
