@@ -42,7 +42,8 @@ def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
         reasons[s_q, batch, cap] = " ".join(r for v in data["verdicts"] if v["backend"] == "cute_dsl_mla"
                                             for r in v["reasons"])
     assert chosen == {(1, 16, "9.0"): "cute_dsl_mla", (1, 102, "9.0"): "cute_dsl_mla",
-                      (1, 103, "9.0"): "flashinfer_mla", (2, 118, "9.0"): "cute_dsl_mla", (2, 119, "9.0"): "flashinfer_mla",
+                      (1, 103, "9.0"): "flashinfer_mla", (2, 118, "9.0"): "cute_dsl_mla",
+                      (2, 119, "9.0"): "flashinfer_mla",
                       (1, 16, "10.0"): "flashinfer_mla"}
     assert "batch=103 > max_batch=102" in reasons[1, 103, "9.0"]
     assert "batch=119 > max_batch=118" in reasons[2, 119, "9.0"]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here, on the CPU, before a device session: compile the cute_dsl_mla kernels into ./.kcache (git-ignored), to be
-# carried to the GPU machine (`carry: [".kcache"]`, ~14 MB for the 165 kernels of prebuild_kernels.py); project_env.sh copies it into the kernel cache there,
-# so that a fresh machine loads the kernels instead of compiling them.
+# carried to the GPU machine (`carry: [".kcache"]`, ~14 MB for the 165 kernels of prebuild_kernels.py);
+# project_env.sh copies it into the kernel cache there, so that a fresh machine loads the kernels instead of
+# compiling them.
 #
 # The cache key (mla_cute_dsl/kernels/cache_key.py) must come out as on the device, so this runs the devpack's
 # own packages (Python 3.12, nvidia-cutlass-dsl 4.8.1 with its cu12 runtime, tvm-ffi) from the device's path,
@@ -27,14 +28,13 @@ PYTHONPATH=/tmp/mla-devenv/site:/tmp/mla-devenv/site/nvidia_cutlass_dsl/dsl_pack
 # the carried folder grow past the device's 64 MiB transfer limit (tree + carries) after two prebuilds
 "$PY312" - .kcache <<'PRUNE'
 import pathlib, sys
-newest = {}
-for f in pathlib.Path(sys.argv[1]).rglob("*.kernel"):
-    kernel = (f.parent, f.name.rsplit("-", 1)[0])
-    if kernel not in newest or f.stat().st_mtime > newest[kernel].stat().st_mtime:
-        newest[kernel] = f
-stale = [f for f in pathlib.Path(sys.argv[1]).rglob("*.kernel") if newest[(f.parent, f.name.rsplit("-", 1)[0])] != f]
-for f in stale:
-    f.unlink()
-print(f"pruned {len(stale)} stale kernel-cache entries")
+seen, stale = set(), 0
+for f in sorted(pathlib.Path(sys.argv[1]).rglob("*.kernel"), key=lambda f: f.stat().st_mtime, reverse=True):
+    kernel = (f.parent, f.name.rsplit("-", 1)[0])  # <kind>_<spec>-<key hash>.kernel: newest first, keep one
+    if kernel in seen:
+        f.unlink()
+        stale += 1
+    seen.add(kernel)
+print(f"pruned {stale} stale kernel-cache entries")
 PRUNE
 du -sh .kcache

@@ -109,7 +109,8 @@ class TestCuteDslSeesawFp16Conformance(TestCuteDslSeesawConformance):
 
 class TestCuteDslSeesawTmaConformance(TestCuteDslSeesawConformance):
     """loads=tma with the seesaw kernel forced: TMA KV loads at every row count it takes (auto uses them from 128
-    rows with the balanced seesaw, from 256 with the even one), page 64 and 256; fp8 caches ignore the option (their loads convert in registers)."""
+    rows with the balanced seesaw, from 256 with the even one), page 64 and 256; fp8 caches ignore the option
+    (their loads convert in registers)."""
 
     options = {"mma": "seesaw", "loads": "tma"}
     page_sizes = (64, 256)

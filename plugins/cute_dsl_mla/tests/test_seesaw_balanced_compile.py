@@ -385,7 +385,8 @@ def test_the_kernel_walks_what_the_emulation_walks():
                          ids=["cp_async", "tma"])
 def test_the_backends_balanced_variants_compile(flags, tmp_path):
     """What seesaw_split=balanced runs under the backend's defaults (bf16 partials, wide stores; TMA loads under
-    loads=auto since 0.2.14, cp.async with loads=cp_async): the builder compiles them (the real compiler), without spills."""
+    loads=auto since 0.2.14, cp.async with loads=cp_async): the builder compiles them (the real compiler), without
+    spills."""
     from test_balanced_compile import _dump
 
     from mla_cute_dsl.kernels import api
