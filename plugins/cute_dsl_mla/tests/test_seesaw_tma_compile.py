@@ -124,9 +124,10 @@ def test_tma_kernel_ptx(q, tmp_path):
     assert flat.count("cp.async.cg.shared.global") == 18
     assert flat.rfind("cp.async.cg.shared.global") < flat.find("cp.async.bulk.tensor")
     assert "cp.async.mbarrier.arrive" not in flat
-    # waits: 4 in QK (own part, other part) + 4 before the last-tile zeroing; each QK wait -> fence -> WGMMA
+    # waits: 4 in QK (own part, other part) + 4 before the last-tile zeroing; each QK wait -> WGMMA with no
+    # proxy fence between (TMA boxes land in the async proxy; branch seesaw-tma-nofence)
     assert flat.count("mbarrier.try_wait") == 8
-    assert len(re.findall(r"DONE: \} // end inline asm fence\.proxy\.async\.shared::cta; wgmma\.fence", flat)) == 4
+    assert not re.search(r"DONE: \} // end inline asm fence\.proxy\.async\.shared::cta; wgmma\.fence", flat)
     for bar in (3, 4):
         assert flat.count(f"bar.sync {bar}, 128;") == 2, bar
         assert len(re.findall(rf"st\.shared\.v4\.b32 \[%r\d+(\+\d+)?\], \{{0, 0, 0, 0\}}; (\$L__BB\d+_\d+: )?"
@@ -162,9 +163,10 @@ def test_tma_cache_key_and_builder(monkeypatch):
     from mla_cute_dsl.kernels import api, kernel_cache
     from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
-    assert "tma" in W.SEESAW_FLAGS
+    assert "tma" in W.SEESAW_FLAGS and "tmafence" in W.SEESAW_FLAGS
     assert W.seesaw_spec("bf16", "bf16") == ("bf16", "bf16", 64)
     assert W.seesaw_spec("bf16", "bf16", tma=True) == ("bf16", "bf16", 64, "tma")
+    assert W.seesaw_spec("bf16", "bf16", tma=True, tma_fences=True) == ("bf16", "bf16", 64, "tma", "tmafence")
     assert W.seesaw_spec("fp16", "fp16", True, "bf16", True, True) == ("fp16", "fp16", 64, "l2pf", "partial_bf16",
                                                                        "wide_store", "tma")
     keys = []
@@ -180,10 +182,18 @@ def test_tma_cache_key_and_builder(monkeypatch):
     monkeypatch.setattr(cute, "compile", lambda k, *a, **kw: built.append(k))
     W._build_partial_wgmma_seesaw("bf16", "bf16", 64)
     W._build_partial_wgmma_seesaw("bf16", "bf16", 64, "tma", "partial_bf16")
-    assert [k.tma for k in built] == [False, True] and built[1].mma_dtype is cutlass.BFloat16
+    W._build_partial_wgmma_seesaw("bf16", "bf16", 64, "tma", "tmafence")
+    assert [k.tma for k in built] == [False, True, True] and built[1].mma_dtype is cutlass.BFloat16
+    assert [k.reader_fences for k in built] == [True, False, True]
+
+    with pytest.raises(ValueError, match="tma_fences"):
+        W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.BFloat16, tma_fences=True)
+    with pytest.raises(ValueError, match="tma_fences"):
+        W.get_partial_kernel_wgmma_seesaw("bf16", tma_fences=True)
 
     asked = []
-    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw", lambda *a, **kw: asked.append(kw.get("tma")))
+    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw",
+                        lambda *a, **kw: asked.append((kw.get("tma"), kw.get("tma_fences"))))
     monkeypatch.setattr(api, "launch", lambda *a, **kw: None)
 
     class Sched:
@@ -193,4 +203,6 @@ def test_tma_cache_key_and_builder(monkeypatch):
     ws = [torch.zeros(1, dtype=torch.float32)]
     for tma in (False, True):
         W.mla_decode_sm90_wgmma_seesaw(q, q, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False, tma=tma)
-    assert asked == [False, True]
+    W.mla_decode_sm90_wgmma_seesaw(q, q, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False, tma=True,
+                                   tma_fences=True)
+    assert asked == [(False, False), (True, False), (True, True)]
