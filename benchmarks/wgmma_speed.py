@@ -7,8 +7,9 @@
            cache, on for fp8)
     seesaw_l2pf / seesaw_nopf  the seesaw kernel with / without that L2 prefetch
     seesaw_tma  the seesaw kernel with TMA KV loads (option tma=True, 16-bit KV only; branch seesaw-tma2)
-    seesaw_tma_fenced  the same keeping the reader-side proxy fences (tma_fences=True: the TMA kernel before
-                branch seesaw-tma-nofence dropped them)
+    seesaw_fenced / seesaw_tma_fenced  the seesaw kernel (cp.async / TMA loads) keeping the reader-side proxy
+                fences (reader_fences=True: the kernels before branch seesaw-tma-nofence dropped them for TMA
+                loads and fp8 caches; with a 16-bit cache and cp.async, seesaw_fenced is seesaw)
     seesaw_tma_l2pf  the same with the L2 prefetch of the next pair's tiles
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
@@ -53,8 +54,8 @@ SHAPES = [  # (B, H, s_q, S)
     (4, 128, 1, 16384),
 ]
 QUICK_SHAPES = [0, 3]
-WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_tma_fenced",
-        "mma", "wgmma_t", "ours", "fa3")
+WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
+        "seesaw_tma_fenced", "mma", "wgmma_t", "ours", "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
@@ -109,15 +110,16 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
 
     if name == "wgmma":
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as fn
-    elif name in ("seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_tma_fenced"):
+    elif name in ("seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
+                  "seesaw_tma_fenced"):
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
 
         prefetch = {"seesaw": None, "seesaw_l2pf": True, "seesaw_nopf": False, "seesaw_tma": None,
-                    "seesaw_tma_l2pf": True, "seesaw_tma_fenced": None}[name]
+                    "seesaw_tma_l2pf": True, "seesaw_fenced": None, "seesaw_tma_fenced": None}[name]
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch, tma=name.startswith("seesaw_tma"),
-                               tma_fences=name == "seesaw_tma_fenced")
+                               reader_fences=name.endswith("_fenced"))
     elif name == "wgmma_t":
         from mla_cute_dsl.kernels.sm90_wgmma_t_decode import mla_decode_sm90_wgmma_t as fn
     else:

@@ -52,6 +52,12 @@ def specs():
                 if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
                     out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))
+                if q == "bf16" and partial == "fp32" and (kv == "fp8_e4m3" or kv == q):
+                    # seesaw_nofence_gpu.sh's reader_fences=True arms (wgmma_speed.py seesaw_tma_fenced /
+                    # seesaw_fenced --kv fp8)
+                    out.append((f"seesaw {q} {kv} {tag}{' tma' if kv == q else ''} rfence", lambda q=q, kv=kv:
+                                get_partial_kernel_wgmma_seesaw(q, kv, partial="fp32", tma=kv == q,
+                                                                reader_fences=True)))
                 for bm in (16, 32):  # wgmma_t has no wide epilogue
                     out.append((f"wgmma_t {q} {kv} {bm} {partial}", lambda q=q, kv=kv, bm=bm, p=partial:
                                 get_partial_kernel_wgmma_t(q, kv, bm, partial=p)))

@@ -40,7 +40,7 @@ needs_cutlass = pytest.mark.skipif(not _has_cutlass(), reason="nvidia-cutlass-ds
 
 # ptx_sha256 of the one-item seesaw kernel with tma=True at 7dcd77a (nvidia-cutlass-dsl 4.8.1, sm_90a):
 # (q, partial dtype, wide stores). Branch seesaw-tma-nofence (compile-only) drops three reader-side proxy fences
-# from the TMA kernels: these pins (and the tma=True ones below) are now the tma_fences=True arm, the code that ran
+# from the TMA kernels: these pins (and the tma=True ones below) are now the reader_fences=True arm, the code that ran
 # on the H200; test_nofence_tma_kernels_are_the_verified_ones_less_six_fences pins the difference
 EVEN_TMA_PTX_SHA256 = {
     ("bf16", "fp32", False): "a27b31895a48bb74bc24ab90f1ba85b8ce7fb88cb927dd9cb135b8afb7f10389",
@@ -60,12 +60,12 @@ BALANCED_PTX_SHA256 = {
 }
 
 
-def _kernel(q, tma=False, balanced=False, wide_store=False, tma_fences=False):
+def _kernel(q, tma=False, balanced=False, wide_store=False, reader_fences=False):
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     return MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), api._cutlass_dtype(q), tma=tma, balanced=balanced,
-                                       wide_store=wide_store, tma_fences=tma_fences)
+                                       wide_store=wide_store, reader_fences=reader_fences)
 
 
 @needs_cutlass
@@ -75,7 +75,7 @@ def test_balanced_seesaw_ptx_is_the_gpu_verified_one(spec, tmp_path):
     from test_balanced_compile import _dump, ptx_sha256
 
     q, partial, wide, tma = spec
-    ptx, _, _ = _dump(_kernel(q, tma=tma, balanced=True, wide_store=wide, tma_fences=tma).call_balanced,
+    ptx, _, _ = _dump(_kernel(q, tma=tma, balanced=True, wide_store=wide, reader_fences=tma).call_balanced,
                       api._fake_args_partial_balanced(q, q, partial), tmp_path)
     assert ptx_sha256(ptx) == BALANCED_PTX_SHA256[spec]
 
@@ -88,7 +88,7 @@ def test_even_tma_seesaw_ptx_is_unchanged(spec, tmp_path):
     from mla_cute_dsl.kernels import api
 
     q, partial, wide = spec
-    ptx, _, _ = _dump(_kernel(q, tma=True, wide_store=wide, tma_fences=True), api._fake_args_partial(q, q, partial),
+    ptx, _, _ = _dump(_kernel(q, tma=True, wide_store=wide, reader_fences=True), api._fake_args_partial(q, q, partial),
                       tmp_path)
     assert ptx_sha256(ptx) == EVEN_TMA_PTX_SHA256[spec]
 
@@ -98,39 +98,49 @@ def _code_lines(ptx: str) -> list:
 
 
 @needs_cutlass
-@pytest.mark.parametrize("balanced", [False, True], ids=["even", "balanced"])
-def test_nofence_tma_kernels_are_the_verified_ones_less_six_fences(balanced, tmp_path):
-    """Branch seesaw-tma-nofence: a TMA seesaw kernel (the backend's default at 128+ rows since 0.2.14) is the
-    tma_fences=True kernel (the code GPU-verified on the H200; its PTX pinned above) with exactly six
-    ``fence.proxy.async.shared::cta`` lines removed and nothing else changed: the ones after each warpgroup's two
-    KV mbarrier waits before its QK WGMMAs and after its P barrier (3 per warpgroup). The writer-side fences stay:
-    after P's st.shared (before the P barrier arrive), after Q's loads and after the zeroed V tail rows."""
+@pytest.mark.parametrize("kind", ["even_tma", "balanced_tma", "fp8"])
+def test_nofence_kernels_are_the_verified_ones_less_six_fences(kind, tmp_path):
+    """Branch seesaw-tma-nofence: a TMA seesaw kernel (the backend's default at 128+ rows since 0.2.14) and the fp8
+    seesaw are their reader_fences=True kernels (the code GPU-verified on the H200; PTX pinned above and in
+    test_seesaw_tma_compile.py) with exactly six ``fence.proxy.async.shared::cta`` lines removed and nothing else
+    changed: the ones after each warpgroup's two KV mbarrier waits before its QK WGMMAs and after its P barrier (3
+    per warpgroup). The writer-side fences stay: after P's st.shared (before the P barrier arrive), after Q's
+    loads, after the zeroed V tail rows (TMA) and after each converted fp8 part (before its mbarrier arrive)."""
     import difflib
 
     from test_balanced_compile import _dump
 
     from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    args = (api._fake_args_partial_balanced("bf16", "bf16", "bf16") if balanced
-            else api._fake_args_partial("bf16", "bf16"))
-    kf, kn = (_kernel("bf16", tma=True, balanced=balanced, wide_store=balanced, tma_fences=f) for f in (True, False))
-    fenced, _, _ = _dump(kf.call_balanced if balanced else kf, args, tmp_path / "a")
-    nofence, _, _ = _dump(kn.call_balanced if balanced else kn, args, tmp_path / "b")
+    if kind == "fp8":
+        args = api._fake_args_partial("bf16", "fp8_e4m3")
+        kf, kn = (MLADecodePartialWGMMASeesaw(api._cutlass_dtype("bf16"), api._cutlass_dtype("fp8_e4m3"),
+                                              l2_prefetch=True, reader_fences=f) for f in (True, False))
+    else:
+        balanced = kind == "balanced_tma"
+        args = (api._fake_args_partial_balanced("bf16", "bf16", "bf16") if balanced
+                else api._fake_args_partial("bf16", "bf16"))
+        kf, kn = (_kernel("bf16", tma=True, balanced=balanced, wide_store=balanced, reader_fences=f)
+                  for f in (True, False))
+        kf, kn = (k.call_balanced if balanced else k for k in (kf, kn))
+    fenced, _, _ = _dump(kf, args, tmp_path / "a")
+    nofence, _, _ = _dump(kn, args, tmp_path / "b")
     changed = [d for d in difflib.unified_diff(_code_lines(fenced), _code_lines(nofence), lineterm="", n=0)
                if d.startswith(("+", "-")) and not d.startswith(("+++", "---"))]
     assert changed == ["-fence.proxy.async.shared::cta;"] * 6
-    assert nofence.count("fence.proxy.async.shared::cta") == 7 and fenced.count("fence.proxy.async.shared::cta") == 13
-    flat = re.sub(r"\s+", " ", nofence)
-    # no fence between a KV mbarrier wait or the P barrier and the WGMMAs that read what they guard
-    assert not re.search(r"DONE: \} // end inline asm fence\.proxy\.async\.shared::cta; wgmma\.fence", flat)
-    flat_fenced = re.sub(r"\s+", " ", fenced)
+    n_fenced = fenced.count("fence.proxy.async.shared::cta")
+    assert nofence.count("fence.proxy.async.shared::cta") == n_fenced - 6
+    flat, flat_fenced = (re.sub(r"\s+", " ", p) for p in (nofence, fenced))
     for bar in (1, 2):  # P: st.shared -> fence -> bar.arrive (writer side) remains; no fence right after bar.sync
         assert re.search(rf"st\.shared\.b32 \[%r\d+\], %r\d+; fence\.proxy\.async\.shared::cta; "
                          rf"(// begin inline asm )?bar\.arrive {bar}, 256;", flat), bar
         right_after = rf"bar\.sync {bar}, 256; (// end inline asm )?(\$L__BB\d+_\d+: )?(// begin inline asm )?fence\.proxy"
         assert re.search(right_after, flat_fenced) and not re.search(right_after, flat), bar
+    if kind != "fp8":  # no fence between a KV mbarrier wait and the QK WGMMAs
+        assert not re.search(r"DONE: \} // end inline asm fence\.proxy\.async\.shared::cta; wgmma\.fence", flat)
 
 
 _COUNTED = ("wgmma.mma_async.sync.aligned.m64n64k16", "wgmma.mma_async.sync.aligned.m64n256k16",

@@ -826,10 +826,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       the critical path (H200 clock stamps), a TMA part a few instructions.  TMA does not
       zero-fill page tails, so on a request's last tile each warpgroup zeroes the tail rows of
       its own V half itself before its P V (``zero_v_tail``; the order is in its docstring).  The
-      WGMMAs read TMA-written tiles without the generic -> async proxy fence that cp.async loads need
-      after each mbarrier wait (branch seesaw-tma-nofence, compile-only: the static SASS showed each
-      such fence as ``MEMBAR.ALL.CTA``, 3 of the 4 per pair per warpgroup dropped, ``reader_fences``;
-      ``tma_fences=True`` keeps them for an A/B).
+      WGMMAs read TMA-written (and fp8-converted) tiles without the generic -> async proxy fence that
+      cp.async loads need after each mbarrier wait (branch seesaw-tma-nofence, compile-only: the static
+      SASS showed each such fence as ``MEMBAR.ALL.CTA``; 3 of the 4 per pair per warpgroup dropped,
+      ``reader_fences``; ``reader_fences=True`` keeps them for an A/B).
     * ``balanced=True`` (16-bit KV, cp.async or TMA loads; GPU-verified on an H200 in the seventeenth session:
       45 GPU tests; the backend's default since mla-cute-dsl 0.2.13, seesaw_split): launched with ``call_balanced`` (``api.launch_balanced``'s arguments: the work rows, then
       ``cta_ranges``), grid (m-blocks, schedule.num_cols) fixed per decoder; CTA column c walks work rows
@@ -849,11 +849,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
-                 wide_store: bool = False, tma: bool = False, balanced: bool = False, tma_fences: bool = False):
+                 wide_store: bool = False, tma: bool = False, balanced: bool = False,
+                 reader_fences: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
-        if tma_fences and not tma:
-            raise ValueError("seesaw kernel: tma_fences=True keeps the reader-side proxy fences of TMA loads; it "
-                             "needs tma=True (cp.async loads always fence)")
         if tma and self.is_fp8:
             raise ValueError("seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16); the fp8 "
                              "cache keeps its ld.global -> cvt -> st.shared loads")
@@ -868,13 +866,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         # tma: KV parts by TMA boxes from one elected thread per warpgroup (16-bit KV; see above)
         self.tma = bool(tma)
         # the generic -> async proxy fence (fence.proxy.async.shared::cta, SASS MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)
-        # after each KV mbarrier wait (qk) and after the P barrier (pv_remote): needed where this warpgroup's
-        # cp.async (generic proxy) or st.shared wrote what the WGMMAs (async proxy) read next. TMA boxes land in
-        # the async proxy and the owner fences its P before it arrives, so with tma=True they are skipped (the
-        # MEMBAR also waited for the page-table loads issued at the top of each pair); tma_fences=True keeps them
-        # (0.2.14's TMA kernel, the A/B arm)
-        self.reader_fences = (not self.tma) or bool(tma_fences)
-        self.tma_fences = bool(tma_fences)
+        # after each KV mbarrier wait (qk) and after the P barrier (pv_remote), on the reading side: needed only
+        # after cp.async KV loads with a 16-bit cache (generic-proxy writes that land with no thread left to fence
+        # them). TMA boxes land in the async proxy; the fp8 loads (st.shared) and the owner's P each fence on the
+        # writing side before their arrive. So only the 16-bit cp.async kernel runs them (the MEMBAR also waits for
+        # the loads in flight: the page-table loads of each pair, and with fp8 the next tiles' ld.global into
+        # registers). reader_fences=True keeps them everywhere (0.2.14's kernels, the A/B arm)
+        self.forced_reader_fences = bool(reader_fences) and (self.tma or self.is_fp8)
+        self.reader_fences = bool(reader_fences) or not (self.tma or self.is_fp8)
         # l2_prefetch: thread 0 issues one cp.async.bulk.prefetch.L2 per tile of the next pair
         # before this pair's loads (the getter's default: seesaw_l2_prefetch_default)
         self.l2_prefetch = bool(l2_prefetch)
@@ -1795,7 +1794,7 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
                       workspace)
 
 
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "tmafence")  # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence")  # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
 
 
 def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags: str):
@@ -1807,7 +1806,7 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
                          "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
-                                    tma="tma" in flags, tma_fences="tmafence" in flags)
+                                    tma="tma" in flags, reader_fences="rfence" in flags)
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -1825,28 +1824,30 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 
 
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
-                wide_store: bool = False, tma: bool = False, tma_fences: bool = False) -> tuple[str | int, ...]:
+                wide_store: bool = False, tma: bool = False, reader_fences: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
-    every existing key is unchanged), then "tmafence" for a TMA kernel that keeps the reader-side fences (the A/B
-    arm; see MLADecodePartialWGMMASeesaw.reader_fences)."""
+    every existing key is unchanged), then "rfence" for a TMA or fp8 kernel that keeps the reader-side fences
+    (the A/B arm; see MLADecodePartialWGMMASeesaw.reader_fences; never for the 16-bit cp.async kernel, which
+    runs them anyway)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
-            + api.store_spec(wide_store) + (("tma",) if tma else ()) + (("tmafence",) if tma_fences else ()))
+            + api.store_spec(wide_store) + (("tma",) if tma else ())
+            + (("rfence",) if reader_fences and (tma or kv_name == "fp8_e4m3") else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
-                                    wide_store: bool = False, tma: bool = False, tma_fences: bool = False):
+                                    wide_store: bool = False, tma: bool = False, reader_fences: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
     next pair's tiles (None: ``seesaw_l2_prefetch_default`` of the cache dtype).  ``tma``: KV parts by
     TMA boxes instead of cp.async (16-bit cache only; the backend's loads=auto from 256 rows, from 128 for the
-    balanced kernel; measured in the class docstring).  ``tma_fences``: with ``tma``, keep the reader-side
-    proxy fences (the A/B arm, ``reader_fences``)."""
+    balanced kernel; measured in the class docstring).  ``reader_fences``: keep the reader-side proxy fences
+    with TMA loads or an fp8 cache (the A/B arm; the 16-bit cp.async kernel runs them anyway)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -1854,29 +1855,27 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
     if tma and kv_name == "fp8_e4m3":
         raise ValueError("seesaw WGMMA kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
-    if tma_fences and not tma:
-        raise ValueError("seesaw WGMMA kernel: tma_fences=True needs tma=True")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 tma_fences),
+                                                 reader_fences),
                                      _build_partial_wgmma_seesaw)
 
 
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True,
-                                 l2_prefetch: bool | None = None, tma: bool = False, tma_fences: bool = False):
+                                 l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
-    ``l2_prefetch``, ``tma``, ``tma_fences``: see ``get_partial_kernel_wgmma_seesaw``."""
+    ``l2_prefetch``, ``tma``, ``reader_fences``: see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
                                               l2_prefetch=l2_prefetch, partial=api.partial_name(workspace),
-                                              wide_store=schedule.wide_store, tma=tma, tma_fences=tma_fences)
+                                              wide_store=schedule.wide_store, tma=tma, reader_fences=reader_fences)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
