@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the H200 (devpack set up, env.sh sourced), branch seesaw-tma-nofence: the TMA and fp8 seesaw kernels without
+# On the H200 (devpack set up, env.sh sourced), branch seesaw-tma-nofence (merged as mla-cute-dsl 0.2.15 after
+# this script's run in the nineteenth session): the TMA and fp8 seesaw kernels without
 # the three reader-side proxy fences per warpgroup and pair (MLADecodePartialWGMMASeesaw.reader_fences), against the
 # same kernels with them (reader_fences=True: 0.2.14's code, PTX pinned in tests/test_seesaw_*_compile.py) and fa3.
 # Carry a .kcache prebuilt from this branch's kernels/ folder (benchmarks/device/prebuild_kcache.sh).

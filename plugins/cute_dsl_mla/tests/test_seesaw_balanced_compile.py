@@ -39,7 +39,7 @@ from mla_cute_dsl.kernels import schedule as S  # noqa: E402
 needs_cutlass = pytest.mark.skipif(not _has_cutlass(), reason="nvidia-cutlass-dsl not installed")
 
 # ptx_sha256 of the one-item seesaw kernel with tma=True at 7dcd77a (nvidia-cutlass-dsl 4.8.1, sm_90a):
-# (q, partial dtype, wide stores). Branch seesaw-tma-nofence (compile-only) drops three reader-side proxy fences
+# (q, partial dtype, wide stores). Branch seesaw-tma-nofence (mla-cute-dsl 0.2.15, GPU-verified) drops three reader-side proxy fences
 # from the TMA kernels: these pins (and the tma=True ones below) are now the reader_fences=True arm, the code that ran
 # on the H200; test_nofence_tma_kernels_are_the_verified_ones_less_six_fences pins the difference
 EVEN_TMA_PTX_SHA256 = {

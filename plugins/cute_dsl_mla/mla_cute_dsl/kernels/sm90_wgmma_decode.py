@@ -827,9 +827,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       zero-fill page tails, so on a request's last tile each warpgroup zeroes the tail rows of
       its own V half itself before its P V (``zero_v_tail``; the order is in its docstring).  The
       WGMMAs read TMA-written (and fp8-converted) tiles without the generic -> async proxy fence that
-      cp.async loads need after each mbarrier wait (branch seesaw-tma-nofence, compile-only: the static
-      SASS showed each such fence as ``MEMBAR.ALL.CTA``; 3 of the 4 per pair per warpgroup dropped,
-      ``reader_fences``; ``reader_fences=True`` keeps them for an A/B).
+      cp.async loads need after each mbarrier wait (mla-cute-dsl 0.2.15, GPU-verified in the nineteenth
+      session: 230 GPU tests; 1-3% faster at H=128: the static SASS showed each such fence as
+      ``MEMBAR.ALL.CTA``; 3 of the 4 per pair per warpgroup dropped, ``reader_fences``;
+      ``reader_fences=True`` keeps them for an A/B).
     * ``balanced=True`` (16-bit KV, cp.async or TMA loads; GPU-verified on an H200 in the seventeenth session:
       45 GPU tests; the backend's default since mla-cute-dsl 0.2.13, seesaw_split): launched with ``call_balanced`` (``api.launch_balanced``'s arguments: the work rows, then
       ``cta_ranges``), grid (m-blocks, schedule.num_cols) fixed per decoder; CTA column c walks work rows
