@@ -11,6 +11,10 @@
                 fences (reader_fences=True: the kernels before branch seesaw-tma-nofence dropped them for TMA
                 loads and fp8 caches; with a 16-bit cache and cp.async, seesaw_fenced is seesaw)
     seesaw_tma_l2pf  the same with the L2 prefetch of the next pair's tiles
+    seesaw_tma_coarse  the TMA seesaw with 0.2.15's per-part KV waits and page-table loads at each pair's head
+                (coarse_waits=True; the default waits per 64-column box since the nineteenth session)
+    balanced_tma / balanced_tma_coarse  the balanced seesaw (the backend's default kernel at 64+ rows), TMA
+                loads, fp32 partials, without / with coarse_waits
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
            one CTA per SM)
@@ -55,7 +59,8 @@ SHAPES = [  # (B, H, s_q, S)
 ]
 QUICK_SHAPES = [0, 3]
 WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
-        "seesaw_tma_fenced", "mma", "wgmma_t", "ours", "fa3")
+        "seesaw_tma_fenced", "seesaw_tma_coarse", "balanced_tma", "balanced_tma_coarse", "mma", "wgmma_t", "ours",
+        "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
@@ -111,21 +116,28 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
     if name == "wgmma":
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as fn
     elif name in ("seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
-                  "seesaw_tma_fenced"):
+                  "seesaw_tma_fenced", "seesaw_tma_coarse"):
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
 
-        prefetch = {"seesaw": None, "seesaw_l2pf": True, "seesaw_nopf": False, "seesaw_tma": None,
-                    "seesaw_tma_l2pf": True, "seesaw_fenced": None, "seesaw_tma_fenced": None}[name]
+        prefetch = {"seesaw_l2pf": True, "seesaw_nopf": False, "seesaw_tma_l2pf": True}.get(name)
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch, tma=name.startswith("seesaw_tma"),
-                               reader_fences=name.endswith("_fenced"))
+                               reader_fences=name.endswith("_fenced"), coarse_waits=name.endswith("_coarse"))
+    elif name in ("balanced_tma", "balanced_tma_coarse"):
+        import functools
+
+        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
+
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True,
+                               coarse_waits=name.endswith("_coarse"))
     elif name == "wgmma_t":
         from mla_cute_dsl.kernels.sm90_wgmma_t_decode import mla_decode_sm90_wgmma_t as fn
     else:
         from mla_cute_dsl.kernels import mla_decode_sm90 as fn
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    sched = make_schedule(lens_cpu, s_q, H, n_sm)  # ctas_per_sm=1: what wgmma_t needs
+    # ctas_per_sm=1: what wgmma_t needs; the balanced seesaw's own schedule kind
+    sched = make_schedule(lens_cpu, s_q, H, n_sm, balanced=name.startswith("balanced"))
     ws = alloc_workspace(sched)
 
     def run(i, out, lse):
