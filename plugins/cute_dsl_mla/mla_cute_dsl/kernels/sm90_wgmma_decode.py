@@ -1231,6 +1231,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         each 64-column box (mbarrier ``mbar_base`` + 9 stage + box) right before its four k-blocks, in the
         same order and commit groups (``mbar_own`` / ``mbar_other`` not used)."""
         if cutlass.const_expr(self.box_waits):
+            # one commit group per box (wait, wgmma.fence, its 4 WGMMAs, commit): an mbarrier wait loop inside
+            # an open group makes ptxas serialise the kernel's WGMMAs (a WARPGROUP.DEPBAR after each)
             for part in cutlass.range_constexpr(2):
                 for i in cutlass.range_constexpr(len(order[part])):
                     k = order[part][i]
@@ -1239,11 +1241,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                                 parity)
                         if cutlass.const_expr(self.reader_fences):
                             cute.arch.fence_view_async_shared()
-                    if cutlass.const_expr(i == 0):
                         warpgroup.fence()
                     mma = mma_s_first if part == 0 and i == 0 else mma_s
                     cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
-                warpgroup.commit_group()
+                    if cutlass.const_expr(k % (KV_BOX // 16) == KV_BOX // 16 - 1):
+                        warpgroup.commit_group()
         else:
             cute.arch.mbarrier_wait(mbar_own, parity)
             if cutlass.const_expr(self.reader_fences):
