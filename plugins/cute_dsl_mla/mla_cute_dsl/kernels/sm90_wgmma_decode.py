@@ -1075,7 +1075,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             "sScale": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
             "sMax": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
             "sL": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
-            "mbar": Align[MemRange[cutlass.Int64, 4], 8],
+            "mbar": Align[MemRange[cutlass.Int64, self._n_mbar()], 8],  # 4, or 18 with box_waits
         }}))
 
         g2s = cute.make_tiled_copy_tv(
