@@ -11,10 +11,8 @@
                 fences (reader_fences=True: the kernels before branch seesaw-tma-nofence dropped them for TMA
                 loads and fp8 caches; with a 16-bit cache and cp.async, seesaw_fenced is seesaw)
     seesaw_tma_l2pf  the same with the L2 prefetch of the next pair's tiles
-    seesaw_tma_coarse  the TMA seesaw with 0.2.15's per-part KV waits and page-table loads at each pair's head
-                (coarse_waits=True; the default waits per 64-column box since the nineteenth session)
-    balanced_tma / balanced_tma_coarse  the balanced seesaw (the backend's default kernel at 64+ rows), TMA
-                loads, fp32 partials, without / with coarse_waits
+    balanced_tma / balanced_tma_sts  the balanced seesaw (the backend's default kernel at 64+ rows), TMA loads, fp32
+                partials, P stored with stmatrix (the default since the nineteenth session) / scalar st.shared
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
            one CTA per SM)
@@ -59,8 +57,7 @@ SHAPES = [  # (B, H, s_q, S)
 ]
 QUICK_SHAPES = [0, 3]
 WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
-        "seesaw_tma_fenced", "seesaw_tma_coarse", "balanced_tma", "balanced_tma_coarse", "mma", "wgmma_t", "ours",
-        "fa3")
+        "seesaw_tma_fenced", "balanced_tma", "balanced_tma_sts", "mma", "wgmma_t", "ours", "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
@@ -116,21 +113,21 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
     if name == "wgmma":
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as fn
     elif name in ("seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
-                  "seesaw_tma_fenced", "seesaw_tma_coarse"):
+                  "seesaw_tma_fenced"):
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
 
-        prefetch = {"seesaw_l2pf": True, "seesaw_nopf": False, "seesaw_tma_l2pf": True}.get(name)
+        prefetch = {"seesaw": None, "seesaw_l2pf": True, "seesaw_nopf": False, "seesaw_tma": None,
+                    "seesaw_tma_l2pf": True, "seesaw_fenced": None, "seesaw_tma_fenced": None}[name]
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch, tma=name.startswith("seesaw_tma"),
-                               reader_fences=name.endswith("_fenced"), coarse_waits=name.endswith("_coarse"))
-    elif name in ("balanced_tma", "balanced_tma_coarse"):
+                               reader_fences=name.endswith("_fenced"))
+    elif name in ("balanced_tma", "balanced_tma_sts"):
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
 
-        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True,
-                               coarse_waits=name.endswith("_coarse"))
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True, scalar_p=name.endswith("_sts"))
     elif name == "wgmma_t":
         from mla_cute_dsl.kernels.sm90_wgmma_t_decode import mla_decode_sm90_wgmma_t as fn
     else:

@@ -866,10 +866,8 @@ def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch,
         kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
         out = torch.empty(2, s_q, 128, 512, dtype=torch.bfloat16)
         planned.run(q, kv, out, torch.empty(2, s_q, 128))
-        # the entries' A/B knobs, off under the backend: coarse_waits (both; the per-box waits are the default),
-        # reader_fences (the even entry; branch seesaw-tma-nofence)
-        want = {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma, "coarse_waits": False}
-        if split == "even":
+        want = {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma}
+        if split == "even":  # the even entry's A/B knob (branch seesaw-tma-nofence), off under the backend
             want["reader_fences"] = False
         assert asked[-1] == ("bf16", "bf16", want)
         assert launched[-1] == ("kernel", tma)

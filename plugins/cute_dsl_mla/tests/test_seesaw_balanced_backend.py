@@ -114,8 +114,7 @@ def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch)
         kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
         out = torch.empty(4, s_q, 128, 512, dtype=torch.bfloat16)
         planned.run(q, kv, out, torch.empty(4, s_q, 128))
-        assert asked[-1] == ("bf16", "bf16", {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma,
-                                              "coarse_waits": False})
+        assert asked[-1] == ("bf16", "bf16", {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma})
         partial, args = launched[-1]
         assert partial == "balanced-kernel" and args[-2] is planned.schedule and args[-1] is planned.workspace
 

@@ -41,9 +41,8 @@ needs_cutlass = pytest.mark.skipif(not _has_cutlass(), reason="nvidia-cutlass-ds
 # ptx_sha256 of the one-item seesaw kernel with tma=True at 7dcd77a (nvidia-cutlass-dsl 4.8.1, sm_90a):
 # (q, partial dtype, wide stores). Branch seesaw-tma-nofence (mla-cute-dsl 0.2.15, GPU-verified) drops three
 # reader-side proxy fences from the TMA kernels: these pins (and the tma=True ones below) are now the
-# reader_fences=True arm, the code that ran on the H200; test_nofence_tma_kernels_are_the_verified_ones_less_six_fences
-# pins the difference. The box waits (nineteenth session) are off in all of them (coarse_waits=True: the per-part
-# waits these kernels ran with)
+# reader_fences=True arm, the code that ran on the H200 (it keeps the scalar P stores);
+# test_nofence_tma_kernels_are_the_verified_ones_less_six_fences pins the difference
 EVEN_TMA_PTX_SHA256 = {
     ("bf16", "fp32", False): "a27b31895a48bb74bc24ab90f1ba85b8ce7fb88cb927dd9cb135b8afb7f10389",
     ("fp16", "fp32", False): "7e791151cda53831475737a3df64e78d6b4fc9d4d817626ad70cd704580860da",
@@ -62,12 +61,12 @@ BALANCED_PTX_SHA256 = {
 }
 
 
-def _kernel(q, tma=False, balanced=False, wide_store=False, reader_fences=False, coarse_waits=False):
+def _kernel(q, tma=False, balanced=False, wide_store=False, reader_fences=False, p_stmatrix=None):
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     return MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), api._cutlass_dtype(q), tma=tma, balanced=balanced,
-                                       wide_store=wide_store, reader_fences=reader_fences, coarse_waits=coarse_waits)
+                                       wide_store=wide_store, reader_fences=reader_fences, p_stmatrix=p_stmatrix)
 
 
 @needs_cutlass
@@ -77,8 +76,7 @@ def test_balanced_seesaw_ptx_is_the_gpu_verified_one(spec, tmp_path):
     from test_balanced_compile import _dump, ptx_sha256
 
     q, partial, wide, tma = spec
-    ptx, _, _ = _dump(_kernel(q, tma=tma, balanced=True, wide_store=wide, reader_fences=tma,
-                              coarse_waits=tma).call_balanced,
+    ptx, _, _ = _dump(_kernel(q, tma=tma, balanced=True, wide_store=wide, reader_fences=tma).call_balanced,
                       api._fake_args_partial_balanced(q, q, partial), tmp_path)
     assert ptx_sha256(ptx) == BALANCED_PTX_SHA256[spec]
 
@@ -91,8 +89,8 @@ def test_even_tma_seesaw_ptx_is_unchanged(spec, tmp_path):
     from mla_cute_dsl.kernels import api
 
     q, partial, wide = spec
-    ptx, _, _ = _dump(_kernel(q, tma=True, wide_store=wide, reader_fences=True, coarse_waits=True),
-                      api._fake_args_partial(q, q, partial), tmp_path)
+    ptx, _, _ = _dump(_kernel(q, tma=True, wide_store=wide, reader_fences=True), api._fake_args_partial(q, q, partial),
+                      tmp_path)
     assert ptx_sha256(ptx) == EVEN_TMA_PTX_SHA256[spec]
 
 
@@ -126,10 +124,10 @@ def test_nofence_kernels_are_the_verified_ones_less_six_fences(kind, tmp_path):
         balanced = kind == "balanced_tma"
         args = (api._fake_args_partial_balanced("bf16", "bf16", "bf16") if balanced
                 else api._fake_args_partial("bf16", "bf16"))
-        # coarse_waits: 0.2.15's per-part waits (the default waits per box since the nineteenth session,
-        # test_box_waits_ptx in test_seesaw_tma_compile.py)
+        # p_stmatrix=False: the scalar P stores both ran with (stmatrix since the nineteenth session:
+        # test_p_stmatrix_ptx in test_seesaw_tma_compile.py)
         kf, kn = (_kernel("bf16", tma=True, balanced=balanced, wide_store=balanced, reader_fences=f,
-                          coarse_waits=True) for f in (True, False))
+                          p_stmatrix=False) for f in (True, False))
         kf, kn = (k.call_balanced if balanced else k for k in (kf, kn))
     fenced, _, _ = _dump(kf, args, tmp_path / "a")
     nofence, _, _ = _dump(kn, args, tmp_path / "b")
@@ -176,9 +174,7 @@ def test_balanced_kernel_compiles_with_the_one_item_kernels_body(q, tma, tmp_pat
     assert "ld.local" not in bal and "st.local" not in bal
     counts = {p: bal.count(p) for p in _COUNTED}
     assert counts == {p: even.count(p) for p in _COUNTED}, counts
-    # TMA: one mbarrier per (buffer, 64-column box), box_waits; cp.async: one per (buffer, loading warpgroup)
-    assert counts["mbarrier.init.shared.b64"] == (18 if tma else 4)
-    assert counts["griddepcontrol.launch_dependents"] == 1
+    assert counts["mbarrier.init.shared.b64"] == 4 and counts["griddepcontrol.launch_dependents"] == 1
     assert counts["wgmma.mma_async.sync.aligned.m64n64k16"] == 72
     assert counts["cp.async.bulk.tensor"] == (36 if tma else 0)
     assert counts["cp.async.cg.shared.global"] == (18 if tma else 162)
@@ -258,10 +254,8 @@ def test_balanced_refusals_cache_kind_and_entry(monkeypatch):
     bal.wide_store = True
     W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, bal, ws, tma=True)
     W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, bal, ws, check=False)
-    assert asked == [("bf16", "bf16", dict(l2_prefetch=None, partial="bf16", wide_store=True, tma=True,
-                                           coarse_waits=False)),
-                     ("bf16", "bf16", dict(l2_prefetch=None, partial="bf16", wide_store=True, tma=False,
-                                           coarse_waits=False))]
+    assert asked == [("bf16", "bf16", dict(l2_prefetch=None, partial="bf16", wide_store=True, tma=True)),
+                     ("bf16", "bf16", dict(l2_prefetch=None, partial="bf16", wide_store=True, tma=False))]
     assert [p for p, _ in launched] == ["kernel", "kernel"] and all(s is bal for _, s in launched)
     # the balanced grid: 2 m-blocks of 64 rows at H=128 s_q=1 -> 66 columns on 132 SMs
     assert bal.num_cols == 66 and bal.block_m == 64

@@ -7,7 +7,6 @@ Nothing here runs a kernel: tests/test_seesaw_tma_gpu.py does, on an SM90 GPU.""
 
 from __future__ import annotations
 
-import collections
 import os
 import re
 
@@ -32,13 +31,13 @@ DEFAULT_SEESAW_PTX_SHA256 = {
 
 
 def _seesaw(q: str, kv: str | None = None, l2_prefetch: bool = False, tma: bool = False, wide_store: bool = False,
-            reader_fences: bool = False, coarse_waits: bool = False):
+            reader_fences: bool = False, p_stmatrix: bool | None = None):
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     return MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), api._cutlass_dtype(kv or q),
                                        l2_prefetch=l2_prefetch, tma=tma, wide_store=wide_store,
-                                       reader_fences=reader_fences, coarse_waits=coarse_waits)
+                                       reader_fences=reader_fences, p_stmatrix=p_stmatrix)
 
 
 def _dump(k, q: str, kv: str, tmp_path, partial: str = "fp32"):
@@ -94,13 +93,13 @@ def test_tma_box_is_one_64_column_block_of_sK():
 
 @pytest.mark.parametrize("q", ["bf16", "fp16"])
 def test_tma_kernel_ptx(q, tmp_path):
-    """tma=True with coarse_waits=True (0.2.15's per-part waits; test_box_waits_ptx has the default): no spills; the same WGMMAs, descriptors and P handoff as the default; KV only by TMA: 36 boxes
+    """tma=True: no spills; the same WGMMAs, descriptors and P handoff as the default; KV only by TMA: 36 boxes
     (prologue and loop: per pair 4 + 5 per warpgroup), 3-D tile mode completing on an mbarrier; 8 arms
     (mbarrier.arrive.expect_tx) of 32,768 or 40,960 bytes, each followed by its boxes on the same mbarrier; the
     4 mbarriers initialised with count 1; the only cp.async are Q's 18 per thread, all before the first box
     (the default kernel has 18 + 144, test_seesaw_ptx_structure); the last-tile V zeroing: 4 more mbarrier
     waits, st.shared -> async-proxy fence -> bar.sync 3 / 4 of 128 threads, each named barrier at two sites."""
-    ptx, regs, frame = _dump(_seesaw(q, tma=True, coarse_waits=True), q, q, tmp_path)
+    ptx, regs, frame = _dump(_seesaw(q, tma=True), q, q, tmp_path)
     print(f"seesaw tma {q}: {regs} registers, stack frame {frame} B")
     assert regs <= 255 and frame == 0, (regs, frame)
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -144,60 +143,33 @@ def test_tma_kernel_ptx(q, tmp_path):
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
 
 
-_PAGE_TABLE_LOAD = re.compile(r"ld\.global\.b32 %r\d+, \[%rd\d+\];")
-
-
 @pytest.mark.parametrize("q", ["bf16", "fp16"])
-def test_box_waits_ptx(q, tmp_path):
-    """The TMA kernel's default since the nineteenth session (box_waits): against its coarse_waits=True arm (0.2.15's
-    kernel, test_tma_kernel_ptx), one mbarrier per (buffer, 64-column box): 18 initialised with count 1; 36 arms of
-    8,192 bytes (one per box), each box completing on its own mbarrier and every arm's mbarrier used by exactly its
-    box; 34 waits (9 boxes per QK and warpgroup, 4 per warpgroup before the last-tile zeroing) where the arm has 8,
-    each before its box's own commit group; the same WGMMAs, descriptors, P handoff and fences. The next pair's two page-table loads sit right after each
-    warpgroup's P publish (``fence.proxy.async``; ``bar.arrive``), nowhere before its QK: the coarse arm has one copy
-    at the pair's head (2 loads), this one a copy per warpgroup (4), so it has 2 more."""
-    (tmp_path / "fine").mkdir()
-    (tmp_path / "coarse").mkdir()
-    ptx, regs, frame = _dump(_seesaw(q, tma=True), q, q, tmp_path / "fine")
-    coarse, _, _ = _dump(_seesaw(q, tma=True, coarse_waits=True), q, q, tmp_path / "coarse")
-    print(f"seesaw tma box waits {q}: {regs} registers, stack frame {frame} B")
-    assert regs <= 255 and frame == 0, (regs, frame)
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    flat, flat_coarse = (re.sub(r"\s+", " ", p) for p in (ptx, coarse))
-    for pattern in ("wgmma.mma_async", "cp.async.bulk.tensor", "bar.arrive", "bar.sync",
-                    "fence.proxy.async.shared::cta", "cp.async.cg.shared.global"):
-        assert flat.count(pattern) == flat_coarse.count(pattern), pattern
-    # a commit group per box in QK (9 where the arm has 2, at the two QK sites), and no mbarrier wait inside an
-    # open group (from its wgmma.fence to its commit): with one, the devpack's ptxas (nvidia-cutlass-dsl 4.8.1's
-    # cu12 toolchain) serialised every WGMMA of the kernel (88 WARPGROUP.DEPBAR instead of 6 in the SASS; the
-    # first GPU run of the box waits, nineteenth session: 403 us against 284 at B=128 H=128 s_q=1)
-    assert flat.count("wgmma.commit_group") == flat_coarse.count("wgmma.commit_group") + 2 * (9 - 2)
-    for f in (flat, flat_coarse):
-        for group in f.split("wgmma.fence.sync.aligned")[1:]:
-            assert "mbarrier.try_wait" not in group[:group.find("wgmma.commit_group")]
-    assert _sw128_descriptors(ptx) == _sw128_descriptors(coarse)
-    inits = re.findall(r"mbarrier\.init\.shared\.b64 \[[^\]]*\], (%r\d+);", flat)
-    assert len(inits) == 18 and len(set(inits)) == 1
-    assert re.search(rf"mov\.b32 {re.escape(inits[0])}, 1;", flat)
-    arms = re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64 %rd\d+, \[([^\]]*)\], (%r\d+);", flat)
-    assert len(arms) == flat.count("mbarrier.arrive.expect_tx") == 36
-    assert {tuple(re.findall(rf"mov\.b32 {re.escape(r)}, (\d+);", flat)) for _, r in arms} == {("8192",)}
-    boxes = re.findall(r"cp\.async\.bulk\.tensor[^;]*\], \[([^\]]*)\], %rd\d+;", flat)
-    assert len(boxes) == 36
-    # the mbarrier operands as smem offsets (registers resolved through their add.s32; "%rN+off" kept as off):
-    # 18 consecutive 8-byte mbarriers, each armed twice (prologue and loop) and completed by as many boxes
-    offsets = dict(re.findall(r"add\.s32 (%r\d+), %r\d+, (\d+);", flat))
-    norm = lambda op: int(re.sub(r"^%r\d+\+", "", offsets.get(op, op)))  # noqa: E731
-    armed = collections.Counter(norm(a) for a, _ in arms)
-    assert armed == collections.Counter(norm(b) for b in boxes)
-    assert set(armed.values()) == {2} and sorted(armed) == [min(armed) + 8 * i for i in range(18)]
-    assert flat.count("mbarrier.try_wait") == 34 and flat_coarse.count("mbarrier.try_wait") == 8
-    loads, loads_coarse = (len(_PAGE_TABLE_LOAD.findall(f)) for f in (flat, flat_coarse))
-    assert loads == loads_coarse + 2
-    for bar in (1, 2):  # P publish, then the next pair's two page-table loads before any WGMMA
-        after = flat.split(f"bar.arrive {bar}, 256;")[1]
-        assert len(_PAGE_TABLE_LOAD.findall(after[:after.find("wgmma")])) == 2, bar
-        assert len(_PAGE_TABLE_LOAD.findall(flat_coarse.split(f"bar.arrive {bar}, 256;")[1][:200])) == 0
+def test_p_stmatrix_ptx(q, tmp_path):
+    """A TMA kernel stores P with stmatrix (p_stmatrix, the default since the nineteenth session): 4
+    ``stmatrix.x4`` per warpgroup's publish (8 in all) where its scalar_p arm (p_stmatrix=False, the 0.2.15 kernel)
+    has 16 more ``st.shared.b32`` per publish; each publish's stores come before its async-proxy fence and
+    ``bar.arrive``; nothing else changes (the same WGMMAs, loads, waits, barriers and fences); no spills. The
+    reader_fences=True arm (0.2.14's pinned kernel) and the cp.async and fp8 kernels keep the scalar stores."""
+    (tmp_path / "stsm").mkdir()
+    (tmp_path / "sts").mkdir()
+    ptx, regs, frame = _dump(_seesaw(q, tma=True), q, q, tmp_path / "stsm")
+    scalar, _, _ = _dump(_seesaw(q, tma=True, p_stmatrix=False), q, q, tmp_path / "sts")
+    print(f"seesaw tma stmatrix {q}: {regs} registers, stack frame {frame} B")
+    assert regs <= 255 and frame == 0 and "ld.local" not in ptx
+    flat, flat_scalar = (re.sub(r"\s+", " ", p) for p in (ptx, scalar))
+    assert flat.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 8 and "stmatrix" not in flat_scalar
+    assert flat_scalar.count("st.shared.b32") == flat.count("st.shared.b32") + 2 * 16
+    for pattern in ("wgmma.mma_async", "wgmma.commit_group", "cp.async.bulk.tensor", "mbarrier.try_wait",
+                    "bar.arrive", "bar.sync", "fence.proxy.async.shared::cta", "mbarrier.arrive.expect_tx"):
+        assert flat.count(pattern) == flat_scalar.count(pattern), pattern
+    for bar in (1, 2):
+        before = flat.split(f"bar.arrive {bar}, 256;")[0]
+        last_fence = before.rfind("fence.proxy.async.shared::cta")
+        assert before.rfind("stmatrix") < last_fence and before[:last_fence].count("stmatrix") >= 4 * bar
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
+
+    assert not _seesaw(q, tma=True, reader_fences=True).p_stmatrix and not _seesaw(q).p_stmatrix
+    assert not MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN).p_stmatrix
 
 
 def test_tma_is_refused_for_fp8_cache(monkeypatch):
@@ -225,9 +197,12 @@ def test_tma_cache_key_and_builder(monkeypatch):
     from mla_cute_dsl.kernels import api, kernel_cache
     from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
-    assert "tma" in W.SEESAW_FLAGS and "rfence" in W.SEESAW_FLAGS and "coarse" in W.SEESAW_FLAGS
-    assert W.seesaw_spec("bf16", "bf16", tma=True, coarse_waits=True) == ("bf16", "bf16", 64, "tma", "coarse")
-    assert W.seesaw_spec("bf16", "bf16", coarse_waits=True) == ("bf16", "bf16", 64)  # no TMA: nothing to coarsen
+    assert "tma" in W.SEESAW_FLAGS and "rfence" in W.SEESAW_FLAGS and "sts" in W.SEESAW_FLAGS
+    # the scalar P stores: an arm of the TMA kernels only (the others, and the rfence arm, store P that way anyway)
+    assert W.seesaw_spec("bf16", "bf16", tma=True, scalar_p=True) == ("bf16", "bf16", 64, "tma", "sts")
+    assert W.seesaw_spec("bf16", "bf16", tma=True, reader_fences=True, scalar_p=True) == ("bf16", "bf16", 64, "tma",
+                                                                                          "rfence")
+    assert W.seesaw_spec("bf16", "bf16", scalar_p=True) == ("bf16", "bf16", 64)
     assert W.seesaw_spec("bf16", "bf16") == ("bf16", "bf16", 64)
     assert W.seesaw_spec("bf16", "bf16", tma=True) == ("bf16", "bf16", 64, "tma")
     assert W.seesaw_spec("bf16", "bf16", tma=True, reader_fences=True) == ("bf16", "bf16", 64, "tma", "rfence")
@@ -252,19 +227,18 @@ def test_tma_cache_key_and_builder(monkeypatch):
     W._build_partial_wgmma_seesaw("bf16", "bf16", 64, "tma", "rfence")
     W._build_partial_wgmma_seesaw("bf16", "fp8_e4m3", 64, "l2pf")
     W._build_partial_wgmma_seesaw("bf16", "fp8_e4m3", 64, "l2pf", "rfence")
-    W._build_partial_wgmma_seesaw("bf16", "bf16", 64, "tma", "coarse")
-    W._build_partial_wgmma_seesaw_balanced("bf16", "bf16", 64, "tma", "coarse")
-    assert [k.tma for k in built[:5]] == [False, True, True, False, False] and built[1].mma_dtype is cutlass.BFloat16
-    assert [k.reader_fences for k in built[:5]] == [True, False, True, False, True]
-    # box waits: every TMA kernel but the coarse arm; never cp.async or fp8
-    assert [k.box_waits for k in built[:5]] == [False, True, True, False, False]
-    assert built[5].coarse_waits and not built[5].box_waits
-    assert built[6].__self__.coarse_waits and built[6].__self__.balanced and not built[6].__self__.box_waits
+    assert [k.tma for k in built] == [False, True, True, False, False] and built[1].mma_dtype is cutlass.BFloat16
+    assert [k.reader_fences for k in built] == [True, False, True, False, True]
+    assert [k.p_stmatrix for k in built] == [False, True, False, False, False]
+    W._build_partial_wgmma_seesaw("bf16", "bf16", 64, "tma", "sts")
+    W._build_partial_wgmma_seesaw_balanced("bf16", "bf16", 64, "tma")
+    W._build_partial_wgmma_seesaw_balanced("bf16", "bf16", 64, "tma", "sts")
+    assert built[5].tma and not built[5].p_stmatrix
+    assert built[6].__self__.p_stmatrix and not built[7].__self__.p_stmatrix and built[7].__self__.balanced
 
     asked = []
     monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw",
-                        lambda *a, **kw: asked.append(
-                            (kw.get("tma"), kw.get("reader_fences"), kw.get("coarse_waits"))))
+                        lambda *a, **kw: asked.append((kw.get("tma"), kw.get("reader_fences"))))
     monkeypatch.setattr(api, "launch", lambda *a, **kw: None)
 
     class Sched:
@@ -276,6 +250,4 @@ def test_tma_cache_key_and_builder(monkeypatch):
         W.mla_decode_sm90_wgmma_seesaw(q, q, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False, tma=tma)
     W.mla_decode_sm90_wgmma_seesaw(q, q, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False, tma=True,
                                    reader_fences=True)
-    W.mla_decode_sm90_wgmma_seesaw(q, q, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False, tma=True,
-                                   coarse_waits=True)
-    assert asked == [(False, False, False), (True, False, False), (True, True, False), (True, False, True)]
+    assert asked == [(False, False), (True, False), (True, True)]

@@ -851,7 +851,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
                  wide_store: bool = False, tma: bool = False, balanced: bool = False,
-                 reader_fences: bool = False, coarse_waits: bool = False):
+                 reader_fences: bool = False, p_stmatrix: bool | None = None):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
         if tma and self.is_fp8:
             raise ValueError("seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16); the fp8 "
@@ -875,16 +875,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         # registers). reader_fences=True keeps them everywhere (0.2.14's kernels, the A/B arm)
         self.forced_reader_fences = bool(reader_fences) and (self.tma or self.is_fp8)
         self.reader_fences = bool(reader_fences) or not (self.tma or self.is_fp8)
-        # box_waits (TMA only, unless coarse_waits): one mbarrier per (buffer, 64-column box) instead of one per
-        # (buffer, loading warpgroup), so that QK issues each box's 4 k-steps as soon as that box has landed
-        # (FlashMLA's fine-grained TMA -> GEMM pipelining) rather than after the loading warpgroup's whole part;
-        # and each pair's page-table loads for the next pair move from the pair's head to right after the
-        # warpgroup's P publish, so that its one MEMBAR.ALL.CTA (the writer-side fence) never waits on them.
-        # Why: ncu's stall sampling of 0.2.15 at B=128 H=128 s_q=1 (nineteenth session) put 11.8% of all
-        # samples on warpgroup 1's wait for its own part of tile b+2 (loaded last in the pair, needed first in
-        # the next) and 2.9% on that fence. coarse_waits=True keeps 0.2.15's waits and loads (the A/B arm).
-        self.coarse_waits = bool(coarse_waits) and self.tma
-        self.box_waits = self.tma and not self.coarse_waits
+        # p_stmatrix (default: the TMA kernels but their reader_fences=True arm, 0.2.14's pinned code): the owner
+        # writes P to shared memory with stmatrix (4 stmatrix.x4 per thread and tile, as fa3 does) instead of 16
+        # scalar 32-bit st.shared with per-store swizzle address math (the static SASS comparison, eighteenth
+        # session). Why: the other warpgroup waits for P at its named barrier (4.9% of ncu's stall samples at
+        # B=128 H=128 s_q=1, nineteenth session), so P's publish is on the seesaw's critical path.
+        # p_stmatrix=False on a TMA kernel is the A/B arm (key flag "sts"); the cp.async and fp8 kernels keep the
+        # scalar stores (their PTX pins; not measured with stmatrix)
+        self.p_stmatrix = (self.tma and not self.forced_reader_fences) if p_stmatrix is None else bool(p_stmatrix)
         # l2_prefetch: thread 0 issues one cp.async.bulk.prefetch.L2 per tile of the next pair
         # before this pair's loads (the getter's default: seesaw_l2_prefetch_default)
         self.l2_prefetch = bool(l2_prefetch)
@@ -903,17 +901,12 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             (2 * BLOCK_M * 4, 16),  # sScale (row, buffer)
             (2 * BLOCK_M * 4, 16),  # sMax (row, buffer)
             (2 * BLOCK_M * 4, 16),  # sL (row, warpgroup): row sums for the epilogue
-            (self._n_mbar() * 8, 8),  # mbarriers (buffer, loading warpgroup) or (buffer, box): _n_mbar
+            (4 * 8, 8),  # mbarriers (buffer, loading warpgroup)
         ]
         off = 0
         for size, align in parts:
             off = -(-off // align) * align + size
         return off
-
-    def _n_mbar(self) -> int:
-        """mbarriers in shared memory: one per (buffer, loading warpgroup) at index 2 * buffer + warpgroup, or
-        with ``box_waits`` one per (buffer, 64-column box) at index 9 * buffer + box."""
-        return STAGES * (D_QK // KV_BOX) if self.box_waits else 4
 
     def _mbar_count(self) -> int:
         """Arrivals that complete one phase of a part's mbarrier: the cp.async path (16-bit KV)
@@ -1075,7 +1068,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             "sScale": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
             "sMax": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
             "sL": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
-            "mbar": Align[MemRange[cutlass.Int64, self._n_mbar()], 8],  # 4, or 18 with box_waits
+            "mbar": Align[MemRange[cutlass.Int64, 4], 8],
         }}))
 
         g2s = cute.make_tiled_copy_tv(
@@ -1086,7 +1079,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             cute.make_layout((1, 8)),
         )
         g2s_wg = self._wg_copy()
-        r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
+        if self.p_stmatrix:  # stmatrix.x4: each warp's 16 x 64 block of P in 4 instructions
+            r2s_P = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), mt), mma_s)
+        else:
+            r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
         # tma=True: the KV tensor map, built here from the runtime tensor (a kernel parameter);
         # None otherwise (no kernel parameter: the default kernel's PTX is unchanged).  The box's
         # smem layout is sP's: (64, 64) SW128 K-major, exactly one 64-column block of sK
@@ -1132,41 +1129,30 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     def load_part_tma(
         self, tma_atom: cute.CopyAtom, tKgT: cute.Tensor, tKsT: cute.Tensor, page: cutlass.Int32,
         n: cutlass.Int32, stage: cutlass.Constexpr, blocks: cutlass.Constexpr,
-        blocks_per_page: cutlass.Int32, mbar_ptr, tma_warp, mbar_base,
+        blocks_per_page: cutlass.Int32, mbar_ptr, tma_warp,
     ):
         """tma=True: ``load_part``'s blocks by TMA, issued by the loading warpgroup's first warp
         (``tma_warp``; the TMA copy elects its one issuing lane): one lane arms ``mbar_ptr``
         (count 1) with the part's bytes, then one 64 x 64 box per block (KV block n of request
         b = rows (n % blocks_per_page) * 64 .. + 64 of cache page ``page``).  Every row is
-        loaded: a request's last tile is cleaned by ``zero_v_tail``, not here.  ``box_waits``: each box arms and
-        completes its own mbarrier (``mbar_base`` + 9 stage + block, 8 KB) and ``mbar_ptr`` is not used."""
-        box_bytes = BLOCK_N * KV_BOX * (self.mma_dtype.width // 8)
+        loaded: a request's last tile is cleaned by ``zero_v_tail``, not here."""
         if tma_warp:
-            if cutlass.const_expr(self.box_waits):
-                with cute.arch.elect_one():
-                    for c in cutlass.range_constexpr(len(blocks)):
-                        cute.arch.mbarrier_arrive_and_expect_tx(
-                            mbar_base + (D_QK // KV_BOX) * stage + blocks[c], box_bytes)
-                for c in cutlass.range_constexpr(len(blocks)):
-                    cute.copy(tma_atom, tKgT[None, n % blocks_per_page, blocks[c], page],
-                              tKsT[None, 0, blocks[c], stage],
-                              tma_bar_ptr=mbar_base + (D_QK // KV_BOX) * stage + blocks[c])
-            else:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, len(blocks) * box_bytes)
-                for c in cutlass.range_constexpr(len(blocks)):
-                    cute.copy(tma_atom, tKgT[None, n % blocks_per_page, blocks[c], page],
-                              tKsT[None, 0, blocks[c], stage], tma_bar_ptr=mbar_ptr)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    mbar_ptr, len(blocks) * BLOCK_N * KV_BOX * (self.mma_dtype.width // 8))
+            for c in cutlass.range_constexpr(len(blocks)):
+                cute.copy(tma_atom, tKgT[None, n % blocks_per_page, blocks[c], page],
+                          tKsT[None, 0, blocks[c], stage], tma_bar_ptr=mbar_ptr)
 
     def load_kv_part(self, src: tuple, page, n, stage: int, blocks: tuple, blocks_per_page, kv_len,
                      mbar_ptr):
         """One part of a 16-bit K tile (a plain Python dispatcher, traced inline): ``src`` is
         (g2s_wg, thr_g2s_wg, mKV, tKcK, tKsK) for cp.async (``load_part``) or (tma_atom, tKgT,
-        tKsT, tma_warp, mbar_base) with tma=True (``load_part_tma``), so the six call sites read the same."""
+        tKsT, tma_warp) with tma=True (``load_part_tma``), so the six call sites read the same."""
         if self.tma:
-            tma_atom, tKgT, tKsT, tma_warp, mbar_base = src
+            tma_atom, tKgT, tKsT, tma_warp = src
             self.load_part_tma(tma_atom, tKgT, tKsT, page, n, stage, blocks, blocks_per_page, mbar_ptr,
-                               tma_warp, mbar_base)
+                               tma_warp)
         else:
             g2s_wg, thr_g2s_wg, mKV, tKcK, tKsK = src
             self.load_part(g2s_wg, thr_g2s_wg, mKV, page, n, stage, blocks, blocks_per_page, kv_len,
@@ -1175,7 +1161,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     @cute.jit
     def zero_v_tail(
         self, tKcK: cute.Tensor, tKsK: cute.Tensor, n: cutlass.Int32, stage: cutlass.Constexpr,
-        wg: cutlass.Constexpr, kv_len: cutlass.Int32, mbar_ptr, parity: cutlass.Int32, mbar_base=None,
+        wg: cutlass.Constexpr, kv_len: cutlass.Int32, mbar_ptr, parity: cutlass.Int32,
     ):
         """tma=True: on a request's last tile (KV block n, ``kv_len - 64 n < 64``; CTA-uniform, so
         no other tile pays anything but the compare), zero rows >= kv_len of warpgroup ``wg``'s V
@@ -1197,12 +1183,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         zeroed at all (S only).  No load follows into a last tile's buffer."""
         valid = kv_len - n * BLOCK_N
         if valid < BLOCK_N:
+            cute.arch.mbarrier_wait(mbar_ptr, parity)
             blocks = SEESAW_LOAD_BLOCKS[wg][0]  # blocks 4 wg .. 4 wg + 3: this warpgroup's V half
-            if cutlass.const_expr(self.box_waits):  # the half's four box mbarriers (mbar_ptr not used)
-                for c in cutlass.range_constexpr(len(blocks)):
-                    cute.arch.mbarrier_wait(mbar_base + (D_QK // KV_BOX) * stage + blocks[c], parity)
-            else:
-                cute.arch.mbarrier_wait(mbar_ptr, parity)
             for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
                 if tKcK[0, m, 0][0] >= valid:
                     for c in cutlass.range_constexpr(len(blocks)):
@@ -1223,47 +1205,28 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     def qk(
         self, mma_s_first: cute.TiledMma, mma_s: cute.TiledMma, acc_S: cute.Tensor,
         tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: cutlass.Constexpr, order: cutlass.Constexpr,
-        mbar_own, mbar_other, parity: cutlass.Int32, wait: cutlass.Constexpr = True, mbar_base=None,
+        mbar_own, mbar_other, parity: cutlass.Int32, wait: cutlass.Constexpr = True,
     ):
         """S = Q K^T for the tile in sK[:, :, stage]: wait for this warpgroup's part of the tile,
         issue its k-blocks, wait for the other part, issue the rest, wait for all (unless
-        ``wait`` is False: the caller waits, fp8 KV converts a part in between).  ``box_waits``: wait for
-        each 64-column box (mbarrier ``mbar_base`` + 9 stage + box) right before its four k-blocks, in the
-        same order and commit groups (``mbar_own`` / ``mbar_other`` not used)."""
-        if cutlass.const_expr(self.box_waits):
-            # one commit group per box (wait, wgmma.fence, its 4 WGMMAs, commit): an mbarrier wait loop inside
-            # an open group makes ptxas serialise the kernel's WGMMAs (a WARPGROUP.DEPBAR after each)
-            for part in cutlass.range_constexpr(2):
-                for i in cutlass.range_constexpr(len(order[part])):
-                    k = order[part][i]
-                    if cutlass.const_expr(k % (KV_BOX // 16) == 0):
-                        cute.arch.mbarrier_wait(mbar_base + (D_QK // KV_BOX) * stage + k // (KV_BOX // 16),
-                                                parity)
-                        if cutlass.const_expr(self.reader_fences):
-                            cute.arch.fence_view_async_shared()
-                        warpgroup.fence()
-                    mma = mma_s_first if part == 0 and i == 0 else mma_s
-                    cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
-                    if cutlass.const_expr(k % (KV_BOX // 16) == KV_BOX // 16 - 1):
-                        warpgroup.commit_group()
-        else:
-            cute.arch.mbarrier_wait(mbar_own, parity)
-            if cutlass.const_expr(self.reader_fences):
-                cute.arch.fence_view_async_shared()
-            warpgroup.fence()
-            for i in cutlass.range_constexpr(len(order[0])):
-                mma = mma_s_first if i == 0 else mma_s
-                k = order[0][i]
-                cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
-            warpgroup.commit_group()
-            cute.arch.mbarrier_wait(mbar_other, parity)
-            if cutlass.const_expr(self.reader_fences):
-                cute.arch.fence_view_async_shared()
-            warpgroup.fence()
-            for i in cutlass.range_constexpr(len(order[1])):
-                k = order[1][i]
-                cute.gemm(mma_s, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
-            warpgroup.commit_group()
+        ``wait`` is False: the caller waits, fp8 KV converts a part in between)."""
+        cute.arch.mbarrier_wait(mbar_own, parity)
+        if cutlass.const_expr(self.reader_fences):
+            cute.arch.fence_view_async_shared()
+        warpgroup.fence()
+        for i in cutlass.range_constexpr(len(order[0])):
+            mma = mma_s_first if i == 0 else mma_s
+            k = order[0][i]
+            cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
+        cute.arch.mbarrier_wait(mbar_other, parity)
+        if cutlass.const_expr(self.reader_fences):
+            cute.arch.fence_view_async_shared()
+        warpgroup.fence()
+        for i in cutlass.range_constexpr(len(order[1])):
+            k = order[1][i]
+            cute.gemm(mma_s, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
         if cutlass.const_expr(wait):
             warpgroup.wait_group(0)
 
@@ -1417,7 +1380,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
             mbar = smem[8]
             if tidx == 0:
-                for i in cutlass.range_constexpr(self._n_mbar()):
+                for i in cutlass.range_constexpr(4):
                     cute.arch.mbarrier_init(mbar + i, self._mbar_count())
             cute.arch.mbarrier_init_fence()
             cute.arch.barrier()
@@ -1457,7 +1420,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
                 mbar = smem[8]
                 if tidx == 0:
-                    for i in cutlass.range_constexpr(self._n_mbar()):
+                    for i in cutlass.range_constexpr(4):
                         # cp.async (16-bit KV): 128 noinc + 128 plain arrives; fp8 KV: 128 plain; TMA: 1
                         cute.arch.mbarrier_init(mbar + i, self._mbar_count())
                 cute.arch.mbarrier_init_fence()
@@ -1517,7 +1480,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 cute.group_modes(cute.flat_divide(sK, (BLOCK_N, KV_BOX)), 0, 2),
                 cute.group_modes(cute.flat_divide(mKV_tma, (BLOCK_N, KV_BOX)), 0, 2))
             tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
-            kv_src = (tma_atom, tKgT, tKsT, tma_warp, smem[8])
+            kv_src = (tma_atom, tKgT, tKsT, tma_warp)
             if tidx == 0:
                 cpasync.prefetch_descriptor(tma_atom)
         if cutlass.const_expr(self.is_fp8):
@@ -1625,9 +1588,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         self.prefetch_tile_l2(mKV, pg2, n_start + ta + 2, blocks_per_page)
                     if ta + 3 < T:
                         self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
-            if cutlass.const_expr(not self.box_waits):  # box_waits: after each warpgroup's P publish (below)
-                pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
-                pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
+            pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
+            pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
             if cutlass.const_expr(self.is_fp8):
                 # fp8 KV: the same schedule, parts, mbarriers and named barriers as the
                 # cp.async version; each part is ld.global'ed into registers *before* the
@@ -1705,18 +1667,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 if wg == 0:
                     # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
                     self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
-                            mbar + 0, mbar + 1, par0, mbar_base=mbar)
+                            mbar + 0, mbar + 1, par0)
                     self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
                                          acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
                                          scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
                                          True)
-                    if cutlass.const_expr(self.box_waits):
-                        # the next pair's cache pages, read after this pair's one MEMBAR (P's fence)
-                        pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
-                        pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
                     # tma=True, request's last tile: zero its V_L tail rows (zero_v_tail)
                     if cutlass.const_expr(self.tma):
-                        self.zero_v_tail(tKcK, tKsK, n_start + ta, 0, 0, kv_len, mbar + 0, par0, mbar)
+                        self.zero_v_tail(tKcK, tKsK, n_start + ta, 0, 0, kv_len, mbar + 0, par0)
                     self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
                     # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
                     if ta + 2 < T:
@@ -1727,7 +1685,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         # tail rows zeroed after the P_b barrier (S_b is done) if it is the last
                         self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
                                        row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True,
-                                       (tKcK, tKsK, n_start + ta + 1, 1, 0, kv_len, mbar + 2, par1, mbar)
+                                       (tKcK, tKsK, n_start + ta + 1, 1, 0, kv_len, mbar + 2, par1)
                                        if self.tma else None)
                         # columns 0..255 and P's block of buffer 1 are free: tile b+2's
                         if ta + 3 < T:
@@ -1737,12 +1695,12 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     if ta + 1 < T:
                         # S_b (runs while WG0 does softmax_a)
                         self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
-                                mbar + 3, mbar + 2, par1, mbar_base=mbar)
+                                mbar + 3, mbar + 2, par1)
                     # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet;
                     # tma=True: V_R tail rows of tile a zeroed after the P_a barrier if last
                     self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
                                    row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False,
-                                   (tKcK, tKsK, n_start + ta, 0, 1, kv_len, mbar + 1, par0, mbar)
+                                   (tKcK, tKsK, n_start + ta, 0, 1, kv_len, mbar + 1, par0)
                                    if self.tma else None)
                     if ta + 1 < T:
                         # softmax_b under the P_a V WGMMAs; O_R *= scale_b needs them done
@@ -1750,10 +1708,6 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                              acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
                                              scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1], row_corr,
                                              False)
-                    if cutlass.const_expr(self.box_waits):
-                        # the next pair's cache pages, read after this pair's one MEMBAR (P's fence)
-                        pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
-                        pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
                     warpgroup.wait_group(0)
                     # columns 256..575 of buffer 0 are free: tile a+2's
                     if ta + 2 < T:
@@ -1763,7 +1717,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         # tma=True, request's last tile: zero its V_R tail rows (S_b is done)
                         if cutlass.const_expr(self.tma):
                             self.zero_v_tail(tKcK, tKsK, n_start + ta + 1, 1, 1, kv_len, mbar + 3,
-                                             par1, mbar)
+                                             par1)
                         for r in cutlass.range_constexpr(n_rows):
                             acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
                         self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
@@ -1853,7 +1807,8 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
                       workspace)
 
 
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "coarse")  # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
+# kernel-cache key flags after (q, kv, block_m): see seesaw_spec
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "sts")
 
 
 def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags: str):
@@ -1866,7 +1821,7 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
                                     tma="tma" in flags, reader_fences="rfence" in flags,
-                                    coarse_waits="coarse" in flags)
+                                    p_stmatrix=False if "sts" in flags else None)
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -1885,34 +1840,34 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
                 wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                coarse_waits: bool = False) -> tuple[str | int, ...]:
+                scalar_p: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
     every existing key is unchanged), then "rfence" for a TMA or fp8 kernel that keeps the reader-side fences
     (the A/B arm; see MLADecodePartialWGMMASeesaw.reader_fences; never for the 16-bit cp.async kernel, which
-    runs them anyway), then "coarse" for a TMA kernel with 0.2.15's per-part KV waits and page-table loads at
-    the pair's head (the A/B arm of MLADecodePartialWGMMASeesaw.box_waits; never without tma)."""
+    runs them anyway), then "sts" for a TMA kernel that stores P with scalar st.shared (``scalar_p``: the A/B arm of
+    MLADecodePartialWGMMASeesaw.p_stmatrix; never with rfence, whose kernel stores P that way anyway)."""
     from . import api
 
+    fenced = reader_fences and (tma or kv_name == "fp8_e4m3")
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
-            + api.store_spec(wide_store) + (("tma",) if tma else ())
-            + (("rfence",) if reader_fences and (tma or kv_name == "fp8_e4m3") else ())
-            + (("coarse",) if coarse_waits and tma else ()))
+            + api.store_spec(wide_store) + (("tma",) if tma else ()) + (("rfence",) if fenced else ())
+            + (("sts",) if scalar_p and tma and not fenced else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
                                     wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                                    coarse_waits: bool = False):
+                                    scalar_p: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
     next pair's tiles (None: ``seesaw_l2_prefetch_default`` of the cache dtype).  ``tma``: KV parts by
     TMA boxes instead of cp.async (16-bit cache only; the backend's loads=auto from 256 rows, from 128 for the
     balanced kernel; measured in the class docstring).  ``reader_fences``: keep the reader-side proxy fences
-    with TMA loads or an fp8 cache (the A/B arm; the 16-bit cp.async kernel runs them anyway).  ``coarse_waits``:
-    a TMA kernel with 0.2.15's per-part KV waits (the A/B arm of the per-box waits)."""
+    with TMA loads or an fp8 cache (the A/B arm; the 16-bit cp.async kernel runs them anyway).  ``scalar_p``: a TMA
+    kernel storing P with scalar st.shared (the A/B arm of its stmatrix stores)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -1924,25 +1879,23 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 reader_fences, coarse_waits),
+                                                 reader_fences, scalar_p),
                                      _build_partial_wgmma_seesaw)
 
 
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True,
-                                 l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False,
-                                 coarse_waits: bool = False):
+                                 l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
-    ``l2_prefetch``, ``tma``, ``reader_fences``, ``coarse_waits``: see ``get_partial_kernel_wgmma_seesaw``."""
+    ``l2_prefetch``, ``tma``, ``reader_fences``: see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
                                               l2_prefetch=l2_prefetch, partial=api.partial_name(workspace),
-                                              wide_store=schedule.wide_store, tma=tma, reader_fences=reader_fences,
-                                              coarse_waits=coarse_waits)
+                                              wide_store=schedule.wide_store, tma=tma, reader_fences=reader_fences)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
@@ -1976,20 +1929,18 @@ def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int
                          "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
-                                    tma="tma" in flags, balanced=True, reader_fences="rfence" in flags,
-                                    coarse_waits="coarse" in flags)
+                                    tma="tma" in flags, balanced=True, p_stmatrix=False if "sts" in flags else None)
     return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
 
 
 def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = None, *,
                                              l2_prefetch: bool | None = None, partial: str = "fp32",
-                                             wide_store: bool = False, tma: bool = False,
-                                             coarse_waits: bool = False):
+                                             wide_store: bool = False, tma: bool = False, scalar_p: bool = False):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
     16-bit KV only; kernel cache kind ``partial_wgmma_seesaw_balanced`` with the even kernel's key
     (``seesaw_spec``), so the even seesaw kernels' keys and symbols are unchanged and the two never collide.
     ``l2_prefetch`` (None: ``seesaw_l2_prefetch_default``, off for 16-bit caches), ``partial``, ``wide_store``,
-    ``tma``, ``coarse_waits``: as ``get_partial_kernel_wgmma_seesaw``."""
+    ``tma``, ``scalar_p``: as ``get_partial_kernel_wgmma_seesaw``."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2000,20 +1951,19 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 coarse_waits=coarse_waits),
+                                                 scalar_p=scalar_p),
                                      _build_partial_wgmma_seesaw_balanced)
 
 
 def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                           out, lse, schedule, workspace, *, check: bool = True,
-                                          l2_prefetch: bool | None = None, tma: bool = False,
-                                          coarse_waits: bool = False):
+                                          l2_prefetch: bool | None = None, tma: bool = False, scalar_p: bool = False):
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
     and wgmma_t balanced entries' launch).  Needs s_q * H > 32 (the 64-row tile: schedule.block_m 64) and a
-    bf16/fp16 cache (ValueError otherwise, also with check=False).  ``l2_prefetch``, ``tma``, ``coarse_waits``:
-    see ``get_partial_kernel_wgmma_seesaw``."""
+    bf16/fp16 cache (ValueError otherwise, also with check=False).  ``l2_prefetch``, ``tma``, ``scalar_p`` (the A/B
+    arm; passed on only when set): see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     api.check_balanced(schedule, kv_cache)
@@ -2023,6 +1973,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw_balanced(
         api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype], l2_prefetch=l2_prefetch,
-        partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma, coarse_waits=coarse_waits)
+        partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma,
+        **({"scalar_p": True} if scalar_p else {}))
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
