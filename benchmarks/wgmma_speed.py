@@ -11,8 +11,7 @@
                 fences (reader_fences=True: the kernels before branch seesaw-tma-nofence dropped them for TMA
                 loads and fp8 caches; with a 16-bit cache and cp.async, seesaw_fenced is seesaw)
     seesaw_tma_l2pf  the same with the L2 prefetch of the next pair's tiles
-    balanced_tma / balanced_tma_sts  the balanced seesaw (the backend's default kernel at 64+ rows), TMA loads, fp32
-                partials, P stored with stmatrix (the default since the nineteenth session) / scalar st.shared
+    balanced_tma  the balanced seesaw (the backend's default kernel at 64+ rows), TMA loads, fp32 partials
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
            one CTA per SM)
@@ -57,7 +56,7 @@ SHAPES = [  # (B, H, s_q, S)
 ]
 QUICK_SHAPES = [0, 3]
 WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
-        "seesaw_tma_fenced", "balanced_tma", "balanced_tma_sts", "mma", "wgmma_t", "ours", "fa3")
+        "seesaw_tma_fenced", "balanced_tma", "mma", "wgmma_t", "ours", "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
@@ -122,12 +121,12 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
                     "seesaw_tma_l2pf": True, "seesaw_fenced": None, "seesaw_tma_fenced": None}[name]
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch, tma=name.startswith("seesaw_tma"),
                                reader_fences=name.endswith("_fenced"))
-    elif name in ("balanced_tma", "balanced_tma_sts"):
+    elif name == "balanced_tma":
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
 
-        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True, scalar_p=name.endswith("_sts"))
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True)
     elif name == "wgmma_t":
         from mla_cute_dsl.kernels.sm90_wgmma_t_decode import mla_decode_sm90_wgmma_t as fn
     else:

@@ -52,11 +52,6 @@ def specs():
                 if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
                     out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))
-                if kv == q == "bf16" and partial == "fp32" and not wide:
-                    # wgmma_speed.py's balanced_tma_sts way: the scalar P stores' A/B arm
-                    out.append((f"seesaw_balanced {q} {tag} tma sts", lambda q=q:
-                                get_partial_kernel_wgmma_seesaw_balanced(q, q, partial="fp32", tma=True,
-                                                                         scalar_p=True)))
                 if q == "bf16" and partial == "fp32" and (kv == "fp8_e4m3" or kv == q):
                     # seesaw_nofence_gpu.sh's reader_fences=True arms (wgmma_speed.py seesaw_tma_fenced /
                     # seesaw_fenced --kv fp8)

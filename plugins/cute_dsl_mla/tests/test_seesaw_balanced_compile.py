@@ -39,10 +39,9 @@ from mla_cute_dsl.kernels import schedule as S  # noqa: E402
 needs_cutlass = pytest.mark.skipif(not _has_cutlass(), reason="nvidia-cutlass-dsl not installed")
 
 # ptx_sha256 of the one-item seesaw kernel with tma=True at 7dcd77a (nvidia-cutlass-dsl 4.8.1, sm_90a):
-# (q, partial dtype, wide stores). Branch seesaw-tma-nofence (mla-cute-dsl 0.2.15, GPU-verified) drops three
-# reader-side proxy fences from the TMA kernels: these pins (and the tma=True ones below) are now the
-# reader_fences=True arm, the code that ran on the H200 (it keeps the scalar P stores);
-# test_nofence_tma_kernels_are_the_verified_ones_less_six_fences pins the difference
+# (q, partial dtype, wide stores). Branch seesaw-tma-nofence (mla-cute-dsl 0.2.15, GPU-verified) drops three reader-side proxy fences
+# from the TMA kernels: these pins (and the tma=True ones below) are now the reader_fences=True arm, the code that ran
+# on the H200; test_nofence_tma_kernels_are_the_verified_ones_less_six_fences pins the difference
 EVEN_TMA_PTX_SHA256 = {
     ("bf16", "fp32", False): "a27b31895a48bb74bc24ab90f1ba85b8ce7fb88cb927dd9cb135b8afb7f10389",
     ("fp16", "fp32", False): "7e791151cda53831475737a3df64e78d6b4fc9d4d817626ad70cd704580860da",
@@ -61,12 +60,12 @@ BALANCED_PTX_SHA256 = {
 }
 
 
-def _kernel(q, tma=False, balanced=False, wide_store=False, reader_fences=False, p_stmatrix=None):
+def _kernel(q, tma=False, balanced=False, wide_store=False, reader_fences=False):
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     return MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), api._cutlass_dtype(q), tma=tma, balanced=balanced,
-                                       wide_store=wide_store, reader_fences=reader_fences, p_stmatrix=p_stmatrix)
+                                       wide_store=wide_store, reader_fences=reader_fences)
 
 
 @needs_cutlass
@@ -124,10 +123,8 @@ def test_nofence_kernels_are_the_verified_ones_less_six_fences(kind, tmp_path):
         balanced = kind == "balanced_tma"
         args = (api._fake_args_partial_balanced("bf16", "bf16", "bf16") if balanced
                 else api._fake_args_partial("bf16", "bf16"))
-        # p_stmatrix=False: the scalar P stores both ran with (stmatrix since the nineteenth session:
-        # test_p_stmatrix_ptx in test_seesaw_tma_compile.py)
-        kf, kn = (_kernel("bf16", tma=True, balanced=balanced, wide_store=balanced, reader_fences=f,
-                          p_stmatrix=False) for f in (True, False))
+        kf, kn = (_kernel("bf16", tma=True, balanced=balanced, wide_store=balanced, reader_fences=f)
+                  for f in (True, False))
         kf, kn = (k.call_balanced if balanced else k for k in (kf, kn))
     fenced, _, _ = _dump(kf, args, tmp_path / "a")
     nofence, _, _ = _dump(kn, args, tmp_path / "b")

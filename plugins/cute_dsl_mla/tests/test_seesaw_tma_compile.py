@@ -31,13 +31,13 @@ DEFAULT_SEESAW_PTX_SHA256 = {
 
 
 def _seesaw(q: str, kv: str | None = None, l2_prefetch: bool = False, tma: bool = False, wide_store: bool = False,
-            reader_fences: bool = False, p_stmatrix: bool | None = None):
+            reader_fences: bool = False):
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     return MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), api._cutlass_dtype(kv or q),
                                        l2_prefetch=l2_prefetch, tma=tma, wide_store=wide_store,
-                                       reader_fences=reader_fences, p_stmatrix=p_stmatrix)
+                                       reader_fences=reader_fences)
 
 
 def _dump(k, q: str, kv: str, tmp_path, partial: str = "fp32"):
@@ -143,35 +143,6 @@ def test_tma_kernel_ptx(q, tmp_path):
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
 
 
-@pytest.mark.parametrize("q", ["bf16", "fp16"])
-def test_p_stmatrix_ptx(q, tmp_path):
-    """A TMA kernel stores P with stmatrix (p_stmatrix, the default since the nineteenth session): 4
-    ``stmatrix.x4`` per warpgroup's publish (8 in all) where its scalar_p arm (p_stmatrix=False, the 0.2.15 kernel)
-    has 16 more ``st.shared.b32`` per publish; each publish's stores come before its async-proxy fence and
-    ``bar.arrive``; nothing else changes (the same WGMMAs, loads, waits, barriers and fences); no spills. The
-    reader_fences=True arm (0.2.14's pinned kernel) and the cp.async and fp8 kernels keep the scalar stores."""
-    (tmp_path / "stsm").mkdir()
-    (tmp_path / "sts").mkdir()
-    ptx, regs, frame = _dump(_seesaw(q, tma=True), q, q, tmp_path / "stsm")
-    scalar, _, _ = _dump(_seesaw(q, tma=True, p_stmatrix=False), q, q, tmp_path / "sts")
-    print(f"seesaw tma stmatrix {q}: {regs} registers, stack frame {frame} B")
-    assert regs <= 255 and frame == 0 and "ld.local" not in ptx
-    flat, flat_scalar = (re.sub(r"\s+", " ", p) for p in (ptx, scalar))
-    assert flat.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 8 and "stmatrix" not in flat_scalar
-    assert flat_scalar.count("st.shared.b32") == flat.count("st.shared.b32") + 2 * 16
-    for pattern in ("wgmma.mma_async", "wgmma.commit_group", "cp.async.bulk.tensor", "mbarrier.try_wait",
-                    "bar.arrive", "bar.sync", "fence.proxy.async.shared::cta", "mbarrier.arrive.expect_tx"):
-        assert flat.count(pattern) == flat_scalar.count(pattern), pattern
-    for bar in (1, 2):
-        before = flat.split(f"bar.arrive {bar}, 256;")[0]
-        last_fence = before.rfind("fence.proxy.async.shared::cta")
-        assert before.rfind("stmatrix") < last_fence and before[:last_fence].count("stmatrix") >= 4 * bar
-    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
-
-    assert not _seesaw(q, tma=True, reader_fences=True).p_stmatrix and not _seesaw(q).p_stmatrix
-    assert not MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN).p_stmatrix
-
-
 def test_tma_is_refused_for_fp8_cache(monkeypatch):
     """fp8 KV keeps its own loads (ld.global -> cvt -> st.shared): tma=True is a ValueError naming the option,
     in the kernel object and in the getter, before anything is compiled."""
@@ -197,12 +168,7 @@ def test_tma_cache_key_and_builder(monkeypatch):
     from mla_cute_dsl.kernels import api, kernel_cache
     from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
-    assert "tma" in W.SEESAW_FLAGS and "rfence" in W.SEESAW_FLAGS and "sts" in W.SEESAW_FLAGS
-    # the scalar P stores: an arm of the TMA kernels only (the others, and the rfence arm, store P that way anyway)
-    assert W.seesaw_spec("bf16", "bf16", tma=True, scalar_p=True) == ("bf16", "bf16", 64, "tma", "sts")
-    assert W.seesaw_spec("bf16", "bf16", tma=True, reader_fences=True, scalar_p=True) == ("bf16", "bf16", 64, "tma",
-                                                                                          "rfence")
-    assert W.seesaw_spec("bf16", "bf16", scalar_p=True) == ("bf16", "bf16", 64)
+    assert "tma" in W.SEESAW_FLAGS and "rfence" in W.SEESAW_FLAGS
     assert W.seesaw_spec("bf16", "bf16") == ("bf16", "bf16", 64)
     assert W.seesaw_spec("bf16", "bf16", tma=True) == ("bf16", "bf16", 64, "tma")
     assert W.seesaw_spec("bf16", "bf16", tma=True, reader_fences=True) == ("bf16", "bf16", 64, "tma", "rfence")
@@ -229,12 +195,6 @@ def test_tma_cache_key_and_builder(monkeypatch):
     W._build_partial_wgmma_seesaw("bf16", "fp8_e4m3", 64, "l2pf", "rfence")
     assert [k.tma for k in built] == [False, True, True, False, False] and built[1].mma_dtype is cutlass.BFloat16
     assert [k.reader_fences for k in built] == [True, False, True, False, True]
-    assert [k.p_stmatrix for k in built] == [False, True, False, False, False]
-    W._build_partial_wgmma_seesaw("bf16", "bf16", 64, "tma", "sts")
-    W._build_partial_wgmma_seesaw_balanced("bf16", "bf16", 64, "tma")
-    W._build_partial_wgmma_seesaw_balanced("bf16", "bf16", 64, "tma", "sts")
-    assert built[5].tma and not built[5].p_stmatrix
-    assert built[6].__self__.p_stmatrix and not built[7].__self__.p_stmatrix and built[7].__self__.balanced
 
     asked = []
     monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw",

@@ -851,7 +851,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
                  wide_store: bool = False, tma: bool = False, balanced: bool = False,
-                 reader_fences: bool = False, p_stmatrix: bool | None = None):
+                 reader_fences: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
         if tma and self.is_fp8:
             raise ValueError("seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16); the fp8 "
@@ -875,14 +875,6 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         # registers). reader_fences=True keeps them everywhere (0.2.14's kernels, the A/B arm)
         self.forced_reader_fences = bool(reader_fences) and (self.tma or self.is_fp8)
         self.reader_fences = bool(reader_fences) or not (self.tma or self.is_fp8)
-        # p_stmatrix (default: the TMA kernels but their reader_fences=True arm, 0.2.14's pinned code): the owner
-        # writes P to shared memory with stmatrix (4 stmatrix.x4 per thread and tile, as fa3 does) instead of 16
-        # scalar 32-bit st.shared with per-store swizzle address math (the static SASS comparison, eighteenth
-        # session). Why: the other warpgroup waits for P at its named barrier (4.9% of ncu's stall samples at
-        # B=128 H=128 s_q=1, nineteenth session), so P's publish is on the seesaw's critical path.
-        # p_stmatrix=False on a TMA kernel is the A/B arm (key flag "sts"); the cp.async and fp8 kernels keep the
-        # scalar stores (their PTX pins; not measured with stmatrix)
-        self.p_stmatrix = (self.tma and not self.forced_reader_fences) if p_stmatrix is None else bool(p_stmatrix)
         # l2_prefetch: thread 0 issues one cp.async.bulk.prefetch.L2 per tile of the next pair
         # before this pair's loads (the getter's default: seesaw_l2_prefetch_default)
         self.l2_prefetch = bool(l2_prefetch)
@@ -1079,11 +1071,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             cute.make_layout((1, 8)),
         )
         g2s_wg = self._wg_copy()
-        if self.p_stmatrix:  # stmatrix.x4: each warp's 16 x 64 block of P in 4 instructions
-            r2s_P = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), mt), mma_s)
-        else:
-            r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
+        r2s_P = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mt), mma_s)
         # tma=True: the KV tensor map, built here from the runtime tensor (a kernel parameter);
         # None otherwise (no kernel parameter: the default kernel's PTX is unchanged).  The box's
         # smem layout is sP's: (64, 64) SW128 K-major, exactly one 64-column block of sK
@@ -1807,8 +1795,7 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
                       workspace)
 
 
-# kernel-cache key flags after (q, kv, block_m): see seesaw_spec
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "sts")
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence")  # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
 
 
 def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags: str):
@@ -1820,8 +1807,7 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
                          "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
-                                    tma="tma" in flags, reader_fences="rfence" in flags,
-                                    p_stmatrix=False if "sts" in flags else None)
+                                    tma="tma" in flags, reader_fences="rfence" in flags)
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -1839,35 +1825,30 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 
 
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
-                wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                scalar_p: bool = False) -> tuple[str | int, ...]:
+                wide_store: bool = False, tma: bool = False, reader_fences: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
     every existing key is unchanged), then "rfence" for a TMA or fp8 kernel that keeps the reader-side fences
     (the A/B arm; see MLADecodePartialWGMMASeesaw.reader_fences; never for the 16-bit cp.async kernel, which
-    runs them anyway), then "sts" for a TMA kernel that stores P with scalar st.shared (``scalar_p``: the A/B arm of
-    MLADecodePartialWGMMASeesaw.p_stmatrix; never with rfence, whose kernel stores P that way anyway)."""
+    runs them anyway)."""
     from . import api
 
-    fenced = reader_fences and (tma or kv_name == "fp8_e4m3")
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
-            + api.store_spec(wide_store) + (("tma",) if tma else ()) + (("rfence",) if fenced else ())
-            + (("sts",) if scalar_p and tma and not fenced else ()))
+            + api.store_spec(wide_store) + (("tma",) if tma else ())
+            + (("rfence",) if reader_fences and (tma or kv_name == "fp8_e4m3") else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
-                                    wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                                    scalar_p: bool = False):
+                                    wide_store: bool = False, tma: bool = False, reader_fences: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
     next pair's tiles (None: ``seesaw_l2_prefetch_default`` of the cache dtype).  ``tma``: KV parts by
     TMA boxes instead of cp.async (16-bit cache only; the backend's loads=auto from 256 rows, from 128 for the
     balanced kernel; measured in the class docstring).  ``reader_fences``: keep the reader-side proxy fences
-    with TMA loads or an fp8 cache (the A/B arm; the 16-bit cp.async kernel runs them anyway).  ``scalar_p``: a TMA
-    kernel storing P with scalar st.shared (the A/B arm of its stmatrix stores)."""
+    with TMA loads or an fp8 cache (the A/B arm; the 16-bit cp.async kernel runs them anyway)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -1879,7 +1860,7 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 reader_fences, scalar_p),
+                                                 reader_fences),
                                      _build_partial_wgmma_seesaw)
 
 
@@ -1929,18 +1910,18 @@ def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int
                          "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
-                                    tma="tma" in flags, balanced=True, p_stmatrix=False if "sts" in flags else None)
+                                    tma="tma" in flags, balanced=True)
     return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
 
 
 def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = None, *,
                                              l2_prefetch: bool | None = None, partial: str = "fp32",
-                                             wide_store: bool = False, tma: bool = False, scalar_p: bool = False):
+                                             wide_store: bool = False, tma: bool = False):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
     16-bit KV only; kernel cache kind ``partial_wgmma_seesaw_balanced`` with the even kernel's key
     (``seesaw_spec``), so the even seesaw kernels' keys and symbols are unchanged and the two never collide.
     ``l2_prefetch`` (None: ``seesaw_l2_prefetch_default``, off for 16-bit caches), ``partial``, ``wide_store``,
-    ``tma``, ``scalar_p``: as ``get_partial_kernel_wgmma_seesaw``."""
+    ``tma``: as ``get_partial_kernel_wgmma_seesaw``."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -1950,20 +1931,19 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
-                                     seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 scalar_p=scalar_p),
+                                     seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma),
                                      _build_partial_wgmma_seesaw_balanced)
 
 
 def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                           out, lse, schedule, workspace, *, check: bool = True,
-                                          l2_prefetch: bool | None = None, tma: bool = False, scalar_p: bool = False):
+                                          l2_prefetch: bool | None = None, tma: bool = False):
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
     and wgmma_t balanced entries' launch).  Needs s_q * H > 32 (the 64-row tile: schedule.block_m 64) and a
-    bf16/fp16 cache (ValueError otherwise, also with check=False).  ``l2_prefetch``, ``tma``, ``scalar_p`` (the A/B
-    arm; passed on only when set): see ``get_partial_kernel_wgmma_seesaw``."""
+    bf16/fp16 cache (ValueError otherwise, also with check=False).  ``l2_prefetch``, ``tma``: see
+    ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     api.check_balanced(schedule, kv_cache)
@@ -1973,7 +1953,6 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw_balanced(
         api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype], l2_prefetch=l2_prefetch,
-        partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma,
-        **({"scalar_p": True} if scalar_p else {}))
+        partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma)
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
