@@ -117,8 +117,7 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
 
-        prefetch = {"seesaw": None, "seesaw_l2pf": True, "seesaw_nopf": False, "seesaw_tma": None,
-                    "seesaw_tma_l2pf": True, "seesaw_fenced": None, "seesaw_tma_fenced": None}[name]
+        prefetch = {"seesaw_l2pf": True, "seesaw_nopf": False, "seesaw_tma_l2pf": True}.get(name)  # None: default
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch, tma=name.startswith("seesaw_tma"),
                                reader_fences=name.endswith("_fenced"))
     elif name == "balanced_tma":

@@ -22,7 +22,8 @@ echo "mla bench h128_combine_ab rc=$? in $(( $(date +%s) - start )) s"
 tail -4 "$OUT/h128_combine_ab.txt"
 start=$(date +%s)
 timeout ${MLA_EAGER_TIMEOUT:-90} python -m mlacore bench --device cuda --no-graph \
-  --grid benchmarks/grids/h128_tma_eager.toml --backend cute_dsl_mla --backend cute_dsl_mla:loads=cp_async --budget ${BUDGET:-0.05} --no-progress \
+  --grid benchmarks/grids/h128_tma_eager.toml --backend cute_dsl_mla --backend cute_dsl_mla:loads=cp_async \
+  --budget ${BUDGET:-0.05} --no-progress \
   -o "$OUT/h128_tma_eager.json" > "$OUT/h128_tma_eager.txt" 2>&1
 echo "mla bench h128_tma_eager rc=$? in $(( $(date +%s) - start )) s"
 tail -4 "$OUT/h128_tma_eager.txt"

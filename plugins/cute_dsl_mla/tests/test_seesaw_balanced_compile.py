@@ -39,9 +39,10 @@ from mla_cute_dsl.kernels import schedule as S  # noqa: E402
 needs_cutlass = pytest.mark.skipif(not _has_cutlass(), reason="nvidia-cutlass-dsl not installed")
 
 # ptx_sha256 of the one-item seesaw kernel with tma=True at 7dcd77a (nvidia-cutlass-dsl 4.8.1, sm_90a):
-# (q, partial dtype, wide stores). Branch seesaw-tma-nofence (mla-cute-dsl 0.2.15, GPU-verified) drops three reader-side proxy fences
-# from the TMA kernels: these pins (and the tma=True ones below) are now the reader_fences=True arm, the code that ran
-# on the H200; test_nofence_tma_kernels_are_the_verified_ones_less_six_fences pins the difference
+# (q, partial dtype, wide stores). Branch seesaw-tma-nofence (mla-cute-dsl 0.2.15, GPU-verified) drops three
+# reader-side proxy fences from the TMA kernels: these pins (and the tma=True ones below) are now the
+# reader_fences=True arm, the code that ran on the H200 before;
+# test_nofence_kernels_are_the_verified_ones_less_six_fences pins the difference
 EVEN_TMA_PTX_SHA256 = {
     ("bf16", "fp32", False): "a27b31895a48bb74bc24ab90f1ba85b8ce7fb88cb927dd9cb135b8afb7f10389",
     ("fp16", "fp32", False): "7e791151cda53831475737a3df64e78d6b4fc9d4d817626ad70cd704580860da",
@@ -137,7 +138,8 @@ def test_nofence_kernels_are_the_verified_ones_less_six_fences(kind, tmp_path):
     for bar in (1, 2):  # P: st.shared -> fence -> bar.arrive (writer side) remains; no fence right after bar.sync
         assert re.search(rf"st\.shared\.b32 \[%r\d+\], %r\d+; fence\.proxy\.async\.shared::cta; "
                          rf"(// begin inline asm )?bar\.arrive {bar}, 256;", flat), bar
-        right_after = rf"bar\.sync {bar}, 256; (// end inline asm )?(\$L__BB\d+_\d+: )?(// begin inline asm )?fence\.proxy"
+        right_after = (rf"bar\.sync {bar}, 256; (// end inline asm )?(\$L__BB\d+_\d+: )?(// begin inline asm )?"
+                       r"fence\.proxy")
         assert re.search(right_after, flat_fenced) and not re.search(right_after, flat), bar
     if kind != "fp8":  # no fence between a KV mbarrier wait and the QK WGMMAs
         assert not re.search(r"DONE: \} // end inline asm fence\.proxy\.async\.shared::cta; wgmma\.fence", flat)

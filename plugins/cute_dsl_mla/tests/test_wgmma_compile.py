@@ -814,7 +814,8 @@ def test_seesaw_fp8_ptx_structure(q, tmp_path):
     rows past kv_len), nothing via f32; 4 mbarriers of count 128 with plain arrives only;
     every part: st.shared -> fence.proxy.async -> mbarrier.arrive; every mbarrier wait ->
     wgmma.fence with no fence between (branch seesaw-tma-nofence: each part's writers fenced before their
-    arrive; the reader_fences=True arm keeps the fences, its PTX pinned in test_seesaw_tma_compile.py); L2 prefetch of 36,864 B per tile (the fp8 default); and the pair loop's order of
+    arrive; the reader_fences=True arm keeps the fences, its PTX pinned in test_seesaw_tma_compile.py); L2
+    prefetch of 36,864 B per tile (the fp8 default); and the pair loop's order of
     loads, conversions, WGMMA issues, waits and barriers, event by event (each part's
     ld.global's issued before the wgmma wait that frees its columns; WG0 converts tile b's
     part under its S_a WGMMAs and WG1 tile a+2's under its P_b V_R WGMMAs)."""

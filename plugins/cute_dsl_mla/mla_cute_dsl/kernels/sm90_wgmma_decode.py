@@ -873,7 +873,6 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         # writing side before their arrive. So only the 16-bit cp.async kernel runs them (the MEMBAR also waits for
         # the loads in flight: the page-table loads of each pair, and with fp8 the next tiles' ld.global into
         # registers). reader_fences=True keeps them everywhere (0.2.14's kernels, the A/B arm)
-        self.forced_reader_fences = bool(reader_fences) and (self.tma or self.is_fp8)
         self.reader_fences = bool(reader_fences) or not (self.tma or self.is_fp8)
         # l2_prefetch: thread 0 issues one cp.async.bulk.prefetch.L2 per tile of the next pair
         # before this pair's loads (the getter's default: seesaw_l2_prefetch_default)
