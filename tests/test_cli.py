@@ -28,12 +28,17 @@ def test_explain_json_lists_every_verdict(capsys):
 
 
 def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
-    """The built-in policy's H=128 bf16 rules (measured on an H200 only) take batches up to 102 at s_q=1 and up to
-    118 at s_q=2 on capability 9.0 to our kernels; a larger batch, or the same batch on a B200 (10.0), stays with
-    FlashInfer, each with the policy's reason on our verdict."""
+    """The built-in policy's H=128 bf16 rules (measured on an H200 only) follow FlashInfer fa3's 66 slots: at s_q=1
+    and 2 on capability 9.0 our kernels take batches up to 58, 67-117 and 133-176, fa3 the batches that fill >= 89%
+    of its slots (59-66, 118-132) and those past the measured edge (from 177); the same batch on a B200 (10.0) stays
+    with FlashInfer, each with the policy's reason on our verdict."""
+    cases = {(1, 16, "9.0"): "cute_dsl_mla", (1, 58, "9.0"): "cute_dsl_mla", (1, 59, "9.0"): "flashinfer_mla",
+             (2, 66, "9.0"): "flashinfer_mla", (2, 67, "9.0"): "cute_dsl_mla", (1, 117, "9.0"): "cute_dsl_mla",
+             (1, 118, "9.0"): "flashinfer_mla", (2, 132, "9.0"): "flashinfer_mla", (2, 133, "9.0"): "cute_dsl_mla",
+             (1, 176, "9.0"): "cute_dsl_mla", (1, 177, "9.0"): "flashinfer_mla", (1, 400, "9.0"): "flashinfer_mla",
+             (1, 16, "10.0"): "flashinfer_mla"}
     chosen, reasons = {}, {}
-    for s_q, batch, cap in ((1, 16, "9.0"), (1, 102, "9.0"), (1, 103, "9.0"), (2, 118, "9.0"), (2, 119, "9.0"),
-                            (1, 16, "10.0")):
+    for s_q, batch, cap in cases:
         code = main(["backends", "explain", "--num-heads", "128", "--seq-len-q", str(s_q), "--batch", str(batch),
                      "--device", "cuda", "--capability", cap, "--json"])
         data = json.loads(capsys.readouterr().out)
@@ -41,12 +46,9 @@ def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
         chosen[s_q, batch, cap] = data["chosen"]
         reasons[s_q, batch, cap] = " ".join(r for v in data["verdicts"] if v["backend"] == "cute_dsl_mla"
                                             for r in v["reasons"])
-    assert chosen == {(1, 16, "9.0"): "cute_dsl_mla", (1, 102, "9.0"): "cute_dsl_mla",
-                      (1, 103, "9.0"): "flashinfer_mla", (2, 118, "9.0"): "cute_dsl_mla",
-                      (2, 119, "9.0"): "flashinfer_mla",
-                      (1, 16, "10.0"): "flashinfer_mla"}
-    assert "batch=103 > max_batch=102" in reasons[1, 103, "9.0"]
-    assert "batch=119 > max_batch=118" in reasons[2, 119, "9.0"]
+    assert chosen == cases
+    assert "batch=59 > max_batch=58 | batch=59 < min_batch=67" in reasons[1, 59, "9.0"]
+    assert "batch=177 > max_batch=176" in reasons[1, 177, "9.0"]
     assert "capability=10.0 not in ['9.0']" in reasons[1, 16, "10.0"]
 
 

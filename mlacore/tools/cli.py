@@ -426,6 +426,51 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_policy_regret(args: argparse.Namespace) -> int:
+    """What a policy would cost on stored measurements: per cell, the arm it routes to against the fastest.
+
+    The same routing and regret as `mla tune --validate-from`, for any policy (the built-in one, an edited
+    mla.toml) and without writing anything: to check a hand-made rule, or an old tuned file against new runs."""
+    from ..errors import PolicyError
+    from ..policy import load_policy
+    from .tune import TuneError, validate
+
+    policy = load_policy(args.path)
+    report = _join_reports([_read_report(f, "--from") for f in args.from_json], args.from_json)
+    labels = sorted({r.backend for r in report.rows})
+    aliases: Dict[str, str] = {}
+    for text in args.arm or ():
+        name, sep, label = text.partition("=")
+        if not sep or not name or label not in labels or label.split(":", 1)[0] != name:
+            raise CLIError(f"--arm {text!r}: expected BACKEND=LABEL with LABEL one of the measured arms of BACKEND "
+                           f"({', '.join(labels)})")
+        aliases[name] = label
+    try:
+        result = validate(policy, report, aliases=aliases)
+    except (TuneError, PolicyError) as err:
+        raise CLIError(str(err)) from None
+    if result.unmatched:
+        missing = "; ".join(f"{name} with options {dict(opts) or '{}'}" for name, opts in result.unmatched)
+        raise CLIError(f"{policy.source} runs {missing}, and no measured arm has exactly those options "
+                       f"(measured: {', '.join(labels)}): say which arm it runs, e.g. --arm "
+                       f"{result.unmatched[0][0]}=LABEL (flashinfer_mla's variant=auto runs fa3 on sm_90)")
+    if not result.cells:
+        raise CLIError("--from: no cell of these measurements has a correct, timed arm")
+    if args.json:
+        print_json({"policy": policy.source, **result.summary(args.worst), "cell_count": len(result.cells), "cells": [
+            {"cell": c.problem.describe(), "fastest": c.fastest, "fastest_us": c.fastest_us, "routed": c.routed,
+             "routed_us": None if c.routed_us != c.routed_us else c.routed_us, "regret": c.regret, "note": c.note}
+            for c in result.cells]})
+        return 0
+    _print_regret(result, args.worst, f"mla policy regret: {policy.source} on {result.grid}")
+    line = (f"{policy.source}: on {len(result.cells)} cells mean regret {100 * (result.mean_regret or 0):.2f}%, "
+            f"worst {100 * (result.worst_regret or 0):.1f}%")
+    if result.failures:
+        line += f", {len(result.failures)} cells routed to no correct, timed arm"
+    _say(line)
+    return 0
+
+
 def _fingerprint_warnings(policy) -> List[str]:
     if policy.tuned is None:
         return []
@@ -744,9 +789,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_validation(result, worst_n: int, path) -> None:
-    table = TableSpec(f"mla tune --validate: {result.grid}\nthe {min(worst_n, len(result.cells))} worst of "
-                      f"{len(result.cells)} cells",
+def _print_regret(result, worst_n: int, title: str) -> None:
+    """The worst cells of a Validation as a table (mla tune --validate, mla policy regret)."""
+    table = TableSpec(f"{title}\nthe {min(worst_n, len(result.cells))} worst of {len(result.cells)} cells",
                       [("cell", "text"), ("fastest", "name"), ("policy picks", "name"), ("regret", "num"),
                        ("note", "text")])
     for c in result.worst(worst_n):
@@ -754,6 +799,10 @@ def _print_validation(result, worst_n: int, path) -> None:
                   (c.routed or "-") + ("" if c.routed_us != c.routed_us else f" {c.routed_us:.1f} us"),
                   "-" if c.regret is None else f"{100 * c.regret:.1f}%", c.note)
     table.render()
+
+
+def _print_validation(result, worst_n: int, path) -> None:
+    _print_regret(result, worst_n, f"mla tune --validate: {result.grid}")
     mean, worst = result.mean_regret, result.worst_regret
     line = (f"validation on {len(result.cells)} cells: mean regret {100 * (mean or 0):.2f}%, "
             f"worst {100 * (worst or 0):.1f}%")
@@ -825,6 +874,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", nargs="?", default=None)
     p.add_argument("--json", action="store_true", help="JSON on stdout")
     p.set_defaults(func=cmd_policy_check)
+    p = psub.add_parser("regret", help="what a policy costs on stored `mla bench -o` measurements")
+    p.add_argument("path", nargs="?", default=None,
+                   help="policy file (default: $MLA_POLICY, ./mla.toml, built-in)")
+    p.add_argument("--from", dest="from_json", action="append", required=True, metavar="FILE",
+                   help="measurements from `mla bench -o FILE` with every arm timed (repeat to join runs of one "
+                        "machine)")
+    p.add_argument("--arm", action="append", metavar="BACKEND=LABEL",
+                   help="count the policy's BACKEND, where it runs with options no measured arm has (e.g. "
+                        "flashinfer_mla with variant=auto), as the measured arm LABEL (repeatable)")
+    p.add_argument("--worst", type=_positive_int, default=10, help="how many of the worst cells to show")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.set_defaults(func=cmd_policy_regret)
 
     p = sub.add_parser("check", help="correctness of each available backend against the fp64 reference")
     p.add_argument("--backend", action="append", help="check only this backend (repeatable)")

@@ -605,7 +605,8 @@ _MISSING = object()
 
 
 def route_cells(order: Sequence[str], policy, report: BenchReport,
-                deny: Optional[Dict[str, tuple]] = None) -> Dict[tuple, Optional[str]]:
+                deny: Optional[Dict[str, tuple]] = None, aliases: Optional[Dict[str, str]] = None,
+                unmatched: Optional[set] = None) -> Dict[tuple, Optional[str]]:
     """The measured arm `policy` picks per cell of `report`, using the dispatcher's own rule code.
 
     Walks `order` as the dispatcher does: a backend is passed over where a
@@ -613,9 +614,26 @@ def route_cells(order: Sequence[str], policy, report: BenchReport,
     not take the cell (the bench skipped it: can_implement said no); then,
     unless mla.strict_allow, the first one before the reference kept off only
     by its allow rules, with its base options (Dispatcher._outside_allow).
+
+    A backend the policy runs with options that no measured arm of it matches (the built-in policy's
+    flashinfer_mla with variant=auto, measured as variant=fa3 and variant=fa2) counts as the arm
+    `aliases[name]` names; without one it is passed over as if it had refused the cell, and (name, options)
+    goes into `unmatched` so that a caller can say so instead of reporting a route the policy would not take.
     """
     stat = statuses(report)
     arms = _arm_options(report)
+    measured = {arm_name for arm_name, _ in arms.values()}
+
+    def label_for(name: str, options: Dict[str, object]) -> Optional[str]:
+        label = _label_for(name, options, arms)
+        if label is None and name in measured:
+            alias = (aliases or {}).get(name)
+            if alias in arms:
+                return alias
+            if unmatched is not None:
+                unmatched.add((name, tuple(sorted((k, str(v)) for k, v in options.items()))))
+        return label
+
     deny = {n: bp.deny for n, bp in policy.backend.items()} if deny is None else deny
     picks: Dict[tuple, Optional[str]] = {}
     for r in report.rows:
@@ -631,7 +649,7 @@ def route_cells(order: Sequence[str], policy, report: BenchReport,
                 continue
             chosen = None
             for options in bp.option_sets(r.problem):
-                label = _label_for(name, options, arms)
+                label = label_for(name, options)
                 if label is not None and stat.get((cell, label)) not in (SKIPPED, None):
                     chosen = label
                     break
@@ -651,7 +669,7 @@ def route_cells(order: Sequence[str], policy, report: BenchReport,
                 bp = policy.backend_policy(name)
                 if denied or not (bp.allow and bp.allow_misses(r.problem)):
                     continue
-                label = _label_for(name, dict(bp.options), arms)
+                label = label_for(name, dict(bp.options))
                 if label is not None and stat.get((cell, label)) not in (SKIPPED, None):
                     picks[cell] = label
                     break
@@ -698,6 +716,8 @@ class Validation:
     date: str
     gpu: str
     cells: List[CellRegret] = field(default_factory=list)
+    # (backend, options) the policy runs where no measured arm of that backend has those options (route_cells)
+    unmatched: List[tuple] = field(default_factory=list)
 
     @property
     def failures(self) -> List[CellRegret]:
@@ -738,18 +758,21 @@ class Validation:
         return out
 
 
-def validate(policy, report: BenchReport, order: Optional[Sequence[str]] = None) -> Validation:
-    """Regret of `policy`'s pick per cell of `report` (measurements on a second grid, every arm timed)."""
+def validate(policy, report: BenchReport, order: Optional[Sequence[str]] = None,
+             aliases: Optional[Dict[str, str]] = None) -> Validation:
+    """Regret of `policy`'s pick per cell of `report` (measurements on a second grid, every arm timed);
+    `aliases` as in route_cells, whose unmatched (backend, options) the result lists."""
     if order is None:
         order = [n for n in policy.mla.order if policy.backend_policy(n).enabled]
-    picks = route_cells(order, policy, report)
+    unmatched: set = set()
+    picks = route_cells(order, policy, report, aliases=aliases, unmatched=unmatched)
     rows: Dict[tuple, Dict[str, object]] = defaultdict(dict)
     problems: Dict[tuple, DecodeProblem] = {}
     for r in report.rows:
         rows[_cell(r.problem)][r.backend] = r
         problems.setdefault(_cell(r.problem), r.problem)
     fp = report.fingerprint or {}
-    out = Validation(grid=report.grid, date=report.date, gpu=str(fp.get("gpu", "")))
+    out = Validation(grid=report.grid, date=report.date, gpu=str(fp.get("gpu", "")), unmatched=sorted(unmatched))
     for cell in sorted(rows, key=str):
         ok = {lbl: r.time_us for lbl, r in rows[cell].items() if r.status == OK}
         if not ok:
