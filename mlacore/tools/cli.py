@@ -809,6 +809,9 @@ def _print_validation(result, worst_n: int, path) -> None:
     if result.failures:
         line += f", {len(result.failures)} cells routed to no correct, timed arm"
     _say(line + f"; recorded in {path} [tuned.validation]")
+    for name, opts in result.unmatched:
+        _say(f"warning: {path} runs {name} with options {dict(opts) or '{}'} where no arm of the validation run has "
+             "them; those cells were routed past it (mla policy regret --arm maps such a backend to an arm)")
 
 
 # -- wiring ----------------------------------------------------------------
