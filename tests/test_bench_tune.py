@@ -1013,7 +1013,7 @@ def test_routing_outside_allow_passes_over_a_backend_whose_allow_rule_matched():
     assert list(route_cells(list(pol.mla.order), pol, BenchReport(rows, CEIL, "g", {}, "")).values()) == ["Y"]
 
 
-def _regret_run(tmp_path, *args):
+def _regret_run(*args):
     return subprocess.run([sys.executable, "-m", "mlacore", "policy", "regret", *args], capture_output=True,
                           text=True, env=subprocess_env(), timeout=120)
 
@@ -1030,7 +1030,7 @@ def test_cli_policy_regret_routes_a_hand_written_policy_over_stored_runs(tmp_pat
     text = ('[mla]\norder = ["X"]\n[[backend.X.allow]]\nmax_batch = 8\noptions = {variant = "fa2"}\n'
             '[[backend.X.allow]]\nmin_batch = 9\noptions = {variant = "fa3"}\n')
     pol.write_text(text)
-    proc = _regret_run(tmp_path, str(pol), "--from", str(runs), "--json")
+    proc = _regret_run(str(pol), "--from", str(runs), "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
     routed = {c["cell"].split(" B=")[1].split()[0]: c["routed"] for c in data["cells"]}
@@ -1040,7 +1040,7 @@ def test_cli_policy_regret_routes_a_hand_written_policy_over_stored_runs(tmp_pat
     assert pol.read_text() == text  # nothing written
     # a cut at 32 instead sends B=10 to fa2 (20.0 us against fa3's 19.0): 5.26% regret, named in the table
     pol.write_text(text.replace("max_batch = 8", "max_batch = 32").replace("min_batch = 9", "min_batch = 33"))
-    proc = _regret_run(tmp_path, str(pol), "--from", str(runs), "--worst", "1")
+    proc = _regret_run(str(pol), "--from", str(runs), "--worst", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "B=10" in proc.stdout and "5.3%" in proc.stdout
     assert "on 4 cells mean regret 1.32%, worst 5.3%" in proc.stdout
@@ -1056,15 +1056,15 @@ def test_cli_policy_regret_needs_an_arm_for_options_nothing_measured(tmp_path):
     runs.write_text(json.dumps(report_json(_grid_report(_fa_times, batches=(2, 64), lens=(4096,)))))
     pol = tmp_path / "mla.toml"
     pol.write_text('[mla]\norder = ["X"]\n')
-    proc = _regret_run(tmp_path, str(pol), "--from", str(runs))
+    proc = _regret_run(str(pol), "--from", str(runs))
     assert proc.returncode == 2
     assert "runs X with options {}" in proc.stderr and "X:variant=fa2, X:variant=fa3" in proc.stderr
     assert "--arm X=LABEL" in proc.stderr and "Traceback" not in proc.stderr
-    proc = _regret_run(tmp_path, str(pol), "--from", str(runs), "--arm", "X=X:variant=fa3", "--json")
+    proc = _regret_run(str(pol), "--from", str(runs), "--arm", "X=X:variant=fa3", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
     assert {c["routed"] for c in data["cells"]} == {"X:variant=fa3"}
     # B=2: fa2 12.0, fa3 15.0 -> 25% regret
     assert data["worst_regret"] == 0.25
-    proc = _regret_run(tmp_path, str(pol), "--from", str(runs), "--arm", "X=X:variant=fa9")
+    proc = _regret_run(str(pol), "--from", str(runs), "--arm", "X=X:variant=fa9")
     assert proc.returncode == 2 and "--arm 'X=X:variant=fa9': expected BACKEND=LABEL" in proc.stderr
