@@ -56,7 +56,8 @@ SHAPES = [  # (B, H, s_q, S)
 ]
 QUICK_SHAPES = [0, 3]
 WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
-        "seesaw_tma_fenced", "balanced_tma", "mma", "wgmma_t", "ours", "fa3")
+        "seesaw_tma_fenced", "balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl", "balanced_tma_nocomb",
+        "seesaw_lazy", "mma", "wgmma_t", "ours", "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
@@ -106,6 +107,29 @@ def make_sets(torch, B, H, s_q, S, l2_bytes, n_sets, seed=0):
 # -- the ways: each returns run(i, out, lse) for input set i -------------------------
 
 
+def _partial_only_balanced_tma(q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule, workspace):
+    """The balanced TMA seesaw's partial kernel alone, as api.launch_balanced launches it, without the combine
+    kernel that follows it there: what that combine costs when the plan splits no request (it then merges
+    nothing, but its grid of one CTA per 4 query rows still runs). way_cute refuses a plan that splits a request."""
+    import torch
+
+    from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels.sm90_wgmma_decode import get_partial_kernel_wgmma_seesaw_balanced
+
+    partial = get_partial_kernel_wgmma_seesaw_balanced(
+        api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype], partial=api.partial_name(workspace),
+        wide_store=schedule.wide_store, tma=True)
+    B, s_q, H, _ = q.shape
+    R = s_q * H
+    o_part, lse_part = workspace
+    s = float(sm_scale) * float(kv_scale)
+    stream = api._cu_stream(torch.cuda.current_stream().cuda_stream)
+    partial(q.view(B, R, api.D_QK), kv_cache, page_table, kv_lens, out.view(B, R, api.D_V), lse.view(B, R),
+            schedule.work_info, schedule.cta_ranges, o_part, lse_part, s * api.LOG2_E, s, float(kv_scale), s_q, H,
+            stream)
+    return out, lse
+
+
 def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
 
@@ -126,6 +150,26 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
 
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True)
+    elif name == "balanced_tma_lazy":  # the same with lazy_rescale
+        import functools
+
+        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
+
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True, lazy_rescale=True)
+    elif name == "seesaw_lazy":  # the even seesaw (its default loads: cp.async, or fp8 ld.global) with lazy_rescale
+        import functools
+
+        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
+
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw, lazy_rescale=True)
+    elif name == "balanced_tma_pdl":  # the same, its combine launched with programmatic dependent launch
+        import functools
+
+        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
+
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True)
+    elif name == "balanced_tma_nocomb":
+        fn = _partial_only_balanced_tma  # the same kernel without its combine launch (unsplit plans only)
     elif name == "wgmma_t":
         from mla_cute_dsl.kernels.sm90_wgmma_t_decode import mla_decode_sm90_wgmma_t as fn
     else:
@@ -133,6 +177,9 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     # ctas_per_sm=1: what wgmma_t needs; the balanced seesaw's own schedule kind
     sched = make_schedule(lens_cpu, s_q, H, n_sm, balanced=name.startswith("balanced"))
+    sched.pdl_combine = name.endswith("_pdl")
+    if name.endswith("_nocomb") and int((sched.split_info[:, 1] > 1).sum()) > 0:
+        raise ValueError(f"{name}: this plan splits a request; its partials need the combine")
     ws = alloc_workspace(sched)
 
     def run(i, out, lse):

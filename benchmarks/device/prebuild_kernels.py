@@ -49,6 +49,16 @@ def specs():
                         out.append((f"seesaw_balanced {q} {tag}{' tma' if tma else ''}", lambda q=q, p=partial, w=wide,
                                     t=tma: get_partial_kernel_wgmma_seesaw_balanced(q, q, partial=p, wide_store=w,
                                                                                     tma=t)))
+                if q == "bf16":  # lazy_rescale (the balanced TMA seesaw for bf16, the even seesaw for fp8):
+                    # wgmma_speed.py's balanced_tma_lazy / seesaw_lazy ways, test_seesaw_lazy_gpu.py
+                    if kv == q:
+                        out.append((f"seesaw_balanced {q} {tag} tma lazy", lambda q=q, p=partial, w=wide:
+                                    get_partial_kernel_wgmma_seesaw_balanced(q, q, partial=p, wide_store=w, tma=True,
+                                                                             lazy_rescale=True)))
+                    else:
+                        out.append((f"seesaw {q} {kv} {tag} lazy", lambda q=q, kv=kv, p=partial, w=wide:
+                                    get_partial_kernel_wgmma_seesaw(q, kv, partial=p, wide_store=w,
+                                                                    lazy_rescale=True)))
                 if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
                     out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))

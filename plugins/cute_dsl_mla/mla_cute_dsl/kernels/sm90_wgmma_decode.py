@@ -851,8 +851,15 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
                  wide_store: bool = False, tma: bool = False, balanced: bool = False,
-                 reader_fences: bool = False):
+                 reader_fences: bool = False, lazy_rescale: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
+        # lazy_rescale: a row keeps its reference max until a tile's max exceeds it by more than LAZY_RESCALE_LOG2
+        # (exp2 units); only then are O and the row sum rescaled (corr != 1). Both warpgroups skip the 128
+        # multiplies per thread of their O half for a tile whose rows all kept their reference, which sit on the
+        # seesaw's critical path (the owner's before it publishes P at buffer 0, the other warpgroup's between
+        # the P barrier and its P V issue). P stays <= 2^LAZY_RESCALE_LOG2 (exact range in bf16 and fp16), the
+        # row sum and lse use the same reference: the same result up to rounding
+        self.lazy_rescale = bool(lazy_rescale)
         if tma and self.is_fp8:
             raise ValueError("seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16); the fp8 "
                              "cache keeps its ld.global -> cvt -> st.shared loads")
@@ -1243,17 +1250,38 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             )
             m_prev = row_max[r]
             m_new = cute.arch.fmax(m_prev, m_cur)
-            m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
-            p_row = cute.math.exp2(
-                acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
-            )
-            corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
-            row_sum[r] = row_sum[r] * corr + p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
-            row_max[r] = m_new
-            acc_S_mn[r, None] = p_row
-            row_corr[r] = corr
-            if cutlass.const_expr(rescale_o):
-                acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+            if cutlass.const_expr(self.lazy_rescale):
+                # the same in the four lanes of the row's quad (m_cur is quad-reduced). -inf - -inf = NaN
+                # compares false (nothing seen yet: nothing to rescale); a first finite max grows by +inf
+                grow = (m_new - m_prev) * scale_log2 > LAZY_RESCALE_LOG2
+                m_ref = m_new if grow else m_prev
+                m_use = 0.0 if m_ref == -cutlass.Float32.inf else m_ref
+                p_row = cute.math.exp2(
+                    acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
+                )
+                corr = cutlass.Float32(1.0)
+                if grow:
+                    corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
+                    row_sum[r] = row_sum[r] * corr
+                    if cutlass.const_expr(rescale_o):
+                        acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+                row_sum[r] = row_sum[r] + p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+                row_max[r] = m_ref
+                m_new = m_ref
+                acc_S_mn[r, None] = p_row
+                row_corr[r] = corr
+            else:
+                m_use = 0.0 if m_new == -cutlass.Float32.inf else m_new
+                p_row = cute.math.exp2(
+                    acc_S_mn[r, None].load() * scale_log2 - m_use * scale_log2, fastmath=True
+                )
+                corr = cute.math.exp2(m_prev * scale_log2 - m_use * scale_log2, fastmath=True)
+                row_sum[r] = row_sum[r] * corr + p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+                row_max[r] = m_new
+                acc_S_mn[r, None] = p_row
+                row_corr[r] = corr
+                if cutlass.const_expr(rescale_o):
+                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
             if is_quad_leader:
                 sScale[tScS[r, 0][0], buf] = corr
                 sMax[tScS[r, 0][0], buf] = m_new
@@ -1264,6 +1292,17 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         cute.copy(r2s_P, thr_r2s.retile(tOrP_as_acc), thr_r2s.partition_D(sP))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=bar_id, number_of_threads=NUM_THREADS)
+
+    @cute.jit
+    def rescale_rows(self, acc_O_mn: cute.Tensor, row_corr: cute.Tensor, n_rows: cutlass.Constexpr):
+        """O *= row_corr per row (warpgroup 1's own tile, after its P V WGMMAs on O are done); with
+        ``lazy_rescale`` only the rows whose reference max moved (corr != 1)."""
+        for r in cutlass.range_constexpr(n_rows):
+            if cutlass.const_expr(self.lazy_rescale):
+                if row_corr[r] != 1.0:
+                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
+            else:
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
 
     @cute.jit
     def pv_rs(self, mma_o_rs: cute.TiledMma, acc_O: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
@@ -1298,8 +1337,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             row = tScS[r, 0][0]
             corr = sScale[row, buf]
             row_max[r] = sMax[row, buf]
-            row_sum[r] = row_sum[r] * corr
-            acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+            if cutlass.const_expr(self.lazy_rescale):
+                if corr != 1.0:  # the owner kept this row's reference max: nothing to rescale
+                    row_sum[r] = row_sum[r] * corr
+                    acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+            else:
+                row_sum[r] = row_sum[r] * corr
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
         thr_o = mma_o_ss.get_slice(wg_tidx)
         tOrPs = thr_o.make_fragment_A(thr_o.partition_A(sP))  # (MMA, 1, 4)
         warpgroup.fence()
@@ -1629,18 +1673,21 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                           rRaw)
                     warpgroup.wait_group(0)  # P_a V_R done: columns 256..575 of buffer 0 free
                     if ta + 1 < T:
-                        # O_R *= scale_b, issue P_b V_R (RS) and convert tile a+2's part under it
-                        for r in cutlass.range_constexpr(n_rows):
-                            acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
+                        # O_R *= scale_b, issue P_b V_R (RS) and convert tile a+2's part under it. The issue and
+                        # its wait stay in this one branch (ta + 2 < T implies ta + 1 < T): with the conversion
+                        # in a branch of its own between them, ptxas saw a path that issued the WGMMAs and
+                        # skipped the wait, put a warpgroup wait (WG.DP) in a divergent path for it and then
+                        # serialized every WGMMA of the kernel (ptxas C7518: 88 WARPGROUP.DEPBAR, one per HGMMA,
+                        # in every fp8 seesaw kernel up to mla-cute-dsl 0.2.15)
+                        self.rescale_rows(acc_O_mn, row_corr, n_rows)
                         warpgroup.fence()
                         for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
                             cute.gemm(mma_o_rs, acc_O, tOrP[None, None, k], tOrV[None, None, k, 1],
                                       acc_O)
                         warpgroup.commit_group()
-                    if ta + 2 < T:
-                        self.store_part_fp8(r2s_wg, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[1][1],
-                                            kv_len, tKcK, tKsK, rRaw, mbar + 1)
-                    if ta + 1 < T:
+                        if ta + 2 < T:
+                            self.store_part_fp8(r2s_wg, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[1][1],
+                                                kv_len, tKcK, tKsK, rRaw, mbar + 1)
                         if ta + 3 < T:  # tile b+2, columns 256..511: in flight under P_b V_R
                             self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg3, n_start + ta + 3,
                                               SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len,
@@ -1705,8 +1752,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         if cutlass.const_expr(self.tma):
                             self.zero_v_tail(tKcK, tKsK, n_start + ta + 1, 1, 1, kv_len, mbar + 3,
                                              par1)
-                        for r in cutlass.range_constexpr(n_rows):
-                            acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
+                        self.rescale_rows(acc_O_mn, row_corr, n_rows)
                         self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
                         if ta + 3 < T:
                             self.load_kv_part(kv_src, pg3, n_start + ta + 3, 1, SEESAW_LOAD_BLOCKS[1][0],
@@ -1794,7 +1840,10 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
                       workspace)
 
 
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence")  # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy")  # kernel-cache key flags after (q, kv, block_m): seesaw_spec
+#: MLADecodePartialWGMMASeesaw(lazy_rescale=True): a row's reference max moves only when a tile's max exceeds it by
+#: more than this (exp2 units), so P <= 2^8
+LAZY_RESCALE_LOG2 = 8.0
 
 
 def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags: str):
@@ -1806,7 +1855,8 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
                          "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
-                                    tma="tma" in flags, reader_fences="rfence" in flags)
+                                    tma="tma" in flags, reader_fences="rfence" in flags,
+                                    lazy_rescale="lazy" in flags)
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -1824,30 +1874,34 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 
 
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
-                wide_store: bool = False, tma: bool = False, reader_fences: bool = False) -> tuple[str | int, ...]:
+                wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
+                lazy_rescale: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
     every existing key is unchanged), then "rfence" for a TMA or fp8 kernel that keeps the reader-side fences
     (the A/B arm; see MLADecodePartialWGMMASeesaw.reader_fences; never for the 16-bit cp.async kernel, which
-    runs them anyway)."""
+    runs them anyway), then "lazy" for ``lazy_rescale`` (only when set)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
             + api.store_spec(wide_store) + (("tma",) if tma else ())
-            + (("rfence",) if reader_fences and (tma or kv_name == "fp8_e4m3") else ()))
+            + (("rfence",) if reader_fences and (tma or kv_name == "fp8_e4m3") else ())
+            + (("lazy",) if lazy_rescale else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
-                                    wide_store: bool = False, tma: bool = False, reader_fences: bool = False):
+                                    wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
+                                    lazy_rescale: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
     next pair's tiles (None: ``seesaw_l2_prefetch_default`` of the cache dtype).  ``tma``: KV parts by
     TMA boxes instead of cp.async (16-bit cache only; the backend's loads=auto from 256 rows, from 128 for the
     balanced kernel; measured in the class docstring).  ``reader_fences``: keep the reader-side proxy fences
-    with TMA loads or an fp8 cache (the A/B arm; the 16-bit cp.async kernel runs them anyway)."""
+    with TMA loads or an fp8 cache (the A/B arm; the 16-bit cp.async kernel runs them anyway).  ``lazy_rescale``:
+    see the class's constructor."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -1859,23 +1913,25 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 reader_fences),
+                                                 reader_fences, lazy_rescale),
                                      _build_partial_wgmma_seesaw)
 
 
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True,
-                                 l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False):
+                                 l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False,
+                                 lazy_rescale: bool = False):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
-    ``l2_prefetch``, ``tma``, ``reader_fences``: see ``get_partial_kernel_wgmma_seesaw``."""
+    ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``: see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
                                               l2_prefetch=l2_prefetch, partial=api.partial_name(workspace),
-                                              wide_store=schedule.wide_store, tma=tma, reader_fences=reader_fences)
+                                              wide_store=schedule.wide_store, tma=tma, reader_fences=reader_fences,
+                                              lazy_rescale=lazy_rescale)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
@@ -1909,18 +1965,19 @@ def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int
                          "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
-                                    tma="tma" in flags, balanced=True)
+                                    tma="tma" in flags, balanced=True, lazy_rescale="lazy" in flags)
     return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
 
 
 def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = None, *,
                                              l2_prefetch: bool | None = None, partial: str = "fp32",
-                                             wide_store: bool = False, tma: bool = False):
+                                             wide_store: bool = False, tma: bool = False,
+                                             lazy_rescale: bool = False):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
     16-bit KV only; kernel cache kind ``partial_wgmma_seesaw_balanced`` with the even kernel's key
     (``seesaw_spec``), so the even seesaw kernels' keys and symbols are unchanged and the two never collide.
     ``l2_prefetch`` (None: ``seesaw_l2_prefetch_default``, off for 16-bit caches), ``partial``, ``wide_store``,
-    ``tma``: as ``get_partial_kernel_wgmma_seesaw``."""
+    ``tma``, ``lazy_rescale``: as ``get_partial_kernel_wgmma_seesaw``."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -1930,13 +1987,15 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
-                                     seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma),
+                                     seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
+                                                 lazy_rescale=lazy_rescale),
                                      _build_partial_wgmma_seesaw_balanced)
 
 
 def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                           out, lse, schedule, workspace, *, check: bool = True,
-                                          l2_prefetch: bool | None = None, tma: bool = False):
+                                          l2_prefetch: bool | None = None, tma: bool = False,
+                                          lazy_rescale: bool = False):
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
@@ -1952,6 +2011,6 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw_balanced(
         api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype], l2_prefetch=l2_prefetch,
-        partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma)
+        partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma, lazy_rescale=lazy_rescale)
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
