@@ -139,6 +139,17 @@ class CuteDslOptions(BackendOptions):
     ctas_per_sm: Literal["auto", 1, 2] = Field(
         default="auto", description="split-KV work items per SM in one wave (sm_90). auto: 2 for the fp8reg kernel "
         "(its 94-115 KB of shared memory lets two CTAs share an SM), else 1 (the WGMMA kernel's 224 KiB allows one)")
+    rescale: Literal["lazy", "eager"] = Field(
+        default="lazy",
+        description="the seesaw kernel's online softmax (sm_90, s_q*num_heads >= 64 under mma=auto; bf16, fp16 "
+                    "and fp8 caches). lazy (default since 0.2.16): a row keeps its reference max until a KV tile's "
+                    "max exceeds it by more than 2^8 (exp2 units), so both warpgroups skip the rescale of their "
+                    "O half (128 multiplies per thread) for a tile whose rows kept their reference, which sits on "
+                    "the seesaw's critical path; P stays <= 2^8, the row sum and lse use the same reference (the "
+                    "same result up to rounding). On an H200 (docs/results/gpu21_session/, wgmma_speed.py, one "
+                    "run, H=128 S=4096): 0.97-0.98x eager's time with a bf16 cache (B=128 s_q=1 276.4 -> 270.4 us, "
+                    "s_q=2 526.1 -> 513.0), 0.98x with fp8 (B=128 s_q=1 337.0 -> 331.3). eager: every tile "
+                    "rescales (0.2.15's kernels). Other kernels ignore it")
     loads: Literal["auto", "cp_async", "tma"] = Field(
         default="auto",
         description="how the seesaw kernel (sm_90, s_q*num_heads >= 128 under mma=auto) brings KV tiles into shared "
@@ -455,6 +466,8 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             why = ("takes a bf16/fp16 cache only" if shape.kv_dtype == "fp8_e4m3"
                    else "runs one CTA per SM, ctas_per_sm=2 asks for two")
             text += f" (seesaw_split=balanced ignored: the balanced seesaw {why})"
+    if kernel == "seesaw":
+        text += f", {options.rescale} softmax rescale (rescale={options.rescale})"
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
         text += f", {'TMA' if seesaw_tma(shape, options) else 'cp.async'} KV loads (loads={options.loads}"
         if options.loads == "auto":
@@ -705,12 +718,17 @@ class CuteDslPlanned(Planned):
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
                  kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1,
-                 tma: bool = False) -> None:
+                 tma: bool = False, lazy_rescale: bool = False) -> None:
         run_fn = run_function(kernel, balanced)
+        keywords: dict = {}
         if kernel == "fp8reg" and s_accs != 1:  # fp8reg_s_accs; the entry's default is 0.2.8's 1
-            run_fn = functools.update_wrapper(functools.partial(run_fn, s_accs=s_accs), run_fn)
+            keywords["s_accs"] = s_accs
         if kernel == "seesaw" and tma:  # seesaw_tma; the entry's default is cp.async loads
-            run_fn = functools.update_wrapper(functools.partial(run_fn, tma=True), run_fn)
+            keywords["tma"] = True
+        if kernel == "seesaw" and lazy_rescale:  # option rescale; the entries' default is eager
+            keywords["lazy_rescale"] = True
+        if keywords:
+            run_fn = functools.update_wrapper(functools.partial(run_fn, **keywords), run_fn)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
         self.lse_scratch, self.sm_scale, self.kv_scale = lse_scratch, sm_scale, kv_scale
         self.run_fn, self.kernel, self.balanced = run_fn, kernel, balanced
@@ -839,7 +857,8 @@ class CuteDslSession(Session):
                       kernel_summary(problem, self.options, blocks))
         return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
                               self.config.kv_scale, kernel=kernel, balanced=balanced_split(problem, self.options),
-                              s_accs=fp8reg_s_accs(problem, self.options), tma=seesaw_tma(problem, self.options))
+                              s_accs=fp8reg_s_accs(problem, self.options), tma=seesaw_tma(problem, self.options),
+                              lazy_rescale=self.options.rescale == "lazy")
 
     def close(self) -> None:
         self._schedules.clear()

@@ -539,8 +539,13 @@ def test_split_kv_applies_only_to_the_mma_sync_and_wgmma_t_kernels_with_a_16_bit
     assert kernel_summary(prob(num_heads=16), CuteDslOptions(split_kv="even")) == "mma_sync kernel, even split-KV"
     assert kernel_summary(prob(num_heads=128), CuteDslOptions(split_kv="balanced", seesaw_split="even")) == (
         "seesaw kernel, even split-KV (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels "
-        "with a bf16/fp16 cache, this shape runs the seesaw kernel), cp.async KV loads (loads=auto: TMA from 256 "
-        "rows)")
+        "with a bf16/fp16 cache, this shape runs the seesaw kernel), lazy softmax rescale (rescale=lazy), cp.async KV "
+        "loads (loads=auto: TMA from 256 rows)")
+    assert ", eager softmax rescale (rescale=eager), TMA KV loads" in kernel_summary(
+        prob(num_heads=128), CuteDslOptions(rescale="eager"))
+    assert kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), CuteDslOptions()).endswith(
+        ", lazy softmax rescale (rescale=lazy)")
+    assert "rescale" not in kernel_summary(prob(num_heads=16), CuteDslOptions(rescale="eager"))
     assert kernel_summary(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
                                                                                    mma="mma_sync")).endswith(
         "this shape has an fp8 cache)")
@@ -815,7 +820,8 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
     # seesaw_split=balanced (the default) runs a 16-bit cache on the balanced entry; an fp8 cache on the even one
     assert planned.run_fn.__name__ == ("mla_decode_sm90_wgmma_seesaw_balanced" if kv == "bf16"
                                        else "mla_decode_sm90_wgmma_seesaw")
-    assert getattr(planned.run_fn, "keywords", {}) == ({"tma": True} if want else {})
+    # and option rescale (default lazy) as lazy_rescale=True, with either cache
+    assert getattr(planned.run_fn, "keywords", {}) == ({"tma": True} if want else {}) | {"lazy_rescale": True}
     summary = be.kernel_summary(problem, opts)
     if kv == "bf16":
         assert f"{'TMA' if want else 'cp.async'} KV loads (loads={loads}" in summary
@@ -866,7 +872,7 @@ def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch,
         kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
         out = torch.empty(2, s_q, 128, 512, dtype=torch.bfloat16)
         planned.run(q, kv, out, torch.empty(2, s_q, 128))
-        want = {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma}
+        want = {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma, "lazy_rescale": True}
         if split == "even":  # the even entry's A/B knob (branch seesaw-tma-nofence), off under the backend
             want["reader_fences"] = False
         assert asked[-1] == ("bf16", "bf16", want)

@@ -75,7 +75,7 @@ def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, 
         session, planned = _plan(monkeypatch, opts, lens_l, heads=heads, s_q=s_q, session=session, rec=rec)
         assert planned.kernel == "seesaw" and planned.balanced is True
         assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"
-        assert getattr(planned.run_fn, "keywords", {}) == ({"tma": True} if tma else {})
+        assert getattr(planned.run_fn, "keywords", {}) == ({"tma": True} if tma else {}) | {"lazy_rescale": True}
         sched = planned.schedule
         m_blocks = -(-heads * s_q // 64)
         assert sched.balanced and sched.block_m == 64 and sched.num_cols == 132 // m_blocks
@@ -114,7 +114,8 @@ def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch)
         kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
         out = torch.empty(4, s_q, 128, 512, dtype=torch.bfloat16)
         planned.run(q, kv, out, torch.empty(4, s_q, 128))
-        assert asked[-1] == ("bf16", "bf16", {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma})
+        assert asked[-1] == ("bf16", "bf16", {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma,
+                                              "lazy_rescale": True})
         partial, args = launched[-1]
         assert partial == "balanced-kernel" and args[-2] is planned.schedule and args[-1] is planned.workspace
 
