@@ -146,10 +146,10 @@ class CuteDslOptions(BackendOptions):
                     "max exceeds it by more than 2^8 (exp2 units), so both warpgroups skip the rescale of their "
                     "O half (128 multiplies per thread) for a tile whose rows kept their reference, which sits on "
                     "the seesaw's critical path; P stays <= 2^8, the row sum and lse use the same reference (the "
-                    "same result up to rounding). On an H200 (docs/results/gpu21_session/, wgmma_speed.py, one "
-                    "run, H=128 S=4096): 0.97-0.98x eager's time with a bf16 cache (B=128 s_q=1 276.4 -> 270.4 us, "
-                    "s_q=2 526.1 -> 513.0), 0.98x with fp8 (B=128 s_q=1 337.0 -> 331.3). eager: every tile "
-                    "rescales (0.2.15's kernels). Other kernels ignore it")
+                    "same result up to rounding). On an H200 (docs/results/gpu21_session/*_rescale_ab.txt, mla "
+                    "bench, both arms interleaved, H=128 S=4096, 24 cells): 0.92-0.99x eager's time from batch 16 "
+                    "(bf16 B=128 s_q=1 294.8 -> 288.9 us, s_q=2 549.5 -> 539.6; fp8 B=128 s_q=1 327.2 -> 324.0), "
+                    "equal at batch 1. eager: every tile rescales (0.2.15's kernels). Other kernels ignore it")
     loads: Literal["auto", "cp_async", "tma"] = Field(
         default="auto",
         description="how the seesaw kernel (sm_90, s_q*num_heads >= 128 under mma=auto) brings KV tiles into shared "
