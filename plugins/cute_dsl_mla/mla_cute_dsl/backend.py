@@ -84,6 +84,12 @@ FP8REG_MAX_ROWS = 32
 # B16 (docs/results/h200_seesaw_fp8_speed.txt); both measured with the seesaw's L2 prefetch on, which
 # from 0.2.2 is off for 16-bit caches and only made the seesaw faster there (NOTES.md, sixth session)
 SEESAW_MIN_ROWS = 128
+# ... and with an fp8 cache from this many rows (mla-cute-dsl 0.2.16): up to 0.2.15 every fp8 seesaw kernel ran its
+# WGMMAs serialized (NOTES.md, twenty-first session), so the 128 above was measured against a slowed kernel. At 64
+# rows (H=64 s_q=1, docs/results/gpu21_session/fp8_64rows_bench.txt, mla bench, mma=wgmma / mma=seesaw / fa3
+# interleaved): the seesaw 0.79-0.92x the one-S WGMMA kernel's time from B=16 S=4096 and B=64 (B=128 S=4096 167.8
+# against 211.4 us, fa3 462.2), 1.05-1.06x at B=1 and B=16 S=1024 (12.2 against 11.5 us, 20.1 against 19.1)
+FP8_SEESAW_MIN_ROWS = 64
 # the transposed WGMMA kernel (sm90_wgmma_t_decode: KV tokens are WGMMA's M, query rows its N) takes at most
 # this many packed rows (N = 16 or 32). Its balanced mode (split_kv=balanced, 16-bit cache) walks the same
 # hybrid schedule as the mma.sync balanced kernel; GPU-verified on an H200 (docs/results/gpu9_wgmma_t_balanced/).
@@ -174,7 +180,8 @@ class CuteDslOptions(BackendOptions):
                     "as N; with a bf16/fp16 cache it follows split_kv; balanced, at 17-32 rows on an H200: up to "
                     "14% faster than mma_sync balanced on steps of >= 768 KV blocks, mostly 4-7% slower at <= 384), "
                     "mma_sync (every shape). auto: fp8reg for fp8 KV up to "
-                    f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows, wgmma from "
+                    f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows (from {FP8_SEESAW_MIN_ROWS} with fp8 "
+                    "KV), wgmma from "
                     f"s_q*num_heads >= {WGMMA_MIN_ROWS}, wgmma_t for a bf16/fp16 cache at 17-"
                     f"{WGMMA_T_MAX_ROWS} rows when the step has >= {WGMMA_T_AUTO_MIN_BLOCKS} KV blocks (sum over "
                     "its requests of ceil(kv_len/64); split_kv=balanced, ctas_per_sm auto/1; measured at H=16 "
@@ -392,7 +399,7 @@ def partial_kernel(shape: DecodeShape, options: CuteDslOptions,
     rows = shape.seq_len_q * shape.num_heads
     if shape.kv_dtype == "fp8_e4m3" and rows <= FP8REG_MAX_ROWS:
         return "fp8reg"
-    if rows >= SEESAW_MIN_ROWS:
+    if rows >= SEESAW_MIN_ROWS or (shape.kv_dtype == "fp8_e4m3" and rows >= FP8_SEESAW_MIN_ROWS):
         return "seesaw"
     if rows >= WGMMA_MIN_ROWS:
         return "wgmma"

@@ -814,11 +814,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       conversions run under the converting warpgroup's own WGMMAs: WG0 stages its part of
       tile b+2 at the end of a pair and stores it in the next pair after issuing S_{a+2};
       WG1 stores its part of tile a+2 after issuing its P_b V_R.  The other two run in
-      the other warpgroup's WGMMA time (seesaw).  See NOTES.md.  Up to mla-cute-dsl 0.2.15 the
-      device's toolchain built this kernel with every WGMMA serialized (ptxas C7518: WG1 issued
-      P_b V_R in one branch and waited in another, the a+2 conversion in a third between them);
-      since 0.2.16 the issue, the conversion and the wait share one branch
-      (tests/test_wgmma_serialization.py, benchmarks/device/sass_check.py).
+      the other warpgroup's WGMMA time (seesaw).  See NOTES.md.
     * ``tma=True`` (16-bit KV only; GPU-verified on an H200 in the fifteenth session: 22 GPU tests, bitwise
       equal to the cp.async loads; the backend's loads=auto takes it from 256 packed rows since
       mla-cute-dsl 0.2.12, 0.86-0.89x the cp.async time there, about equal below; with ``balanced=True``
