@@ -1840,7 +1840,8 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
                       workspace)
 
 
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy")  # kernel-cache key flags after (q, kv, block_m): seesaw_spec
+# kernel-cache key flags after (q, kv, block_m): see seesaw_spec
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy")
 #: MLADecodePartialWGMMASeesaw(lazy_rescale=True): a row's reference max moves only when a tile's max exceeds it by
 #: more than this (exp2 units), so P <= 2^8
 LAZY_RESCALE_LOG2 = 8.0
