@@ -88,8 +88,10 @@ SEESAW_MIN_ROWS = 128
 # WGMMAs serialized (NOTES.md, twenty-first session), so the 128 above was measured against a slowed kernel. At 64
 # rows (H=64 s_q=1, docs/results/gpu21_session/fp8_64rows_bench.txt, mla bench, mma=wgmma / mma=seesaw / fa3
 # interleaved): the seesaw 0.79-0.92x the one-S WGMMA kernel's time from B=16 S=4096 and B=64 (B=128 S=4096 167.8
-# against 211.4 us, fa3 462.2), 1.05-1.06x at B=1 and B=16 S=1024 (12.2 against 11.5 us, 20.1 against 19.1)
-FP8_SEESAW_MIN_ROWS = 64
+# against 211.4 us, fa3 462.2), 1.05-1.06x at B=1 and B=16 S=1024 (12.2 against 11.5 us, 20.1 against 19.1). At 48
+# rows (H=16 s_q=3, fp8_48rows_bench.txt; its 64-row tile padded) 0.54-0.84x the mma.sync kernel's time at every cell
+# (B=128 S=4096 166.7 against 310.5 us, fa3 463.5; B=1 S=1024 11.9 against 14.2): so from 33 rows, right above fp8reg
+FP8_SEESAW_MIN_ROWS = FP8REG_MAX_ROWS + 1
 # the transposed WGMMA kernel (sm90_wgmma_t_decode: KV tokens are WGMMA's M, query rows its N) takes at most
 # this many packed rows (N = 16 or 32). Its balanced mode (split_kv=balanced, 16-bit cache) walks the same
 # hybrid schedule as the mma.sync balanced kernel; GPU-verified on an H200 (docs/results/gpu9_wgmma_t_balanced/).
@@ -553,7 +555,8 @@ class CuteDslBackend(Backend):
             notes=("sm_90 kernels checked on an H200: WGMMA from s_q*H >= 64 (its seesaw schedule from 128, "
                    f"bf16, fp16 or fp8 KV; TMA KV loads with a 16-bit cache from {SEESAW_BALANCED_TMA_MIN_ROWS} rows "
                    f"when balanced, from {SEESAW_TMA_MIN_ROWS} when even, "
-                   "option loads), fp8reg for an fp8 cache up to s_q*H = 32, mma.sync otherwise "
+                   f"option loads), fp8reg for an fp8 cache up to s_q*H = 32 and the seesaw from "
+                   f"{FP8_SEESAW_MIN_ROWS}, mma.sync otherwise "
                    "(at 17-32 rows with a 16-bit cache wgmma_t on large steps, below)",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",

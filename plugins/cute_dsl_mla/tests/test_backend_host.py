@@ -165,14 +165,17 @@ def test_the_partial_kernel_is_chosen_per_shape_and_forced_values_are_refused_wi
     assert partial_kernel(prob(num_heads=127), auto) == "wgmma"
     assert partial_kernel(prob(num_heads=16, seq_len_q=4), auto) == "wgmma"
     assert partial_kernel(prob(num_heads=128, kv_dtype="fp8_e4m3"), auto) == "seesaw"
-    # an fp8 cache takes the seesaw from 64 rows (0.2.16: its WGMMAs no longer serialized), a 16-bit one from 128
+    # an fp8 cache takes the seesaw right above fp8reg (0.2.16: its WGMMAs no longer serialized), a 16-bit one from 128
     assert partial_kernel(prob(num_heads=64, kv_dtype="fp8_e4m3"), auto) == "seesaw"
-    assert partial_kernel(prob(num_heads=63, kv_dtype="fp8_e4m3"), auto) == "mma_sync"
+    assert partial_kernel(prob(num_heads=33, kv_dtype="fp8_e4m3"), auto) == "seesaw"
+    assert partial_kernel(prob(num_heads=16, seq_len_q=3, kv_dtype="fp8_e4m3"), auto) == "seesaw"
+    assert partial_kernel(prob(num_heads=32, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
+    assert partial_kernel(prob(num_heads=33), auto) == "mma_sync"  # 16-bit caches unchanged
     assert partial_kernel(prob(num_heads=64, kv_dtype="fp8_e4m3"), forced) == "wgmma"
     assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=64), auto) == "wgmma"
     assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=128), auto) == "seesaw"
     assert partial_kernel(prob(num_heads=63), auto) == "mma_sync"
-    assert partial_kernel(prob(num_heads=63, kv_dtype="fp8_e4m3"), auto) == "mma_sync"  # 33..63 rows
+    assert partial_kernel(prob(num_heads=63, kv_dtype="fp8_e4m3"), auto) == "seesaw"  # 33..63 rows (0.2.16)
     # auto: an fp8 cache with at most 32 rows goes to the fp8-register kernel
     assert partial_kernel(prob(num_heads=16, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
     assert partial_kernel(prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
@@ -338,8 +341,8 @@ def test_auto_picks_wgmma_t_for_a_16_bit_cache_at_17_to_32_rows_from_640_kv_bloc
         for heads, s_q in pairs:
             p = prob(num_heads=heads, seq_len_q=s_q, batch_size=8, q_dtype=q, kv_dtype=kv)
             for name, (lens, blocks) in steps.items():
-                if kv == "fp8_e4m3":  # never: fp8reg up to 32 rows, mma.sync above
-                    want = "fp8reg" if rows <= 32 else "mma_sync"
+                if kv == "fp8_e4m3":  # never: fp8reg up to 32 rows, the seesaw above (0.2.16)
+                    want = "fp8reg" if rows <= 32 else "seesaw"
                 else:
                     want = "wgmma_t" if 17 <= rows <= 32 and blocks >= 640 else "mma_sync"
                 assert partial_kernel_for(p, auto, lens) == want, (kv, rows, name)
@@ -356,13 +359,14 @@ def test_auto_picks_wgmma_t_for_a_16_bit_cache_at_17_to_32_rows_from_640_kv_bloc
                     assert partial_kernel_for(p, CuteDslOptions(mma="wgmma_t"), lens) == "wgmma_t"
                     assert partial_kernel_for(p, CuteDslOptions(mma="wgmma_t", split_kv="even"), lens) == "wgmma_t"
                 # split_kv=even: auto keeps the mma.sync even kernel (the rule is for the balanced modes)
-                off = "fp8reg" if kv == "fp8_e4m3" and rows <= 32 else "mma_sync"
+                off = ("fp8reg" if rows <= 32 else "seesaw") if kv == "fp8_e4m3" else "mma_sync"
                 assert partial_kernel_for(p, CuteDslOptions(split_kv="even"), lens) == off
                 # two CTAs per SM set by hand: wgmma_t holds one, auto keeps mma.sync; one set by hand: as auto
                 assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=2), lens) == off
                 assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=1), lens) == want
             # without lengths (a shape class, a problem): the answer below the threshold
-            assert partial_kernel(p, auto) == ("fp8reg" if kv == "fp8_e4m3" and rows <= 32 else "mma_sync")
+            assert partial_kernel(p, auto) == (("fp8reg" if rows <= 32 else "seesaw") if kv == "fp8_e4m3"
+                                               else "mma_sync")
 
 
 def test_kernel_summary_and_explain_name_the_kv_block_rule():
