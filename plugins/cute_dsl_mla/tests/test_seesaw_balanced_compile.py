@@ -253,8 +253,10 @@ def test_balanced_refusals_cache_kind_and_entry(monkeypatch):
     bal.wide_store = True
     W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, bal, ws, tma=True)
     W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, bal, ws, check=False)
-    assert asked == [("bf16", "bf16", dict(l2_prefetch=None, partial="bf16", wide_store=True, tma=True)),
-                     ("bf16", "bf16", dict(l2_prefetch=None, partial="bf16", wide_store=True, tma=False))]
+    assert asked == [("bf16", "bf16", dict(l2_prefetch=None, partial="bf16", wide_store=True, tma=True,
+                                           lazy_rescale=False)),
+                     ("bf16", "bf16", dict(l2_prefetch=None, partial="bf16", wide_store=True, tma=False,
+                                           lazy_rescale=False))]
     assert [p for p, _ in launched] == ["kernel", "kernel"] and all(s is bal for _, s in launched)
     # the balanced grid: 2 m-blocks of 64 rows at H=128 s_q=1 -> 66 columns on 132 SMs
     assert bal.num_cols == 66 and bal.block_m == 64
