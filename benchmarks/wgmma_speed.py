@@ -136,38 +136,22 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
     if name == "wgmma":
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as fn
     elif name in ("seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
-                  "seesaw_tma_fenced"):
+                  "seesaw_tma_fenced", "seesaw_lazy"):
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
 
         prefetch = {"seesaw_l2pf": True, "seesaw_nopf": False, "seesaw_tma_l2pf": True}.get(name)  # None: default
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch, tma=name.startswith("seesaw_tma"),
-                               reader_fences=name.endswith("_fenced"))
-    elif name == "balanced_tma":
+                               reader_fences=name.endswith("_fenced"), lazy_rescale=name.endswith("_lazy"))
+    elif name in ("balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl"):
+        # the balanced TMA seesaw; _lazy: with lazy_rescale; _pdl: its combine launched with programmatic dependent
+        # launch (the schedule's pdl_combine, set below)
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
 
-        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True)
-    elif name == "balanced_tma_lazy":  # the same with lazy_rescale
-        import functools
-
-        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
-
-        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True, lazy_rescale=True)
-    elif name == "seesaw_lazy":  # the even seesaw (its default loads: cp.async, or fp8 ld.global) with lazy_rescale
-        import functools
-
-        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
-
-        fn = functools.partial(mla_decode_sm90_wgmma_seesaw, lazy_rescale=True)
-    elif name == "balanced_tma_pdl":  # the same, its combine launched with programmatic dependent launch
-        import functools
-
-        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
-
-        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True)
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True, lazy_rescale=name.endswith("_lazy"))
     elif name == "balanced_tma_nocomb":
         fn = _partial_only_balanced_tma  # the same kernel without its combine launch (unsplit plans only)
     elif name == "wgmma_t":

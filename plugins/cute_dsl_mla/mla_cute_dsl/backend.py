@@ -149,8 +149,8 @@ class CuteDslOptions(BackendOptions):
         "(its 94-115 KB of shared memory lets two CTAs share an SM), else 1 (the WGMMA kernel's 224 KiB allows one)")
     rescale: Literal["lazy", "eager"] = Field(
         default="lazy",
-        description="the seesaw kernel's online softmax (sm_90, s_q*num_heads >= 64 under mma=auto; bf16, fp16 "
-                    "and fp8 caches). lazy (default since 0.2.16): a row keeps its reference max until a KV tile's "
+        description="the seesaw kernel's online softmax (sm_90; under mma=auto from 128 packed rows with a "
+                    "bf16/fp16 cache, from 33 with an fp8 one). lazy (default since 0.2.16): a row keeps its reference max until a KV tile's "
                     "max exceeds it by more than 2^8 (exp2 units), so both warpgroups skip the rescale of their "
                     "O half (128 multiplies per thread) for a tile whose rows kept their reference, which sits on "
                     "the seesaw's critical path; P stays <= 2^8, the row sum and lse use the same reference (the "
