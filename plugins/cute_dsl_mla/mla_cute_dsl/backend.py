@@ -19,7 +19,7 @@ mma=wgmma_t, the transposed WGMMA kernel, bf16/fp16 cache only; see balanced_spl
 balanced split-KV kernel, whose schedule plan picks per step (the hybrid, kernels/schedule.py
 choose_form) into the same buffers, so graphs captured at one step replay at any later one.
 Option seesaw_split="balanced" (the default since 0.2.13; GPU-verified on an H200 in the seventeenth session)
-does the same for the seesaw kernel (>= 128 rows under mma=auto, bf16/fp16 cache): make_schedule(...,
+does the same for the seesaw kernel (>= 33 rows under mma=auto, bf16/fp16 cache): make_schedule(...,
 balanced=True) at plan, mla_decode_sm90_wgmma_seesaw_balanced (api.launch_balanced) at run; split_kv does not
 reach it; seesaw_split="even" keeps the one-CTA-per-item kernel of 0.2.12.
 
@@ -70,28 +70,27 @@ FLASHINFER_DIST = "flashinfer-python"
 # the FlashInfer releases the SM100 path's arguments and checks were read from
 FLASHINFER_RANGE = ("0.7.2", "0.7.3")
 BLOCK_N = 64
-# auto picks the WGMMA kernel from this many packed query rows (s_q * num_heads): one full 64-row tile;
-# measured faster than mma.sync at 64, 128 and 256 rows (docs/results/h200_wgmma_speed.txt) and, with an
-# fp8 cache, at 128 rows (docs/results/h200_wgmma_fp8_speed.txt)
-WGMMA_MIN_ROWS = 64
 # the fp8-register kernel (sm90_decode_fp8) takes an fp8 cache with at most this many packed rows
 # (BLOCK_M 16 / 32); measured 1.4-1.5x faster than mma.sync at 16 and 32 rows with two CTAs per SM
 # (docs/results/h200_fp8_h16_speed.txt)
 FP8REG_MAX_ROWS = 32
-# auto picks the seesaw WGMMA schedule from this many rows: with KV in q's dtype 1.02-1.12x faster than
-# the plain WGMMA kernel at 128 and 256 rows, 0.98x at 64 rows, measured at batch 16-128
-# (docs/results/h200_wgmma_seesaw_speed.txt); with an fp8 cache 1.04x at B128 H128 S4096 and equal at
-# B16 (docs/results/h200_seesaw_fp8_speed.txt); both measured with the seesaw's L2 prefetch on, which
-# from 0.2.2 is off for 16-bit caches and only made the seesaw faster there (NOTES.md, sixth session)
-SEESAW_MIN_ROWS = 128
-# ... and with an fp8 cache from this many rows (mla-cute-dsl 0.2.16): up to 0.2.15 every fp8 seesaw kernel ran its
-# WGMMAs serialized (NOTES.md, twenty-first session), so the 128 above was measured against a slowed kernel. At 64
-# rows (H=64 s_q=1, docs/results/gpu21_session/fp8_64rows_bench.txt, mla bench, mma=wgmma / mma=seesaw / fa3
-# interleaved): the seesaw 0.79-0.92x the one-S WGMMA kernel's time from B=16 S=4096 and B=64 (B=128 S=4096 167.8
-# against 211.4 us, fa3 462.2), 1.05-1.06x at B=1 and B=16 S=1024 (12.2 against 11.5 us, 20.1 against 19.1). At 48
-# rows (H=16 s_q=3, fp8_48rows_bench.txt; its 64-row tile padded) 0.54-0.84x the mma.sync kernel's time at every cell
-# (B=128 S=4096 166.7 against 310.5 us, fa3 463.5; B=1 S=1024 11.9 against 14.2): so from 33 rows, right above fp8reg
-FP8_SEESAW_MIN_ROWS = FP8REG_MAX_ROWS + 1
+# auto picks the seesaw WGMMA kernel (balanced with a 16-bit cache) from this many packed rows (s_q*num_heads),
+# right above the mma.sync / wgmma_t / fp8reg kernels' 32, for every cache dtype (mla-cute-dsl 0.2.17; it was 128
+# with a 16-bit cache, 33 with fp8 since 0.2.16). Measured on an H200 through `mla bench` (default / mma=seesaw /
+# fa3 interleaved, page 64, S 1024 and 4096, batch 1-128):
+# * bf16 at 48 rows (H=16 s_q=3, docs/results/gpu22_session/bf16_48_64rows_bench.txt), against the mma.sync kernel
+#   (its 64-row tiles keep 23-29 LDL/STL): 0.54-0.74x its time at every cell (B=128 S=4096 156.3 against 287.4 us,
+#   fa3 150.4; B=1 S=1024 10.7 against 14.5);
+# * bf16 at 64 rows (H=16 s_q=4 and H=64 s_q=1, bf16_h64_bench.txt), against the one-S WGMMA kernel (even split):
+#   0.86-0.87x at B=128 S=4096 (H=64: 163.0 against 189.3 us, fa3 154.1), 0.93x at B=64 S=4096, 0.97x at B=128
+#   S=1024, 1.00-1.02x at B=16 and B=64 S=1024, 1.05x at B=1 S=1024 (10.8 against 10.3 us): a few tenths of a
+#   microsecond lost on the smallest steps against 7-26 us won on the large ones;
+# * fp8 (0.2.16, after the fp8 seesaw's WGMMAs stopped being serialized, NOTES.md twenty-first session): at 64 rows
+#   (gpu21_session/fp8_64rows_bench.txt) 0.79-0.92x the one-S WGMMA kernel's time from B=16 S=4096 and from B=64,
+#   1.05-1.06x at B=1 and B=16 S=1024; at 48 rows (fp8_48rows_bench.txt) 0.54-0.84x the mma.sync kernel's time
+#   at every cell (B=128 S=4096 166.7 against 310.5 us, fa3 463.5).
+# The one-S WGMMA kernel stays available as mma=wgmma.
+SEESAW_MIN_ROWS = FP8REG_MAX_ROWS + 1
 # the transposed WGMMA kernel (sm90_wgmma_t_decode: KV tokens are WGMMA's M, query rows its N) takes at most
 # this many packed rows (N = 16 or 32). Its balanced mode (split_kv=balanced, 16-bit cache) walks the same
 # hybrid schedule as the mma.sync balanced kernel; GPU-verified on an H200 (docs/results/gpu9_wgmma_t_balanced/).
@@ -149,8 +148,7 @@ class CuteDslOptions(BackendOptions):
         "(its 94-115 KB of shared memory lets two CTAs share an SM), else 1 (the WGMMA kernel's 224 KiB allows one)")
     rescale: Literal["lazy", "eager"] = Field(
         default="lazy",
-        description="the seesaw kernel's online softmax (sm_90; under mma=auto from 128 packed rows with a "
-                    "bf16/fp16 cache, from 33 with an fp8 one). lazy (default since 0.2.16): a row keeps its reference max until a KV tile's "
+        description="the seesaw kernel's online softmax (sm_90; under mma=auto from 33 packed rows). lazy (default since 0.2.16): a row keeps its reference max until a KV tile's "
                     "max exceeds it by more than 2^8 (exp2 units), so both warpgroups skip the rescale of their "
                     "O half (128 multiplies per thread) for a tile whose rows kept their reference, which sits on "
                     "the seesaw's critical path; P stays <= 2^8, the row sum and lse use the same reference (the "
@@ -182,9 +180,9 @@ class CuteDslOptions(BackendOptions):
                     "as N; with a bf16/fp16 cache it follows split_kv; balanced, at 17-32 rows on an H200: up to "
                     "14% faster than mma_sync balanced on steps of >= 768 KV blocks, mostly 4-7% slower at <= 384), "
                     "mma_sync (every shape). auto: fp8reg for fp8 KV up to "
-                    f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows (from {FP8_SEESAW_MIN_ROWS} with fp8 "
-                    "KV), wgmma from "
-                    f"s_q*num_heads >= {WGMMA_MIN_ROWS}, wgmma_t for a bf16/fp16 cache at 17-"
+                    f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows (any cache; on an H200 0.54-0.74x "
+                    "mma_sync's time at 48 rows, 0.86-1.05x wgmma's at 64 rows: NOTES.md), wgmma_t for a bf16/fp16 "
+                    "cache at 17-"
                     f"{WGMMA_T_MAX_ROWS} rows when the step has >= {WGMMA_T_AUTO_MIN_BLOCKS} KV blocks (sum over "
                     "its requests of ceil(kv_len/64); split_kv=balanced, ctas_per_sm auto/1; measured at H=16 "
                     "s_q=2 on 132 SMs; decided per plan: both kernels read the same schedule buffers, so a CUDA "
@@ -401,10 +399,8 @@ def partial_kernel(shape: DecodeShape, options: CuteDslOptions,
     rows = shape.seq_len_q * shape.num_heads
     if shape.kv_dtype == "fp8_e4m3" and rows <= FP8REG_MAX_ROWS:
         return "fp8reg"
-    if rows >= SEESAW_MIN_ROWS or (shape.kv_dtype == "fp8_e4m3" and rows >= FP8_SEESAW_MIN_ROWS):
+    if rows >= SEESAW_MIN_ROWS:
         return "seesaw"
-    if rows >= WGMMA_MIN_ROWS:
-        return "wgmma"
     if kv_blocks is not None and kv_blocks >= WGMMA_T_AUTO_MIN_BLOCKS and _wgmma_t_auto(shape, options):
         return "wgmma_t"
     return "mma_sync"
@@ -552,12 +548,11 @@ class CuteDslBackend(Backend):
     def info(self) -> BackendInfo:
         return BackendInfo(
             description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
-            notes=("sm_90 kernels checked on an H200: WGMMA from s_q*H >= 64 (its seesaw schedule from 128, "
-                   f"bf16, fp16 or fp8 KV; TMA KV loads with a 16-bit cache from {SEESAW_BALANCED_TMA_MIN_ROWS} rows "
-                   f"when balanced, from {SEESAW_TMA_MIN_ROWS} when even, "
-                   f"option loads), fp8reg for an fp8 cache up to s_q*H = 32 and the seesaw from "
-                   f"{FP8_SEESAW_MIN_ROWS}, mma.sync otherwise "
-                   "(at 17-32 rows with a 16-bit cache wgmma_t on large steps, below)",
+            notes=(f"sm_90 kernels checked on an H200: the seesaw WGMMA kernel from s_q*H >= {SEESAW_MIN_ROWS} "
+                   f"(bf16, fp16 or fp8 KV; TMA KV loads with a 16-bit cache from {SEESAW_BALANCED_TMA_MIN_ROWS} rows "
+                   f"when balanced, from {SEESAW_TMA_MIN_ROWS} when even, option loads), fp8reg for an fp8 cache up "
+                   "to s_q*H = 32, mma.sync otherwise (at 17-32 rows with a 16-bit cache wgmma_t on large steps, "
+                   "below)",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
                    "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504",
@@ -569,7 +564,7 @@ class CuteDslBackend(Backend):
                    "later plan, and keeps that kernel whatever the later steps' blocks (capture with "
                    "representative lengths)",
                    "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
-                   "(mma=auto: s_q*H < 64) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA or "
+                   f"(mma=auto: s_q*H < {SEESAW_MIN_ROWS}) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA or "
                    "fp8reg kernel, or an fp8 cache, ignore it and split evenly; the seesaw kernel follows "
                    "seesaw_split instead",
                    "option seesaw_split=balanced (the default since 0.2.13; even: 0.2.12's kernel) runs the seesaw "

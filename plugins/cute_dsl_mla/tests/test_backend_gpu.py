@@ -79,7 +79,7 @@ class TestCuteDslWideCombineConformance(TestCuteDslConformance):
 
 
 class TestCuteDslWgmmaConformance(TestCuteDslConformance):
-    """The WGMMA partial kernel forced through the backend option (auto takes it from s_q*H >= 64),
+    """The WGMMA partial kernel forced through the backend option (auto ran it at 64-127 rows up to 0.2.16),
     bf16 and fp8 KV; shapes it refuses (s_q*H <= 32) are skipped with the backend's reason."""
 
     options = {"mma": "wgmma"}

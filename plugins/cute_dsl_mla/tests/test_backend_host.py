@@ -159,30 +159,22 @@ def test_the_partial_kernel_is_chosen_per_shape_and_forced_values_are_refused_wi
     from mla_cute_dsl.backend import partial_kernel
 
     auto, forced, off = CuteDslOptions(), CuteDslOptions(mma="wgmma"), CuteDslOptions(mma="mma_sync")
-    # auto: WGMMA from one full 64-row tile (s_q * H >= 64), bf16/fp16 or fp8 KV
-    assert partial_kernel(prob(num_heads=128), auto) == "seesaw"  # from 128 rows, any cache dtype
-    assert partial_kernel(prob(num_heads=64, seq_len_q=2), auto) == "seesaw"
-    assert partial_kernel(prob(num_heads=127), auto) == "wgmma"
-    assert partial_kernel(prob(num_heads=16, seq_len_q=4), auto) == "wgmma"
-    assert partial_kernel(prob(num_heads=128, kv_dtype="fp8_e4m3"), auto) == "seesaw"
-    # an fp8 cache takes the seesaw right above fp8reg (0.2.16: its WGMMAs no longer serialized), a 16-bit one from 128
-    assert partial_kernel(prob(num_heads=64, kv_dtype="fp8_e4m3"), auto) == "seesaw"
-    assert partial_kernel(prob(num_heads=33, kv_dtype="fp8_e4m3"), auto) == "seesaw"
-    assert partial_kernel(prob(num_heads=16, seq_len_q=3, kv_dtype="fp8_e4m3"), auto) == "seesaw"
+    # auto: the seesaw right above the 32-row kernels (0.2.17), any cache dtype; mma=wgmma only when forced
+    for kv in ("bf16", "fp8_e4m3"):
+        for heads, s_q in ((128, 1), (64, 2), (127, 1), (16, 4), (64, 1), (33, 1), (16, 3), (63, 1)):
+            assert partial_kernel(prob(num_heads=heads, seq_len_q=s_q, kv_dtype=kv), auto) == "seesaw", (heads, s_q, kv)
     assert partial_kernel(prob(num_heads=32, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
-    assert partial_kernel(prob(num_heads=33), auto) == "mma_sync"  # 16-bit caches unchanged
+    assert partial_kernel(prob(num_heads=32), auto) == "mma_sync"  # 17-32 rows: mma.sync (wgmma_t on large steps)
     assert partial_kernel(prob(num_heads=64, kv_dtype="fp8_e4m3"), forced) == "wgmma"
-    assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=64), auto) == "wgmma"
-    assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=128), auto) == "seesaw"
-    assert partial_kernel(prob(num_heads=63), auto) == "mma_sync"
-    assert partial_kernel(prob(num_heads=63, kv_dtype="fp8_e4m3"), auto) == "seesaw"  # 33..63 rows (0.2.16)
+    assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=64), auto) == "seesaw"
+    assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=33), auto) == "seesaw"
     # auto: an fp8 cache with at most 32 rows goes to the fp8-register kernel
     assert partial_kernel(prob(num_heads=16, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
     assert partial_kernel(prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
     assert partial_kernel(prob(num_heads=1, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
     assert partial_kernel(prob(num_heads=16), auto) == "mma_sync"
     assert partial_kernel(prob(num_heads=128), off) == "mma_sync"
-    assert partial_kernel(prob(num_heads=33), forced) == "wgmma" and partial_kernel(prob(num_heads=33), auto) == "mma_sync"
+    assert partial_kernel(prob(num_heads=33), forced) == "wgmma" and partial_kernel(prob(num_heads=33), auto) == "seesaw"
     assert partial_kernel(prob(num_heads=128), forced) == "wgmma"
     seesaw = CuteDslOptions(mma="seesaw")
     assert CuteDslBackend().can_implement(prob(num_heads=33).shape, seesaw) == []
@@ -344,7 +336,8 @@ def test_auto_picks_wgmma_t_for_a_16_bit_cache_at_17_to_32_rows_from_640_kv_bloc
                 if kv == "fp8_e4m3":  # never: fp8reg up to 32 rows, the seesaw above (0.2.16)
                     want = "fp8reg" if rows <= 32 else "seesaw"
                 else:
-                    want = "wgmma_t" if 17 <= rows <= 32 and blocks >= 640 else "mma_sync"
+                    want = ("seesaw" if rows > 32 else  # from 33 rows at any step (0.2.17)
+                            "wgmma_t" if 17 <= rows <= 32 and blocks >= 640 else "mma_sync")
                 assert partial_kernel_for(p, auto, lens) == want, (kv, rows, name)
                 assert partial_kernel(p, auto, blocks) == want
                 # the batch plays no part: the same blocks in one request or many
@@ -359,14 +352,14 @@ def test_auto_picks_wgmma_t_for_a_16_bit_cache_at_17_to_32_rows_from_640_kv_bloc
                     assert partial_kernel_for(p, CuteDslOptions(mma="wgmma_t"), lens) == "wgmma_t"
                     assert partial_kernel_for(p, CuteDslOptions(mma="wgmma_t", split_kv="even"), lens) == "wgmma_t"
                 # split_kv=even: auto keeps the mma.sync even kernel (the rule is for the balanced modes)
-                off = ("fp8reg" if rows <= 32 else "seesaw") if kv == "fp8_e4m3" else "mma_sync"
+                off = ("fp8reg" if kv == "fp8_e4m3" else "mma_sync") if rows <= 32 else "seesaw"
                 assert partial_kernel_for(p, CuteDslOptions(split_kv="even"), lens) == off
                 # two CTAs per SM set by hand: wgmma_t holds one, auto keeps mma.sync; one set by hand: as auto
                 assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=2), lens) == off
                 assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=1), lens) == want
             # without lengths (a shape class, a problem): the answer below the threshold
-            assert partial_kernel(p, auto) == (("fp8reg" if rows <= 32 else "seesaw") if kv == "fp8_e4m3"
-                                               else "mma_sync")
+            assert partial_kernel(p, auto) == (("fp8reg" if kv == "fp8_e4m3" else "mma_sync") if rows <= 32
+                                               else "seesaw")
 
 
 def test_kernel_summary_and_explain_name_the_kv_block_rule():
@@ -466,7 +459,7 @@ def test_a_session_picks_the_kernel_per_plan_by_kv_blocks_on_the_same_buffers(mo
 @pytest.mark.parametrize("options,heads,s_q,kernel", [
     ({"mma": "mma_sync"}, 16, 2, "mma_sync"), ({"mma": "wgmma_t"}, 16, 2, "wgmma_t"),
     ({"split_kv": "even"}, 16, 2, "mma_sync"), ({"ctas_per_sm": 2}, 16, 2, "mma_sync"),
-    ({}, 16, 1, "mma_sync"), ({}, 33, 1, "mma_sync"), ({"ctas_per_sm": 1}, 3, 8, None),
+    ({}, 16, 1, "mma_sync"), ({}, 33, 1, "seesaw"), ({"ctas_per_sm": 1}, 3, 8, None),
 ])
 def test_options_and_shapes_that_disable_the_rule_keep_one_kernel_and_build_nothing_extra(
         monkeypatch, options, heads, s_q, kernel):
@@ -533,7 +526,8 @@ def test_split_kv_applies_only_to_the_mma_sync_and_wgmma_t_kernels_with_a_16_bit
     assert not balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), bal)  # fp8reg
     assert not balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
                                                                                        mma="mma_sync"))
-    assert not balanced_split(prob(num_heads=64), bal)  # wgmma
+    assert not balanced_split(prob(num_heads=64), CuteDslOptions(split_kv="balanced", mma="wgmma"))
+    assert balanced_split(prob(num_heads=64), bal)  # the balanced seesaw from 33 rows (seesaw_split)
     # the seesaw follows its own option seesaw_split (default balanced since 0.2.13), never split_kv
     assert balanced_split(prob(num_heads=128), bal)
     assert not balanced_split(prob(num_heads=128), CuteDslOptions(split_kv="balanced", seesaw_split="even"))

@@ -123,7 +123,7 @@ def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch)
 @pytest.mark.parametrize("opts,heads,kv,want_kernel", [
     ({"seesaw_split": "balanced"}, 128, "fp8_e4m3", "seesaw"),  # fp8: even seesaw, option ignored
     ({"seesaw_split": "balanced", "mma": "wgmma"}, 128, "bf16", "wgmma"),
-    ({"seesaw_split": "balanced"}, 64, "bf16", "wgmma"),  # 64 rows: mma=auto runs the plain WGMMA kernel
+    ({"seesaw_split": "balanced", "mma": "wgmma"}, 64, "fp16", "wgmma"),  # the plain WGMMA kernel: even
     ({"seesaw_split": "balanced", "split_kv": "even"}, 16, "bf16", "mma_sync"),  # does not reach mma.sync
 ])
 def test_seesaw_split_leaves_other_kernels_and_fp8_caches_alone(monkeypatch, opts, heads, kv, want_kernel):
