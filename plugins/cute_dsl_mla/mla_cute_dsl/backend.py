@@ -134,8 +134,12 @@ SEESAW_TMA_MIN_ROWS = 256
 # mma=auto gives it (mla-cute-dsl 0.2.14). Measured on an H200 (docs/results/gpu18_session/h128_loads.txt, mla
 # bench, interleaved, H=128 s_q=1 bf16, loads=tma against 0.2.13's cp.async): 0.95-0.97x the time at B=64 and 128
 # (S=4096: 148.3 against 153.2 us, 294.5 against 310.6; S=10000: 344.6 / 361.7, 701.5 / 733.4), 0.98-1.00x at
-# B=12 and 16. The even seesaw kept cp.async below 256 rows: there the two measured within 2% (gpu16_session)
-SEESAW_BALANCED_TMA_MIN_ROWS = 128
+# B=12 and 16. The even seesaw kept cp.async below 256 rows: there the two measured within 2% (gpu16_session).
+# Since 0.2.17 mma=auto gives the balanced seesaw from 33 rows, and TMA from there too: at 48 and 64 rows (H=16 s_q=3
+# and 4, bf16, docs/results/gpu22_session/bf16_48_64rows_loads_bench.txt, mla bench, loads=tma against cp.async and
+# fa3 interleaved) 0.96-0.98x cp.async's time at B=64 S=4096 and B=128 (S=4096: 152.4 against 159.0 us, 154.9
+# against 158.9; fa3 150.9 / 155.4), within +-0.4 us at B=1-16 (B=16 S=1024 17.4 against 17.0)
+SEESAW_BALANCED_TMA_MIN_ROWS = SEESAW_MIN_ROWS
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
 SplitKV = Literal["even", "balanced"]
@@ -158,7 +162,7 @@ class CuteDslOptions(BackendOptions):
                     "equal at batch 1. eager: every tile rescales (0.2.15's kernels). Other kernels ignore it")
     loads: Literal["auto", "cp_async", "tma"] = Field(
         default="auto",
-        description="how the seesaw kernel (sm_90, s_q*num_heads >= 128 under mma=auto) brings KV tiles into shared "
+        description="how the seesaw kernel (sm_90, s_q*num_heads >= 33 under mma=auto) brings KV tiles into shared "
                     "memory with a bf16/fp16 cache: cp_async (each thread of the loading warpgroup issues 16-20 "
                     "16-byte cp.async per part; zero-fills page tails) or tma (one elected thread issues a part's "
                     "64-token x 64-column TMA boxes; the kernel zeroes page tails itself). auto (default): tma for the "

@@ -804,7 +804,7 @@ def test_option_s_accs_is_validated():
     ("cp_async", 128, 2, "bf16", False), ("cp_async", 128, 1, "bf16", False),
     ("auto", 128, 2, "fp8_e4m3", False), ("tma", 128, 2, "fp8_e4m3", False)])
 def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, kv, want):
-    """Option loads (auto with the balanced seesaw, the default: TMA from 128 packed rows, every row count
+    """Option loads (auto with the balanced seesaw, the default: TMA from 33 packed rows, every row count
     mma=auto gives it; fp8 caches always load through registers)
     reaches the seesaw host entry the plan runs as tma=True (no keyword for cp.async: the entry's default kernel),
     the plan's log line names it, and a shape on another kernel ignores it."""
@@ -886,14 +886,17 @@ def test_option_loads_is_validated():
     with pytest.raises(ValueError, match="loads"):
         CuteDslOptions(loads="bulk")
     assert CuteDslOptions().loads == "auto" and be.SEESAW_TMA_MIN_ROWS == 256
-    assert be.SEESAW_BALANCED_TMA_MIN_ROWS == 128
-    # mma=seesaw forced below 128 rows: the balanced seesaw runs, with cp.async loads under auto
-    for heads, s_q in ((64, 1), (32, 2)):
+    assert be.SEESAW_BALANCED_TMA_MIN_ROWS == be.SEESAW_MIN_ROWS == 33  # 0.2.17: every row count auto gives it
+    # the balanced seesaw loads by TMA under auto from 33 rows (auto's seesaw rows), cp.async when asked for;
+    # mma=seesaw forced at 32 rows keeps cp.async
+    for heads, s_q in ((64, 1), (16, 3), (33, 1), (64, 2)):
         shape = prob(num_heads=heads, seq_len_q=s_q)
-        assert be.balanced_split(shape, CuteDslOptions(mma="seesaw"))
-        assert not be.seesaw_tma(shape, CuteDslOptions(mma="seesaw"))
-        assert be.seesaw_tma(shape, CuteDslOptions(mma="seesaw", loads="tma"))
-    assert be.seesaw_tma(prob(num_heads=64, seq_len_q=2), CuteDslOptions(mma="seesaw"))  # 128 rows
+        assert be.balanced_split(shape, CuteDslOptions()) and be.seesaw_tma(shape, CuteDslOptions())
+        assert not be.seesaw_tma(shape, CuteDslOptions(loads="cp_async"))
+    shape = prob(num_heads=32, seq_len_q=1)
+    assert be.balanced_split(shape, CuteDslOptions(mma="seesaw"))
+    assert not be.seesaw_tma(shape, CuteDslOptions(mma="seesaw"))
+    assert be.seesaw_tma(shape, CuteDslOptions(mma="seesaw", loads="tma"))
 
 
 @pytest.mark.parametrize("stores,want", [("auto", True), ("narrow", False), ("wide", True)])

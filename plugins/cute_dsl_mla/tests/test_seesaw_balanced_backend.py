@@ -56,7 +56,7 @@ def test_seesaw_split_even_keeps_the_even_routing(monkeypatch, heads, s_q):
                                                  (126, 2, "auto", True), (128, 1, "cp_async", False),
                                                  (64, 4, "auto", True)])
 def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, heads, s_q, loads, tma):
-    """seesaw_split=balanced: the balanced seesaw entry (tma as option loads decides: auto takes TMA from 128 rows,
+    """seesaw_split=balanced: the balanced seesaw entry (tma as option loads decides: auto takes TMA from 33 rows,
     every row count mma=auto gives the balanced seesaw, since 0.2.14), a balanced schedule for
     one CTA per SM with num_cols = 132 // m-blocks, its form following the lengths (uniform 4096: balanced at B=40,
     where the even plan's second wave is 1.5x the balanced columns; even at B=32, one wave), re-planned in place
@@ -147,9 +147,11 @@ def test_kernel_summary_run_function_and_notes():
     assert be.kernel_summary(prob(num_heads=128), bal).startswith(
         "seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan")
     assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), bal).endswith(
-        "TMA KV loads (loads=auto: TMA from 128 rows)")
-    # since 0.2.14 the balanced seesaw loads by TMA at 128 rows too; the even one (ctas_per_sm=2) from 256
-    assert be.kernel_summary(prob(num_heads=128), bal).endswith("TMA KV loads (loads=auto: TMA from 128 rows)")
+        "TMA KV loads (loads=auto: TMA from 33 rows)")
+    # since 0.2.14 the balanced seesaw loads by TMA at 128 rows too, since 0.2.17 from 33; the even one
+    # (ctas_per_sm=2) from 256
+    assert be.kernel_summary(prob(num_heads=128), bal).endswith("TMA KV loads (loads=auto: TMA from 33 rows)")
+    assert be.kernel_summary(prob(num_heads=16, seq_len_q=3), bal).endswith("TMA KV loads (loads=auto: TMA from 33 rows)")
     assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(ctas_per_sm=2)).endswith(
         "cp.async KV loads (loads=auto: TMA from 256 rows)")
     fp8 = be.kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), bal)
