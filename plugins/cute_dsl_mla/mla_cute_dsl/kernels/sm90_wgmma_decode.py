@@ -2148,7 +2148,7 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
 
 
 # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy")
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p")
 #: MLADecodePartialWGMMASeesaw(lazy_rescale=True): a row's reference max moves only when a tile's max exceeds it by
 #: more than this (exp2 units), so P <= 2^8
 LAZY_RESCALE_LOG2 = 8.0
@@ -2164,7 +2164,7 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
                                     tma="tma" in flags, reader_fences="rfence" in flags,
-                                    lazy_rescale="lazy" in flags)
+                                    lazy_rescale="lazy" in flags, fp8_producer="fp8p" in flags)
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -2183,25 +2183,26 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
                 wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                lazy_rescale: bool = False) -> tuple[str | int, ...]:
+                lazy_rescale: bool = False, fp8_producer: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
     every existing key is unchanged), then "rfence" for a TMA or fp8 kernel that keeps the reader-side fences
     (the A/B arm; see MLADecodePartialWGMMASeesaw.reader_fences; never for the 16-bit cp.async kernel, which
-    runs them anyway), then "lazy" for ``lazy_rescale`` (only when set)."""
+    runs them anyway), then "lazy" for ``lazy_rescale`` (only when set), then "fp8p" for ``fp8_producer`` (fp8 KV
+    with a producer warpgroup; only when set)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
             + api.store_spec(wide_store) + (("tma",) if tma else ())
             + (("rfence",) if reader_fences and (tma or kv_name == "fp8_e4m3") else ())
-            + (("lazy",) if lazy_rescale else ()))
+            + (("lazy",) if lazy_rescale else ()) + (("fp8p",) if fp8_producer else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
                                     wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                                    lazy_rescale: bool = False):
+                                    lazy_rescale: bool = False, fp8_producer: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
@@ -2209,7 +2210,8 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     TMA boxes instead of cp.async (16-bit cache only; the backend's loads=auto from 256 rows, from 128 for the
     balanced kernel; measured in the class docstring).  ``reader_fences``: keep the reader-side proxy fences
     with TMA loads or an fp8 cache (the A/B arm; the 16-bit cp.async kernel runs them anyway).  ``lazy_rescale``:
-    see the class's constructor."""
+    see the class's constructor.  ``fp8_producer``: fp8 cache only (ValueError otherwise), the opt-in kernel with a
+    producer warpgroup (384 threads) that does all fp8 loading and conversion (``kernel_fp8p``)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2217,21 +2219,24 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
     if tma and kv_name == "fp8_e4m3":
         raise ValueError("seesaw WGMMA kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
+    if fp8_producer and kv_name != "fp8_e4m3":
+        raise ValueError(f"seesaw WGMMA kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 reader_fences, lazy_rescale),
+                                                 reader_fences, lazy_rescale, fp8_producer),
                                      _build_partial_wgmma_seesaw)
 
 
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True,
                                  l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False,
-                                 lazy_rescale: bool = False):
+                                 lazy_rescale: bool = False, fp8_producer: bool = False):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
-    ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``: see ``get_partial_kernel_wgmma_seesaw``."""
+    ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``, ``fp8_producer`` (fp8 cache only): see
+    ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
@@ -2239,7 +2244,7 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
     partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
                                               l2_prefetch=l2_prefetch, partial=api.partial_name(workspace),
                                               wide_store=schedule.wide_store, tma=tma, reader_fences=reader_fences,
-                                              lazy_rescale=lazy_rescale)
+                                              lazy_rescale=lazy_rescale, fp8_producer=fp8_producer)
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
