@@ -2244,7 +2244,8 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
     partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
                                               l2_prefetch=l2_prefetch, partial=api.partial_name(workspace),
                                               wide_store=schedule.wide_store, tma=tma, reader_fences=reader_fences,
-                                              lazy_rescale=lazy_rescale, fp8_producer=fp8_producer)
+                                              lazy_rescale=lazy_rescale,
+                                              **({"fp8_producer": True} if fp8_producer else {}))  # opt-in only
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
