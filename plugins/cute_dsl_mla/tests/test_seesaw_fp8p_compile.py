@@ -151,3 +151,67 @@ def test_fp8p_kernel_ptx(q, tmp_path):
     assert min(cvt) > dec and flat.find("wgmma.mma_async") < dec  # the math code comes first in the PTX
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
     assert "cp.async.bulk.prefetch.L2" in flat  # the producer's L2 prefetch (l2_prefetch, the fp8 default)
+
+
+def test_fp8p_producer_copies_store_each_element_once_into_16_byte_swizzle_units():
+    """The producer's copies (FP8P_ELEMS_PER_COPY = 16: one 128-bit ld.global of fp8, two 128-bit st.shared of
+    fp16): for all 128 producer threads the fp8 ld.global partition (g2r, whose identity partition the row masks
+    read) and the fp16 st.shared partition (r2s) list the same (row, col) at every position (CPY, m, block); chunk
+    (m, block) of thread t is row t // 4 + 32 m, 16 consecutive columns starting at a multiple of 16 inside the
+    block; the staging tensor holds 16 x 2 x 5 fp8 = 40 registers; through the sK layout with its swizzle each half
+    (8 fp16) of a chunk is 8 consecutive elements starting 16-byte aligned in both K buffers (the SW128 swizzle
+    permutes whole 16-byte units); every element of a tile is written exactly once."""
+    import cutlass.cute as cute
+
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
+    assert W.FP8P_ELEMS_PER_COPY == 16
+    k = W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, fp8_producer=True)
+    res = {}
+
+    @cute.jit
+    def probe():
+        _, sK, _, _ = k._smem_layouts()
+        g2r, r2s = k._fp8p_copies()
+        c = cute.make_identity_tensor((W.BLOCK_N, W.D_QK))
+        for t in cutlass.range_constexpr(W.WG_THREADS):  # static thread ids
+            a = g2r.get_slice(t).partition_S(c)
+            b = r2s.get_slice(t).partition_D(c)
+            shp = (cute.size(a.shape[0]), cute.size(a.shape[1]), cute.size(a.shape[2]))
+            res[("shape", t)] = (shp, (cute.size(b.shape[0]), cute.size(b.shape[1]), cute.size(b.shape[2])))
+            res[("same", t)] = all(a[v, mm, blk] == b[v, mm, blk]
+                                   for v in range(shp[0]) for mm in range(shp[1]) for blk in range(shp[2]))
+            res[("elems", t)] = [[[tuple(b[v, mm, blk]) for v in range(shp[0])] for blk in range(shp[2])]
+                                 for mm in range(shp[1])]
+        res["units_ok"] = all(
+            [sK((r, c0 + i, j)) for i in range(8)] == list(range(sK((r, c0, j)), sK((r, c0, j)) + 8))
+            and sK((r, c0, j)) % 8 == 0
+            for r in range(W.BLOCK_N) for c0 in range(0, W.D_QK, 8) for j in range(2)
+        )
+
+    cute.compile(probe)
+    assert res["units_ok"] is True
+    cover = []
+    for t in range(W.WG_THREADS):
+        assert res[("shape", t)] == ((16, 2, 9), (16, 2, 9))
+        assert res[("same", t)] is True, t
+        for mm, per_m in enumerate(res[("elems", t)]):
+            for blk, vals in enumerate(per_m):
+                assert all(r == t // 4 + 32 * mm for r, _ in vals)
+                cols = [col for _, col in vals]
+                assert cols == list(range(cols[0], cols[0] + 16)) and cols[0] % 16 == 0
+                assert 64 * blk <= cols[0] < 64 * blk + 64
+                cover += vals
+    assert len(cover) == len(set(cover)) == W.BLOCK_N * W.D_QK
+
+
+@pytest.mark.parametrize("q", ["bf16"])
+def test_fp8p_producer_loads_are_128_bit(q, tmp_path):
+    """After setmaxnreg.dec (the producer's code): one 128-bit ld.global per 64-column block and 32-row pass (4 + 5
+    + 4 + 5 blocks x 2 passes = 36), the fp8 page-table reads aside; 128-bit st.shared of the converted fp16."""
+    ptx, _, _ = _dump(q, tmp_path)
+    flat = re.sub(r"\s+", " ", ptx)
+    prod = flat[flat.find("setmaxnreg.dec"):]
+    assert len(re.findall(r"ld\.global\.v4\.b32", prod)) == 36
+    assert not re.findall(r"ld\.global\.v2\.b32", prod)
+    assert re.findall(r"st\.shared\.v4\.b32", prod) and not re.findall(r"st\.shared\.v2", prod)

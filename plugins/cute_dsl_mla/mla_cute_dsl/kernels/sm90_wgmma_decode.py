@@ -780,6 +780,10 @@ FP8P_REGS_AT_LAUNCH = (65536 // FP8P_THREADS) // 8 * 8  # 168
 FP8P_MATH_REGS = 216
 FP8P_PRODUCER_REGS = 72
 BAR_MATH = 5  # fp8_producer: named barrier of the 256 math threads (Q landed; epilogue row sums)
+# fp8_producer: fp8 elements per producer thread-copy: 16 (one 128-bit ld.global, two 128-bit st.shared of fp16;
+# 4 threads per 64-column block, 32 rows per pass) or 8 (the inline kernel's 64-bit layout). A part stays 40
+# registers either way (up to 5 blocks x 64 rows x 64 B / 128 threads); diagnostics only: not in the cache key
+FP8P_ELEMS_PER_COPY = 16
 
 
 def fp8p_register_split_fits(math_regs: int = FP8P_MATH_REGS, producer_regs: int = FP8P_PRODUCER_REGS,
@@ -994,6 +998,25 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         r2s = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=128),
             thr, cute.make_layout((1, 8)),
+        )
+        return g2r, r2s
+
+    def _fp8p_copies(self):
+        """fp8_producer: the producer's (g2r, r2s) with FP8P_ELEMS_PER_COPY elements per thread-copy (16: one
+        128-bit ld.global of fp8 and two 128-bit st.shared of fp16, each one 16-byte swizzle unit; 8:
+        ``_wg_fp8_copies``).  Both share one thread-value layout, so element (v, m, k) of a thread's partitions is
+        the same (row, col) in both (and in the identity tensor partitioned by g2r)."""
+        e = FP8P_ELEMS_PER_COPY
+        if e == 8:
+            return self._wg_fp8_copies()
+        thr = cute.make_layout((WG_THREADS // (64 // e), 64 // e), stride=(64 // e, 1))
+        g2r = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=8 * e),
+            thr, cute.make_layout((1, e)),
+        )
+        r2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=128),
+            thr, cute.make_layout((1, e)),
         )
         return g2r, r2s
 
@@ -1917,11 +1940,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         full[2] (blocks 0-3 + RoPE).  Pair p >= 1 first waits on the matching empty barrier (parity (p - 1) % 2:
         its tile - 2 released).  The page table is read one pair ahead; with l2_prefetch ptid 0 prefetches the
         next pair's tiles into L2 before this pair's loads."""
-        g2r_wg, r2s_wg = self._wg_fp8_copies()
+        g2r_wg, r2s_wg = self._fp8p_copies()
         thr_g2r_wg = g2r_wg.get_slice(ptid)
         cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
-        tKcK = g2s_wg.get_slice(ptid).partition_S(cKV)  # (CPY, 4, 9): the (row, col) of g2r's / r2s's elements
-        tKsK = r2s_wg.get_slice(ptid).partition_D(sK)  # (CPY, 4, 9, STAGES)
+        tKcK = thr_g2r_wg.partition_S(cKV)  # (CPY, passes, 9): the (row, col) of g2r's / r2s's elements
+        tKsK = r2s_wg.get_slice(ptid).partition_D(sK)  # (CPY, passes, 9, STAGES)
         rRaw = cute.make_rmem_tensor((cute.size(tKcK.shape[0]), cute.size(tKcK.shape[1]), 5), cutlass.Float8E4M3FN)
         full = mbar
         empty = mbar + 4
