@@ -877,6 +877,12 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       unchanged).  Host side: ``get_partial_kernel_wgmma_seesaw_balanced`` (cache kind
       ``partial_wgmma_seesaw_balanced``), ``mla_decode_sm90_wgmma_seesaw_balanced``; the backend runs it for
       option seesaw_split=balanced (the default).  fp8 KV: ValueError (see __init__).
+    * ``fp8_producer=True`` (fp8 KV only, one item per CTA, opt-in; branch fp8-producer, written compile-only, not yet
+      run on a GPU): 384 threads, a third warpgroup does every fp8 part's ld.global (128-bit, 16 fp8 per thread-copy)
+      -> cvt -> st.shared -> fence -> arrive on the part's "full" mbarrier, after waiting on its "empty" mbarrier,
+      which the math warpgroup that reads those columns last arrives on where the 16-bit kernel issues its load of
+      tile +2; the math warpgroups run the 16-bit kernel's instruction stream (``kernel_fp8p``; setmaxnreg 216 math
+      / 72 producer, the CTA's whole pool; NOTES.md "fp8 seesaw with a producer warpgroup").
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
