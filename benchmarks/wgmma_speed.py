@@ -11,6 +11,9 @@
                 fences (reader_fences=True: the kernels before branch seesaw-tma-nofence dropped them for TMA
                 loads and fp8 caches; with a 16-bit cache and cp.async, seesaw_fenced is seesaw)
     seesaw_tma_l2pf  the same with the L2 prefetch of the next pair's tiles
+    seesaw_fp8p / seesaw_fp8p_lazy  the fp8 seesaw (--kv fp8 only) with a producer warpgroup (fp8_producer=True,
+                384 threads: the third warpgroup ld.global's, converts and st.shared's every fp8 part; branch
+                fp8-producer), eager / lazy rescale; compare with seesaw / seesaw_lazy
     balanced_tma  the balanced seesaw (the backend's default kernel at 64+ rows), TMA loads, fp32 partials
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
@@ -57,7 +60,7 @@ SHAPES = [  # (B, H, s_q, S)
 QUICK_SHAPES = [0, 3]
 WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
         "seesaw_tma_fenced", "balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl", "balanced_tma_nocomb",
-        "seesaw_lazy", "mma", "wgmma_t", "ours", "fa3")
+        "seesaw_lazy", "seesaw_fp8p", "seesaw_fp8p_lazy", "mma", "wgmma_t", "ours", "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
@@ -136,14 +139,15 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
     if name == "wgmma":
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as fn
     elif name in ("seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
-                  "seesaw_tma_fenced", "seesaw_lazy"):
+                  "seesaw_tma_fenced", "seesaw_lazy", "seesaw_fp8p", "seesaw_fp8p_lazy"):
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
 
         prefetch = {"seesaw_l2pf": True, "seesaw_nopf": False, "seesaw_tma_l2pf": True}.get(name)  # None: default
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch, tma=name.startswith("seesaw_tma"),
-                               reader_fences=name.endswith("_fenced"), lazy_rescale=name.endswith("_lazy"))
+                               reader_fences=name.endswith("_fenced"), lazy_rescale=name.endswith("_lazy"),
+                               fp8_producer=name.startswith("seesaw_fp8p"))
     elif name in ("balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl"):
         # the balanced TMA seesaw; _lazy: with lazy_rescale; _pdl: its combine launched with programmatic dependent
         # launch (the schedule's pdl_combine, set below)

@@ -11,7 +11,7 @@
 #   needs: ../shared/device/pack run once (its staged site in ~/.cache/mla-devpack), a Python 3.12 with torch
 #          (PY312, default /tmp/py312/bin/python; e.g. `python3.12 -m venv /tmp/py312 && /tmp/py312/bin/pip install
 #          torch==2.13.0`).
-#   ONLY=substring builds a subset (labels of prebuild_kernels.py).
+#   ONLY=substring builds a subset (labels of prebuild_kernels.py; "a|b": labels containing a or b).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY312=${PY312:-/tmp/py312/bin/python}

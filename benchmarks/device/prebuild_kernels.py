@@ -7,7 +7,7 @@ path: a cached kernel is reused only when its key matches (kernels/cache_key.py:
 release and fingerprint, its settings string, which names the runtime library's absolute path, the target
 arch, tvm-ffi, the host platform); anything else compiles as before.
 
-    python benchmarks/device/prebuild_kernels.py [--only SUBSTRING]
+    python benchmarks/device/prebuild_kernels.py [--only SUBSTRING[|SUBSTRING...]]
 """
 
 from __future__ import annotations
@@ -62,6 +62,21 @@ def specs():
                 if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
                     out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))
+                if q == "fp16" and kv == "fp8_e4m3" and partial == "fp32":  # test_seesaw_fp8p_gpu.py's fp16 lazy
+                    out.append((f"seesaw {q} {kv} {tag} lazy", lambda q=q, kv=kv:
+                                get_partial_kernel_wgmma_seesaw(q, kv, partial="fp32", lazy_rescale=True)))
+                if kv == "fp8_e4m3":  # fp8_producer=True (branch fp8-producer): wgmma_speed.py's seesaw_fp8p /
+                    # seesaw_fp8p_lazy ways (fp32, narrow), test_seesaw_fp8p_gpu.py, fp8_producer_gpu.sh
+                    out.append((f"seesaw {q} {kv} {tag} fp8p", lambda q=q, kv=kv, p=partial, w=wide:
+                                get_partial_kernel_wgmma_seesaw(q, kv, partial=p, wide_store=w, fp8_producer=True)))
+                    if q == "bf16" and partial == "fp32":  # test_seesaw_fp8p_gpu.py's prefetch-off arm
+                        out.append((f"seesaw {q} {kv} {tag} fp8p nopf", lambda q=q, kv=kv:
+                                    get_partial_kernel_wgmma_seesaw(q, kv, partial="fp32", l2_prefetch=False,
+                                                                    fp8_producer=True)))
+                    if q == "bf16" or partial == "fp32":
+                        out.append((f"seesaw {q} {kv} {tag} fp8p lazy", lambda q=q, kv=kv, p=partial, w=wide:
+                                    get_partial_kernel_wgmma_seesaw(q, kv, partial=p, wide_store=w,
+                                                                    lazy_rescale=True, fp8_producer=True)))
                 if q == "bf16" and partial == "fp32" and (kv == "fp8_e4m3" or kv == q):
                     # seesaw_nofence_gpu.sh's reader_fences=True arms (wgmma_speed.py seesaw_tma_fenced /
                     # seesaw_fenced --kv fp8)
@@ -117,13 +132,14 @@ def specs():
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="build only the kernels whose label contains this")
+    ap.add_argument("--only", default="", help="build only the kernels whose label contains this (several "
+                                                 "substrings separated by '|': any of them)")
     a = ap.parse_args()
     if not os.environ.get("MLA_CUTE_DSL_CACHE_DIR"):
         sys.exit("set MLA_CUTE_DSL_CACHE_DIR to the cache directory to fill")
     from mla_cute_dsl.kernels import kernel_cache
 
-    todo = [(label, fn) for label, fn in specs() if a.only in label]
+    todo = [(label, fn) for label, fn in specs() if any(s in label for s in a.only.split("|"))]
     start = time.time()
     for i, (label, fn) in enumerate(todo, 1):
         t = time.time()

@@ -160,6 +160,15 @@ class CuteDslOptions(BackendOptions):
                     "bench, both arms interleaved, H=128 S=4096, 24 cells): 0.92-0.99x eager's time from batch 16 "
                     "(bf16 B=128 s_q=1 294.8 -> 288.9 us, s_q=2 549.5 -> 539.6; fp8 B=128 s_q=1 327.2 -> 324.0), "
                     "equal at batch 1. eager: every tile rescales (0.2.15's kernels). Other kernels ignore it")
+    fp8_loader: Literal["inline", "producer"] = Field(
+        default="inline",
+        description="how the seesaw kernel (sm_90; under mma=auto from 33 packed rows with an fp8 cache) turns the "
+                    "fp8 e4m3 cache into its fp16 K tiles. inline (default): the two math warpgroups ld.global their "
+                    "part of each tile, convert it (cvt e4m3x2 -> f16x2) and st.shared it between their WGMMAs. "
+                    "producer (experimental, not measured on a GPU yet, branch fp8-producer): a third warpgroup "
+                    "(384 threads, setmaxnreg 216 math / 72 producer) does all fp8 loading and conversion on "
+                    "full / empty mbarriers, the math warpgroups only wait and run their WGMMAs. bf16/fp16 caches "
+                    "and other kernels ignore it")
     loads: Literal["auto", "cp_async", "tma"] = Field(
         default="auto",
         description="how the seesaw kernel (sm_90, s_q*num_heads >= 33 under mma=auto) brings KV tiles into shared "
@@ -477,6 +486,8 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             text += f" (seesaw_split=balanced ignored: the balanced seesaw {why})"
     if kernel == "seesaw":
         text += f", {options.rescale} softmax rescale (rescale={options.rescale})"
+    if kernel == "seesaw" and shape.kv_dtype == "fp8_e4m3" and options.fp8_loader == "producer":
+        text += ", a producer warpgroup converts the fp8 cache (fp8_loader=producer)"  # the default says nothing
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
         text += f", {'TMA' if seesaw_tma(shape, options) else 'cp.async'} KV loads (loads={options.loads}"
         if options.loads == "auto":
@@ -727,7 +738,7 @@ class CuteDslPlanned(Planned):
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
                  kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1,
-                 tma: bool = False, lazy_rescale: bool = False) -> None:
+                 tma: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False) -> None:
         run_fn = run_function(kernel, balanced)
         keywords: dict = {}
         if kernel == "fp8reg" and s_accs != 1:  # fp8reg_s_accs; the entry's default is 0.2.8's 1
@@ -736,6 +747,8 @@ class CuteDslPlanned(Planned):
             keywords["tma"] = True
         if kernel == "seesaw" and lazy_rescale:  # option rescale; the entries' default is eager
             keywords["lazy_rescale"] = True
+        if kernel == "seesaw" and fp8_producer:  # option fp8_loader=producer (fp8 cache); the entry's default: inline
+            keywords["fp8_producer"] = True
         if keywords:
             run_fn = functools.update_wrapper(functools.partial(run_fn, **keywords), run_fn)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
@@ -867,7 +880,8 @@ class CuteDslSession(Session):
         return CuteDslPlanned(lens, table, schedule, workspace, scratch, self.config.sm_scale,
                               self.config.kv_scale, kernel=kernel, balanced=balanced_split(problem, self.options),
                               s_accs=fp8reg_s_accs(problem, self.options), tma=seesaw_tma(problem, self.options),
-                              lazy_rescale=self.options.rescale == "lazy")
+                              lazy_rescale=self.options.rescale == "lazy",
+                              fp8_producer=(problem.kv_dtype == "fp8_e4m3" and self.options.fp8_loader == "producer"))
 
     def close(self) -> None:
         self._schedules.clear()

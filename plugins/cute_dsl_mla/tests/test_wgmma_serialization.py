@@ -8,7 +8,10 @@ divergent path": warpgroup 1 issued P_b V_R in one branch and waited for it in a
 the next tile in a third branch between them). A standalone ptxas (CUDA 12.8 and 13.0 both) reports it from
 the PTX, so this test compiles each kernel's PTX with the DSL and assembles it with the first ptxas found
 ($PTXAS, PATH, /usr/local/cuda*/bin); skipped when there is none. benchmarks/device/sass_check.py checks the
-device toolchain's own cubins (prebuild_kcache.sh runs it).
+device toolchain's own cubins (prebuild_kcache.sh runs it). The opt-in fp8 seesaw with a producer warpgroup
+(fp8_producer=True, branch fp8-producer; bf16 and fp16 q, eager and lazy) is checked the same way, plus its
+register count at launch (168 for 384 threads; the math warpgroups' 216 come from setmaxnreg, and ptxas reports
+spills in those regions too).
 """
 
 from __future__ import annotations
@@ -59,6 +62,11 @@ def _seesaw(kind: str):
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     lazy = kind.endswith("_lazy")
+    if kind.startswith("fp8p"):  # the opt-in fp8 seesaw with a producer warpgroup (fp8_producer=True, 384 threads)
+        q = "fp16" if "_fp16" in kind else "bf16"
+        k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), cutlass.Float8E4M3FN, l2_prefetch=True,
+                                        lazy_rescale=lazy, fp8_producer=True)
+        return k, api._fake_args_partial(q, "fp8_e4m3")
     if kind.startswith("fp8"):  # the even fp8 seesaw (the backend's kernel for an fp8 cache at 64+ rows)
         k = MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, l2_prefetch=True,
                                         lazy_rescale=lazy)
@@ -68,7 +76,8 @@ def _seesaw(kind: str):
     return k.call_balanced, api._fake_args_partial_balanced("bf16", "bf16")
 
 
-@pytest.mark.parametrize("kind", ["fp8", "fp8_lazy", "bf16_balanced_tma", "bf16_balanced_tma_lazy"])
+@pytest.mark.parametrize("kind", ["fp8", "fp8_lazy", "bf16_balanced_tma", "bf16_balanced_tma_lazy", "fp8p", "fp8p_lazy",
+                                  "fp8p_fp16", "fp8p_fp16_lazy"])
 def test_ptxas_keeps_the_seesaw_wgmmas_asynchronous(kind, tmp_path):
     ptxas = _ptxas()
     if ptxas is None:
@@ -88,4 +97,6 @@ def test_ptxas_keeps_the_seesaw_wgmmas_asynchronous(kind, tmp_path):
     assert "C7518" not in log and "serialized" not in log, log
     used = re.search(r"Used (\d+) registers", log)
     assert used and int(used.group(1)) <= 255
+    if kind.startswith("fp8p"):  # 384 threads: 168 at launch, the rest through setmaxnreg (no spill below either)
+        assert int(used.group(1)) <= 168, log
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", log), log

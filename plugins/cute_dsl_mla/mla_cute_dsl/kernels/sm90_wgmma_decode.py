@@ -769,6 +769,36 @@ SEESAW_LOAD_BLOCKS = (  # 64-column blocks of a K tile that WG w loads: [owner, 
 BAR_TAIL_OF = (3, 4)  # seesaw tma=True: named barrier of WG w's 128 threads after zeroing V tail rows
 KV_BOX = 64  # tma=True: columns per TMA box (64 x 64 x 2 B = 8 KB: one SW128 K-major 64-column block of sK)
 
+# fp8_producer=True (fp8 KV only, opt-in): 384 threads, WG0 / WG1 the math warpgroups, WG2 the producer that
+# ld.global's, converts and st.shared's every fp8 part. setmaxnreg draws from a per-CTA pool that holds only what
+# the CTA got at launch (the cubin's register count: 65,536 / 384 rounded down to 8 = 168, times 384 = 64,512);
+# setmaxnreg.inc blocks forever when the pool cannot pay (sm90_wgmma_t_decode's comment: a split that does not fit
+# HANGS the GPU). 2 * 128 * 216 + 128 * 72 = 64,512: the producer releases (168 - 72) * 128 = 12,288, the math
+# warpgroups take 2 * (216 - 168) * 128 = 12,288.
+FP8P_THREADS = 3 * WG_THREADS
+FP8P_REGS_AT_LAUNCH = (65536 // FP8P_THREADS) // 8 * 8  # 168
+FP8P_MATH_REGS = 216
+FP8P_PRODUCER_REGS = 72
+BAR_MATH = 5  # fp8_producer: named barrier of the 256 math threads (Q landed; epilogue row sums)
+# fp8_producer: fp8 elements per producer thread-copy: 16 (one 128-bit ld.global, two 128-bit st.shared of fp16;
+# 4 threads per 64-column block, 32 rows per pass) or 8 (the inline kernel's 64-bit layout). A part stays 40
+# registers either way (up to 5 blocks x 64 rows x 64 B / 128 threads); diagnostics only: not in the cache key
+FP8P_ELEMS_PER_COPY = 16
+
+
+def fp8p_register_split_fits(math_regs: int = FP8P_MATH_REGS, producer_regs: int = FP8P_PRODUCER_REGS,
+                             regs_at_launch: int = FP8P_REGS_AT_LAUNCH) -> bool:
+    """True when the two math warpgroups' setmaxnreg.inc can be paid from what the producer warpgroup's
+    setmaxnreg.dec releases (the CTA's pool; exited warps are not counted on), with setmaxnreg's own rules
+    (24..256, multiples of 8)."""
+    released = (regs_at_launch - producer_regs) * WG_THREADS
+    needed = (math_regs - regs_at_launch) * 2 * WG_THREADS
+    legal = all(24 <= r <= 256 and r % 8 == 0 for r in (math_regs, producer_regs))
+    return legal and producer_regs <= regs_at_launch <= math_regs and needed <= released
+
+
+assert fp8p_register_split_fits(), "fp8_producer setmaxnreg split exceeds the CTA's register pool (would hang)"
+
 
 class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     """Split-KV partial kernel, WGMMA, "seesaw" schedule (both warpgroups compute S).
@@ -847,12 +877,25 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       unchanged).  Host side: ``get_partial_kernel_wgmma_seesaw_balanced`` (cache kind
       ``partial_wgmma_seesaw_balanced``), ``mla_decode_sm90_wgmma_seesaw_balanced``; the backend runs it for
       option seesaw_split=balanced (the default).  fp8 KV: ValueError (see __init__).
+    * ``fp8_producer=True`` (fp8 KV only, one item per CTA, opt-in; branch fp8-producer, written compile-only, not yet
+      run on a GPU): 384 threads, a third warpgroup does every fp8 part's ld.global (128-bit, 16 fp8 per thread-copy)
+      -> cvt -> st.shared -> fence -> arrive on the part's "full" mbarrier, after waiting on its "empty" mbarrier,
+      which the math warpgroup that reads those columns last arrives on where the 16-bit kernel issues its load of
+      tile +2; the math warpgroups run the 16-bit kernel's instruction stream (``kernel_fp8p``; setmaxnreg 216 math
+      / 72 producer, the CTA's whole pool; NOTES.md "fp8 seesaw with a producer warpgroup").
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
                  wide_store: bool = False, tma: bool = False, balanced: bool = False,
-                 reader_fences: bool = False, lazy_rescale: bool = False):
+                 reader_fences: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
+        # fp8_producer (fp8 KV only, opt-in): a third warpgroup does every fp8 part's ld.global -> cvt -> st.shared
+        # on full / empty mbarriers (kernel_fp8p); the math warpgroups run the 16-bit kernel's instruction stream
+        self.fp8_producer = bool(fp8_producer)
+        if self.fp8_producer and not self.is_fp8:
+            raise ValueError(f"seesaw kernel: fp8_producer=True needs an fp8 e4m3 KV cache, got {kv_dtype}")
+        if self.fp8_producer and balanced:
+            raise ValueError("seesaw kernel: fp8_producer=True is built for the one-item kernel (balanced=False)")
         # lazy_rescale: a row keeps its reference max until a tile's max exceeds it by more than LAZY_RESCALE_LOG2
         # (exp2 units); only then are O and the row sum rescaled (corr != 1). Both warpgroups skip the 128
         # multiplies per thread of their O half for a tile whose rows all kept their reference, which sit on the
@@ -899,12 +942,17 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             (2 * BLOCK_M * 4, 16),  # sScale (row, buffer)
             (2 * BLOCK_M * 4, 16),  # sMax (row, buffer)
             (2 * BLOCK_M * 4, 16),  # sL (row, warpgroup): row sums for the epilogue
-            (4 * 8, 8),  # mbarriers (buffer, loading warpgroup)
+            (self._num_mbars() * 8, 8),  # mbarriers (buffer, loading warpgroup); fp8_producer: + 4 "empty"
         ]
         off = 0
         for size, align in parts:
             off = -(-off // align) * align + size
         return off
+
+    def _num_mbars(self) -> int:
+        """4 mbarriers (buffer, part): "full"; fp8_producer adds 4 "empty" ones (the same parts, freed by the
+        math warpgroup that reads them last)."""
+        return 8 if getattr(self, "fp8_producer", False) else 4
 
     def _mbar_count(self) -> int:
         """Arrivals that complete one phase of a part's mbarrier: the cp.async path (16-bit KV)
@@ -956,6 +1004,25 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         r2s = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=128),
             thr, cute.make_layout((1, 8)),
+        )
+        return g2r, r2s
+
+    def _fp8p_copies(self):
+        """fp8_producer: the producer's (g2r, r2s) with FP8P_ELEMS_PER_COPY elements per thread-copy (16: one
+        128-bit ld.global of fp8 and two 128-bit st.shared of fp16, each one 16-byte swizzle unit; 8:
+        ``_wg_fp8_copies``).  Both share one thread-value layout, so element (v, m, k) of a thread's partitions is
+        the same (row, col) in both (and in the identity tensor partitioned by g2r)."""
+        e = FP8P_ELEMS_PER_COPY
+        if e == 8:
+            return self._wg_fp8_copies()
+        thr = cute.make_layout((WG_THREADS // (64 // e), 64 // e), stride=(64 // e, 1))
+        g2r = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=8 * e),
+            thr, cute.make_layout((1, e)),
+        )
+        r2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.mma_dtype, num_bits_per_copy=128),
+            thr, cute.make_layout((1, e)),
         )
         return g2r, r2s
 
@@ -1066,7 +1133,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             "sScale": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
             "sMax": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
             "sL": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
-            "mbar": Align[MemRange[cutlass.Int64, 4], 8],
+            "mbar": Align[MemRange[cutlass.Int64, self._num_mbars()], 8],
         }}))
 
         g2s = cute.make_tiled_copy_tv(
@@ -1091,7 +1158,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             sQ_layout, sK_layout, sP_layout, sV_layout,
             g2s, g2s_wg, r2s_P,
             mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, mRanges,
-        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+        ).launch(grid=grid, block=[FP8P_THREADS if self.fp8_producer else NUM_THREADS, 1, 1], stream=stream,
+                  **({"min_blocks_per_mp": 1} if self.fp8_producer else {}))
 
     # ---------------------------------------------------------------- device side
     @cute.jit
@@ -1435,6 +1503,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     # seesaw_item_phases: buffer 0 holds local tiles 0, 2, ..., buffer 1 tiles 1, 3, ...
                     ph0 = ph0 + (T + 1) // 2
                     ph1 = ph1 + T // 2
+        elif cutlass.const_expr(self.fp8_producer):
+            b = mWork[wi, 0]
+            if b >= 0:
+                self.kernel_fp8p(
+                    mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                    sQ_layout, sK_layout, sP_layout, sV_layout, g2s, g2s_wg, r2s_P,
+                    mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tidx, m_block, wi, wg, wg_tidx, lane, b,
+                )
         else:
             b = mWork[wi, 0]
             if b >= 0:
@@ -1788,6 +1864,266 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         self.store_epilogue(mO, mLSE, mOp, mLSEp, b, slot, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block,
                             wg, R, lane, lse_writer)
 
+    # ---------------------------------------------------------------- fp8_producer=True (fp8 KV, opt-in)
+    @cute.jit
+    def kernel_fp8p(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        g2s: cute.TiledCopy, g2s_wg: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
+        mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+        tidx: cutlass.Int32, m_block: cutlass.Int32, wi: cutlass.Int32, wg: cutlass.Int32,
+        wg_tidx: cutlass.Int32, lane: cutlass.Int32, b: cutlass.Int32,
+    ):
+        """fp8_producer=True, one work item (request b >= 0): 384 threads.  8 mbarriers, count 128 each:
+        full[i] = mbar + i (i = 2 * buffer + part, the parts of ``SEESAW_LOAD_BLOCKS``: part w = the columns
+        warpgroup w loads in the other kernels), arrived by the producer's 128 threads after their st.shared
+        and async-proxy fence; empty[i] = mbar + 4 + i, arrived by math warpgroup w = i % 2 (the last reader of
+        those columns: the other kernels' loader of the part) once its WGMMAs on them completed.  Per buffer
+        both count one phase per tile of that buffer: the producer waits empty[i] with parity (p - 1) % 2
+        before writing pair p >= 1's tile, the math warpgroups wait full[i] with parity p % 2 as in the other
+        kernels and arrive empty[i] exactly where those issue the load of tile +2 (same conditions), so every
+        producer wait has its arrive and every math wait its fill, for any tile count T >= 0."""
+        kv_start = mWork[wi, 1]
+        kv_end = mWork[wi, 2]
+        slot = mWork[wi, 3]
+        kv_len = mLens[b]
+        R = mQ.shape[1]
+        blocks_per_page = mKV.shape[1] // BLOCK_N
+        n_start = kv_start // BLOCK_N
+        n_end = (kv_end + BLOCK_N - 1) // BLOCK_N
+        T = n_end - n_start  # tiles of this item (>= 0); local tile i is KV block n_start + i
+
+        smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
+        mbar = smem[8]
+        if tidx == 0:
+            for i in cutlass.range_constexpr(8):
+                cute.arch.mbarrier_init(mbar + i, WG_THREADS)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        if wg < 2:
+            cute.arch.setmaxregister_increase(FP8P_MATH_REGS)
+            self.fp8p_math(
+                mQ, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads, g2s, r2s_P,
+                mma_s, mma_s_first, mma_o_rs, mma_o_ss, smem, tidx, m_block, wg, wg_tidx, lane, b, slot, kv_len,
+                R, n_start, T,
+            )
+        else:
+            cute.arch.setmaxregister_decrease(FP8P_PRODUCER_REGS)
+            self.fp8p_producer(mKV, mPT, g2s_wg, smem[1], mbar, tidx - 2 * WG_THREADS, b, kv_len,
+                               blocks_per_page, n_start, T)
+
+    @cute.jit
+    def fp8p_produce_part(
+        self, g2r: cute.TiledCopy, thr_g2r, r2s: cute.TiledCopy, mKV: cute.Tensor, page: cutlass.Int32,
+        n: cutlass.Int32, stage: cutlass.Constexpr, blocks: cutlass.Constexpr, blocks_per_page: cutlass.Int32,
+        kv_len: cutlass.Int32, tKcK: cute.Tensor, tKsK: cute.Tensor, rRaw: cute.Tensor, empty_ptr, full_ptr,
+        wait_empty, parity: cutlass.Int32,
+    ):
+        """The producer's one part: ld.global the fp8 bytes (touches no smem, so issued before the wait), wait
+        for the part's columns to be free (``wait_empty``: not for a buffer's first tile), then cvt (rows >=
+        kv_len selected to 0) -> st.shared -> fence.proxy.async -> arrive on the part's full mbarrier
+        (``store_part_fp8``)."""
+        self.ldg_part_fp8(g2r, thr_g2r, mKV, page, n, blocks, blocks_per_page, kv_len, tKcK, rRaw)
+        if wait_empty:
+            cute.arch.mbarrier_wait(empty_ptr, parity)
+        self.store_part_fp8(r2s, n, stage, blocks, kv_len, tKcK, tKsK, rRaw, full_ptr)
+
+    @cute.jit
+    def fp8p_producer(
+        self, mKV: cute.Tensor, mPT: cute.Tensor, g2s_wg: cute.TiledCopy, sK: cute.Tensor, mbar,
+        ptid: cutlass.Int32, b: cutlass.Int32, kv_len: cutlass.Int32, blocks_per_page: cutlass.Int32,
+        n_start: cutlass.Int32, T: cutlass.Int32,
+    ):
+        """Warpgroup 2 (``ptid`` 0..127): every part of local tiles 0 .. T - 1 in the math side's wait order,
+        tile a = 2p: full[0] (blocks 0-3) then full[1] (blocks 4-8); tile b = 2p + 1: full[3] (blocks 4-7) then
+        full[2] (blocks 0-3 + RoPE).  Pair p >= 1 first waits on the matching empty barrier (parity (p - 1) % 2:
+        its tile - 2 released).  The page table is read one pair ahead; with l2_prefetch ptid 0 prefetches the
+        next pair's tiles into L2 before this pair's loads."""
+        g2r_wg, r2s_wg = self._fp8p_copies()
+        thr_g2r_wg = g2r_wg.get_slice(ptid)
+        cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
+        tKcK = thr_g2r_wg.partition_S(cKV)  # (CPY, passes, 9): the (row, col) of g2r's / r2s's elements
+        tKsK = r2s_wg.get_slice(ptid).partition_D(sK)  # (CPY, passes, 9, STAGES)
+        rRaw = cute.make_rmem_tensor((cute.size(tKcK.shape[0]), cute.size(tKcK.shape[1]), 5), cutlass.Float8E4M3FN)
+        full = mbar
+        empty = mbar + 4
+        pg_a = cutlass.Int32(0)
+        pg_b = cutlass.Int32(0)
+        if T > 0:
+            pg_a = mPT[b, n_start // blocks_per_page]
+        if T > 1:
+            pg_b = mPT[b, (n_start + 1) // blocks_per_page]
+        for p in cutlass.range(0, (T + 1) // 2, 1):
+            ta = 2 * p
+            par = (p + 1) % 2  # phase p - 1 of the empty barriers: tile ta - 2 / tb - 2 released
+            # the next pair's pages (clamped to a valid entry of this request; unused past T)
+            pn2 = mPT[b, (n_start + (ta + 2 if ta + 2 < T else T - 1)) // blocks_per_page]
+            pn3 = mPT[b, (n_start + (ta + 3 if ta + 3 < T else T - 1)) // blocks_per_page]
+            if cutlass.const_expr(self.l2_prefetch):
+                if ptid == 0:
+                    if ta + 2 < T:
+                        self.prefetch_tile_l2(mKV, pn2, n_start + ta + 2, blocks_per_page)
+                    if ta + 3 < T:
+                        self.prefetch_tile_l2(mKV, pn3, n_start + ta + 3, blocks_per_page)
+            # tile a (buffer 0): WG0's S waits full[0] then full[1]
+            self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[0][0],
+                                   blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 0, full + 0, p > 0, par)
+            self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[1][1],
+                                   blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 1, full + 1, p > 0, par)
+            if ta + 1 < T:
+                # tile b (buffer 1): WG1's S waits full[3] then full[2]
+                self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_b, n_start + ta + 1, 1,
+                                       SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len, tKcK, tKsK, rRaw,
+                                       empty + 3, full + 3, p > 0, par)
+                self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_b, n_start + ta + 1, 1,
+                                       SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len, tKcK, tKsK, rRaw,
+                                       empty + 2, full + 2, p > 0, par)
+            pg_a = pn2
+            pg_b = pn3
+
+    @cute.jit
+    def fp8p_math(
+        self,
+        mQ: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        g2s: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
+        mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma, smem,
+        tidx: cutlass.Int32, m_block: cutlass.Int32, wg: cutlass.Int32, wg_tidx: cutlass.Int32,
+        lane: cutlass.Int32, b: cutlass.Int32, slot: cutlass.Int32, kv_len: cutlass.Int32, R: cutlass.Int32,
+        n_start: cutlass.Int32, T: cutlass.Int32,
+    ):
+        """Warpgroups 0 and 1 (tidx 0..255): ``seesaw_item``'s 16-bit (cp.async) instruction stream with each
+        ``load_kv_part`` of tile +2 replaced by an arrive on that part's empty mbarrier (same place, same
+        condition: the warpgroup's WGMMAs on those columns have completed), and the CTA barriers by BAR_MATH
+        over the 256 math threads.  Q as in ``seesaw_item`` (bf16 q: ld.global -> cvt -> st.shared; fp16 q:
+        cp.async), complete and fenced before the BAR_MATH barrier that precedes the first S."""
+        mt = self.mma_dtype
+        sQ, sK, sV, sP0, sP1, sScale, sMax, sL, mbar = smem
+        full = mbar
+        empty = mbar + 4
+
+        thr_g2s = g2s.get_slice(tidx)
+        _, _, r2s_q, g2r_q = self._fp8_copies()
+        self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BAR_MATH, number_of_threads=NUM_THREADS)
+
+        # ---------------- per-warpgroup MMA partitions (seesaw_item's) ----------------
+        mma_o_rs.set(warpgroup.Field.ACCUMULATE, True)
+        mma_o_ss.set(warpgroup.Field.ACCUMULATE, True)
+        mma_s.set(warpgroup.Field.ACCUMULATE, True)
+        mma_s_first.set(warpgroup.Field.ACCUMULATE, False)
+        thr_s = mma_s.get_slice(wg_tidx)
+        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))  # (MMA, 1, 36)
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))  # (MMA, 1, 36, STAGES)
+        s_shape = thr_s.partition_shape_C((BLOCK_M, BLOCK_N))
+        cS = cute.make_identity_tensor((BLOCK_M, BLOCK_N))
+        tScS = _acc_mn_view(thr_s.partition_C(cS))
+        n_rows = cute.size(tScS.shape[0])
+
+        sV_half = cute.local_tile(sV, (D_V_HALF, BLOCK_N, STAGES), (wg, 0, 0))
+        thr_o = mma_o_rs.get_slice(wg_tidx)
+        tOrV = thr_o.make_fragment_B(thr_o.partition_B(sV_half))  # (MMA, 1, 4, STAGES)
+        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_M, D_V_HALF)), cutlass.Float32)
+        acc_O.fill(0.0)
+        acc_O_mn = _acc_mn_view(acc_O)
+        acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+        tOrP = cute.make_rmem_tensor(thr_o.partition_shape_A((BLOCK_M, BLOCK_N)), mt)
+        is_quad_leader = lane % 4 == 0
+
+        row_lim = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
+        for r in cutlass.range_constexpr(n_rows):
+            grow = m_block * BLOCK_M + tScS[r, 0][0]
+            row_lim[r] = kv_len - s_q + grow // num_heads + 1
+        row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_corr = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+
+        for p in cutlass.range(0, (T + 1) // 2, 1):
+            ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
+            parity = p % 2
+            if wg == 0:
+                # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
+                self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
+                        full + 0, full + 1, parity)
+                self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
+                                     acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
+                                     scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr, True)
+                self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
+                # columns 0..255 of buffer 0 are free (only WG0 reads them): tile a+2's part 0 may come
+                if ta + 2 < T:
+                    cute.arch.mbarrier_arrive(empty + 0)
+                if ta + 1 < T:
+                    # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS), waited
+                    self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
+                                   row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
+                    # columns 0..255 and P's block of buffer 1 are free: tile b+2's part 2 may come
+                    if ta + 3 < T:
+                        cute.arch.mbarrier_arrive(empty + 2)
+            else:
+                if ta + 1 < T:
+                    # S_b (runs while WG0 does softmax_a)
+                    self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
+                            full + 3, full + 2, parity)
+                # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet
+                self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
+                               row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
+                if ta + 1 < T:
+                    # softmax_b under the P_a V WGMMAs; O_R *= scale_b needs them done
+                    self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
+                                         acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
+                                         scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1], row_corr, False)
+                warpgroup.wait_group(0)
+                # columns 256..575 of buffer 0 are free: tile a+2's part 1 may come
+                if ta + 2 < T:
+                    cute.arch.mbarrier_arrive(empty + 1)
+                if ta + 1 < T:
+                    self.rescale_rows(acc_O_mn, row_corr, n_rows)
+                    self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
+                    # columns 256..511 of buffer 1 are free: tile b+2's part 3 may come
+                    if ta + 3 < T:
+                        cute.arch.mbarrier_arrive(empty + 3)
+
+        # ---------------- epilogue (seesaw_item's, BAR_MATH for the CTA barrier) ----------------
+        for r in cutlass.range_constexpr(n_rows):
+            s_own = _quad_sum(row_sum[r])
+            row_sum[r] = s_own
+            if is_quad_leader:
+                sL[tScS[r, 0][0], wg] = s_own
+        cute.arch.barrier(barrier_id=BAR_MATH, number_of_threads=NUM_THREADS)
+        row_scale = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        row_lse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            s = row_sum[r] + sL[tScS[r, 0][0], 1 - wg]
+            ok = s > 0.0
+            row_scale[r] = v_scale / s if ok else 0.0
+            row_lse[r] = (
+                row_max[r] * scale_ln + cute.math.log(s, fastmath=False)
+                if ok
+                else -cutlass.Float32.inf
+            )
+
+        cO = cute.make_identity_tensor((BLOCK_M, D_V_HALF))
+        tOcO = _acc_mn_view(thr_o.partition_C(cO))
+        lse_writer = is_quad_leader
+        if wg != 0:
+            lse_writer = False
+        self.store_epilogue(mO, mLSE, mOp, mLSEp, b, slot, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block,
+                            wg, R, lane, lse_writer)
+
 
 # ---------------------------------------------------------------------- host helpers
 # api.mla_decode_sm90 keeps using sm90_decode; the backend (mla_cute_dsl.backend, option mma) picks
@@ -1841,7 +2177,7 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
 
 
 # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy")
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p")
 #: MLADecodePartialWGMMASeesaw(lazy_rescale=True): a row's reference max moves only when a tile's max exceeds it by
 #: more than this (exp2 units), so P <= 2^8
 LAZY_RESCALE_LOG2 = 8.0
@@ -1857,7 +2193,7 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
                                     tma="tma" in flags, reader_fences="rfence" in flags,
-                                    lazy_rescale="lazy" in flags)
+                                    lazy_rescale="lazy" in flags, fp8_producer="fp8p" in flags)
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -1876,25 +2212,26 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
                 wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                lazy_rescale: bool = False) -> tuple[str | int, ...]:
+                lazy_rescale: bool = False, fp8_producer: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
     every existing key is unchanged), then "rfence" for a TMA or fp8 kernel that keeps the reader-side fences
     (the A/B arm; see MLADecodePartialWGMMASeesaw.reader_fences; never for the 16-bit cp.async kernel, which
-    runs them anyway), then "lazy" for ``lazy_rescale`` (only when set)."""
+    runs them anyway), then "lazy" for ``lazy_rescale`` (only when set), then "fp8p" for ``fp8_producer`` (fp8 KV
+    with a producer warpgroup; only when set)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
             + api.store_spec(wide_store) + (("tma",) if tma else ())
             + (("rfence",) if reader_fences and (tma or kv_name == "fp8_e4m3") else ())
-            + (("lazy",) if lazy_rescale else ()))
+            + (("lazy",) if lazy_rescale else ()) + (("fp8p",) if fp8_producer else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
                                     wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                                    lazy_rescale: bool = False):
+                                    lazy_rescale: bool = False, fp8_producer: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
@@ -1902,7 +2239,8 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     TMA boxes instead of cp.async (16-bit cache only; the backend's loads=auto from 256 rows, from 128 for the
     balanced kernel; measured in the class docstring).  ``reader_fences``: keep the reader-side proxy fences
     with TMA loads or an fp8 cache (the A/B arm; the 16-bit cp.async kernel runs them anyway).  ``lazy_rescale``:
-    see the class's constructor."""
+    see the class's constructor.  ``fp8_producer``: fp8 cache only (ValueError otherwise), the opt-in kernel with a
+    producer warpgroup (384 threads) that does all fp8 loading and conversion (``kernel_fp8p``)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -1910,21 +2248,24 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         raise ValueError(f"seesaw WGMMA kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
     if tma and kv_name == "fp8_e4m3":
         raise ValueError("seesaw WGMMA kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
+    if fp8_producer and kv_name != "fp8_e4m3":
+        raise ValueError(f"seesaw WGMMA kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 reader_fences, lazy_rescale),
+                                                 reader_fences, lazy_rescale, fp8_producer),
                                      _build_partial_wgmma_seesaw)
 
 
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True,
                                  l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False,
-                                 lazy_rescale: bool = False):
+                                 lazy_rescale: bool = False, fp8_producer: bool = False):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
-    ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``: see ``get_partial_kernel_wgmma_seesaw``."""
+    ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``, ``fp8_producer`` (fp8 cache only): see
+    ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
@@ -1932,7 +2273,8 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
     partial = get_partial_kernel_wgmma_seesaw(api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype],
                                               l2_prefetch=l2_prefetch, partial=api.partial_name(workspace),
                                               wide_store=schedule.wide_store, tma=tma, reader_fences=reader_fences,
-                                              lazy_rescale=lazy_rescale)
+                                              lazy_rescale=lazy_rescale,
+                                              **({"fp8_producer": True} if fp8_producer else {}))  # opt-in only
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
