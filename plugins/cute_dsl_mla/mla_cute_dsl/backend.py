@@ -161,14 +161,16 @@ class CuteDslOptions(BackendOptions):
                     "(bf16 B=128 s_q=1 294.8 -> 288.9 us, s_q=2 549.5 -> 539.6; fp8 B=128 s_q=1 327.2 -> 324.0), "
                     "equal at batch 1. eager: every tile rescales (0.2.15's kernels). Other kernels ignore it")
     fp8_loader: Literal["inline", "producer"] = Field(
-        default="inline",
+        default="producer",
         description="how the seesaw kernel (sm_90; under mma=auto from 33 packed rows with an fp8 cache) turns the "
-                    "fp8 e4m3 cache into its fp16 K tiles. inline (default): the two math warpgroups ld.global their "
-                    "part of each tile, convert it (cvt e4m3x2 -> f16x2) and st.shared it between their WGMMAs. "
-                    "producer (experimental, not measured on a GPU yet, branch fp8-producer): a third warpgroup "
+                    "fp8 e4m3 cache into its fp16 K tiles. producer (default since 0.2.17): a third warpgroup "
                     "(384 threads, setmaxnreg 216 math / 72 producer) does all fp8 loading and conversion on "
-                    "full / empty mbarriers, the math warpgroups only wait and run their WGMMAs. bf16/fp16 caches "
-                    "and other kernels ignore it")
+                    "full / empty mbarriers, the math warpgroups only wait and run their WGMMAs; on an H200 "
+                    "(docs/results/gpu22_session/fp8p_speed.txt, the kernels alone, fa3 interleaved) 0.88-0.90x "
+                    "inline's time with lazy rescale at H=128 B=16/64/128 and H=64 B=128, S=4096 (B=128 H=128 "
+                    "s_q=1 292.5 against 330.4 us, fa3 928.5). inline (0.2.16's kernel): the two math warpgroups "
+                    "ld.global their part of each tile, convert it (cvt e4m3x2 -> f16x2) and st.shared it between "
+                    "their WGMMAs. bf16/fp16 caches and other kernels ignore it")
     loads: Literal["auto", "cp_async", "tma"] = Field(
         default="auto",
         description="how the seesaw kernel (sm_90, s_q*num_heads >= 33 under mma=auto) brings KV tiles into shared "
@@ -486,8 +488,9 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             text += f" (seesaw_split=balanced ignored: the balanced seesaw {why})"
     if kernel == "seesaw":
         text += f", {options.rescale} softmax rescale (rescale={options.rescale})"
-    if kernel == "seesaw" and shape.kv_dtype == "fp8_e4m3" and options.fp8_loader == "producer":
-        text += ", a producer warpgroup converts the fp8 cache (fp8_loader=producer)"  # the default says nothing
+    if kernel == "seesaw" and shape.kv_dtype == "fp8_e4m3":
+        text += (", a producer warpgroup converts the fp8 cache (fp8_loader=producer)" if options.fp8_loader == "producer"
+                 else ", the math warpgroups convert the fp8 cache (fp8_loader=inline)")
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
         text += f", {'TMA' if seesaw_tma(shape, options) else 'cp.async'} KV loads (loads={options.loads}"
         if options.loads == "auto":
@@ -747,7 +750,8 @@ class CuteDslPlanned(Planned):
             keywords["tma"] = True
         if kernel == "seesaw" and lazy_rescale:  # option rescale; the entries' default is eager
             keywords["lazy_rescale"] = True
-        if kernel == "seesaw" and fp8_producer:  # option fp8_loader=producer (fp8 cache); the entry's default: inline
+        if kernel == "seesaw" and fp8_producer:  # option fp8_loader=producer (fp8 cache, the backend's default
+            # since 0.2.17); the kernel entry's own default stays inline
             keywords["fp8_producer"] = True
         if keywords:
             run_fn = functools.update_wrapper(functools.partial(run_fn, **keywords), run_fn)

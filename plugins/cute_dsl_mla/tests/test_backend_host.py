@@ -545,7 +545,7 @@ def test_split_kv_applies_only_to_the_mma_sync_and_wgmma_t_kernels_with_a_16_bit
     assert ", eager softmax rescale (rescale=eager), TMA KV loads" in kernel_summary(
         prob(num_heads=128), CuteDslOptions(rescale="eager"))
     assert kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), CuteDslOptions()).endswith(
-        ", lazy softmax rescale (rescale=lazy)")
+        ", lazy softmax rescale (rescale=lazy), a producer warpgroup converts the fp8 cache (fp8_loader=producer)")
     assert "rescale" not in kernel_summary(prob(num_heads=16), CuteDslOptions(rescale="eager"))
     assert kernel_summary(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
                                                                                    mma="mma_sync")).endswith(
@@ -822,7 +822,9 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
     assert planned.run_fn.__name__ == ("mla_decode_sm90_wgmma_seesaw_balanced" if kv == "bf16"
                                        else "mla_decode_sm90_wgmma_seesaw")
     # and option rescale (default lazy) as lazy_rescale=True, with either cache
-    assert getattr(planned.run_fn, "keywords", {}) == ({"tma": True} if want else {}) | {"lazy_rescale": True}
+    # (and option fp8_loader, default producer since 0.2.17, as fp8_producer=True with an fp8 cache)
+    assert getattr(planned.run_fn, "keywords", {}) == (({"tma": True} if want else {}) | {"lazy_rescale": True}
+                                                       | ({"fp8_producer": True} if kv == "fp8_e4m3" else {}))
     summary = be.kernel_summary(problem, opts)
     if kv == "bf16":
         assert f"{'TMA' if want else 'cp.async'} KV loads (loads={loads}" in summary

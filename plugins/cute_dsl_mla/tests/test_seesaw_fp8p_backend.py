@@ -16,7 +16,7 @@ from mlacore import StepInputs
 
 
 def test_option_fp8_loader_default_and_validation():
-    assert CuteDslOptions().fp8_loader == "inline"
+    assert CuteDslOptions().fp8_loader == "producer"  # the default since 0.2.17
     with pytest.raises(ValueError, match="fp8_loader"):
         CuteDslOptions(fp8_loader="warp")
     assert "producer" in CuteDslOptions.model_fields["fp8_loader"].description
@@ -38,6 +38,7 @@ def test_option_fp8_loader_reaches_the_seesaw_entry(monkeypatch, loader, kv):
         assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw"
         assert keywords == {"lazy_rescale": True} | ({"fp8_producer": True} if loader == "producer" else {})
         assert ("(fp8_loader=producer)" in be.kernel_summary(problem, opts)) is (loader == "producer")
+        assert ("(fp8_loader=inline)" in be.kernel_summary(problem, opts)) is (loader == "inline")
     else:
         assert "fp8_loader" not in be.kernel_summary(problem, opts)
     small = prob(num_heads=16, seq_len_q=1, batch_size=4, kv_dtype=kv)
