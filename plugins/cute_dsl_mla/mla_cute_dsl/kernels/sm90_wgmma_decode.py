@@ -863,11 +863,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if tma and self.is_fp8:
             raise ValueError("seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16); the fp8 "
                              "cache keeps its ld.global -> cvt -> st.shared loads")
-        if balanced and self.is_fp8:
-            raise ValueError("seesaw kernel: balanced=True needs a 16-bit KV cache (bf16 / fp16): every balanced "
-                             "entry refuses fp8 caches (api.check_balanced: the hybrid plan's cost model was "
-                             "measured with 16-bit caches) and the fp8 seesaw's register-staged loads across "
-                             "pairs were not checked under the item loop")
+        # balanced with an fp8 cache (branch fp8-balanced, compile-checked only: not yet run on a GPU): the
+        # register-staged fp8 parts never cross an item boundary (a part ld.global'ed in pair p is stored in pair
+        # p or p + 1 of the same item: only for a tile < T), see the class docstring and
+        # tests/test_seesaw_balanced_protocol.py (the fp8 model)
         # balanced split-KV (schedule.make_schedule(..., balanced=True)): launched through call_balanced, grid
         # (m-blocks, num_cols), each CTA walking its column's work items (kernel_seesaw, seesaw_item)
         self.balanced = bool(balanced)
@@ -1631,7 +1630,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     # issue S_a, then convert this pair's tile b part (columns 0..255 + RoPE,
                     # ld.global'ed during the previous pair) under those WGMMAs, then wait
                     self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
-                            mbar + 0, mbar + 1, parity, False)
+                            mbar + 0, mbar + 1, par0, False)
                     if p > 0 and ta + 1 < T:
                         self.store_part_fp8(r2s_wg, n_start + ta + 1, 1, SEESAW_LOAD_BLOCKS[0][1],
                                             kv_len, tKcK, tKsK, rRaw, mbar + 2)
@@ -1659,7 +1658,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 else:
                     if ta + 1 < T:
                         self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
-                                mbar + 3, mbar + 2, parity)
+                                mbar + 3, mbar + 2, par1)
                     self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
                                    row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
                     if ta + 1 < T:
