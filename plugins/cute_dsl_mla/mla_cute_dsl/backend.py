@@ -428,8 +428,15 @@ def rule_kv_blocks(shape: DecodeShape, options: CuteDslOptions,
 
 # partial kernels with a balanced mode (a column loop over the hybrid schedule) under split_kv, 16-bit caches only
 BALANCED_KERNELS = ("mma_sync", "wgmma_t")
-# the seesaw's balanced mode (16-bit caches only) follows its own option, seesaw_split (default balanced)
+# the seesaw's balanced mode follows its own option, seesaw_split (default balanced)
 SEESAW_BALANCED_KERNEL = "seesaw"
+# whether an fp8 cache runs the balanced seesaw too (seesaw_split=balanced; branch fp8-balanced). The kernel
+# (MLADecodePartialWGMMASeesaw(balanced=True) with an fp8 e4m3 cache) compiles without spills or serialized
+# WGMMAs but has not run on a GPU yet, and the hybrid plan's cost model (schedule.item_cost) was measured with
+# 16-bit caches: off (the even fp8 seesaw, 0.2.17's behaviour) until benchmarks/device/fp8_balanced_gpu.sh
+# verified and timed it on an H200. Read at call time by balanced_split (so kernel_summary, seesaw_tma_min_rows,
+# the session's schedule and plan follow it)
+FP8_SEESAW_BALANCED = False
 
 
 def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
@@ -440,11 +447,12 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
     producer pairs its register sets with ring stages at compile time. The other WGMMA kernels have none
     either. Shape class and options only, so the session's buffers and its CUDA graphs never change kind
     between steps: mma=auto's KV-block rule swaps mma_sync for wgmma_t, both balanced kernels, never changing
-    this answer. The seesaw kernel (a bf16/fp16 cache) runs its balanced mode with seesaw_split=balanced
-    (the default since 0.2.13; split_kv does not reach it)."""
-    if shape.kv_dtype == "fp8_e4m3":
-        return False
+    this answer. The seesaw kernel (a bf16/fp16 cache; an fp8 cache too with FP8_SEESAW_BALANCED, off by
+    default) runs its balanced mode with seesaw_split=balanced (the default since 0.2.13; split_kv does not
+    reach it)."""
     kernel = partial_kernel(shape, options)
+    if shape.kv_dtype == "fp8_e4m3" and not (FP8_SEESAW_BALANCED and kernel == SEESAW_BALANCED_KERNEL):
+        return False  # FP8_SEESAW_BALANCED: the seesaw's balanced mode takes an fp8 cache too (same rule below)
     if kernel == SEESAW_BALANCED_KERNEL:
         # one seesaw CTA fits an SM (222 KB of shared memory): the balanced grid's columns must all run at once
         # (the hybrid's cost model assumes it), so ctas_per_sm=2 keeps the even kernel
@@ -462,6 +470,8 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
     if balanced_split(shape, options) and kernel == SEESAW_BALANCED_KERNEL:
         text = ("seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan, "
                 "whichever is predicted >= 10% faster)")
+        if shape.kv_dtype == "fp8_e4m3":
+            text += " with an fp8 cache (FP8_SEESAW_BALANCED; the plan's cost model was measured with 16-bit caches)"
     elif balanced_split(shape, options):
         text = (f"{kernel} kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
                 "whichever is predicted >= 10% faster)")
@@ -472,7 +482,8 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
                      f"cache, this shape {why})")
         if kernel == SEESAW_BALANCED_KERNEL and options.seesaw_split == "balanced":
-            why = ("takes a bf16/fp16 cache only" if shape.kv_dtype == "fp8_e4m3"
+            why = ("takes an fp8 cache only with backend.FP8_SEESAW_BALANCED, off until measured on a GPU"
+                   if shape.kv_dtype == "fp8_e4m3" and not FP8_SEESAW_BALANCED
                    else "runs one CTA per SM, ctas_per_sm=2 asks for two")
             text += f" (seesaw_split=balanced ignored: the balanced seesaw {why})"
     if kernel == "seesaw":
