@@ -51,6 +51,7 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
         ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "partial_bf16", "wide_store")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "partial_bf16", "wide_store", "lazy")),
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp8_e4m3", 64, "l2pf", "partial_fp16", "wide_store")),
+        ("partial_wgmma_seesaw_balanced", ("fp16", "fp8_e4m3", 64, "l2pf", "lazy")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf")),
         ("partial_wgmma", ("fp16", "fp16", 64, "partial_fp16", "wide_store")),
         ("partial", ("bf16", "fp8_e4m3", 64, None, "partial_bf16", "wide_store")),
