@@ -49,6 +49,14 @@ def specs():
                         out.append((f"seesaw_balanced {q} {tag}{' tma' if tma else ''}", lambda q=q, p=partial, w=wide,
                                     t=tma: get_partial_kernel_wgmma_seesaw_balanced(q, q, partial=p, wide_store=w,
                                                                                     tma=t)))
+                if kv != q:  # the balanced seesaw with an fp8 cache (backend.FP8_SEESAW_BALANCED, branch
+                    # fp8-balanced; L2 prefetch on as for the even fp8 seesaw): ONLY=seesaw_balanced_fp8, eager and
+                    # lazy (the backend's rescale=lazy; test_seesaw_balanced_fp8_gpu.py runs both with bf16 and fp16
+                    # q), fp8_balanced_gpu.sh / wgmma_speed.py --kv fp8 balanced / balanced_lazy
+                    for lazy in (False, True):
+                        out.append((f"seesaw_balanced_fp8 {q} {tag}{' lazy' if lazy else ''}",
+                                    lambda q=q, p=partial, w=wide, z=lazy: get_partial_kernel_wgmma_seesaw_balanced(
+                                        q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z)))
                 if q == "bf16":  # lazy_rescale (the balanced TMA seesaw for bf16, the even seesaw for fp8):
                     # wgmma_speed.py's balanced_tma_lazy / seesaw_lazy ways, test_seesaw_lazy_gpu.py
                     if kv == q:

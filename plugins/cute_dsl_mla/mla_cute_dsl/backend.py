@@ -439,8 +439,15 @@ def rule_kv_blocks(shape: DecodeShape, options: CuteDslOptions,
 
 # partial kernels with a balanced mode (a column loop over the hybrid schedule) under split_kv, 16-bit caches only
 BALANCED_KERNELS = ("mma_sync", "wgmma_t")
-# the seesaw's balanced mode (16-bit caches only) follows its own option, seesaw_split (default balanced)
+# the seesaw's balanced mode follows its own option, seesaw_split (default balanced)
 SEESAW_BALANCED_KERNEL = "seesaw"
+# whether an fp8 cache runs the balanced seesaw too (seesaw_split=balanced; branch fp8-balanced). The kernel
+# (MLADecodePartialWGMMASeesaw(balanced=True) with an fp8 e4m3 cache) compiles without spills or serialized
+# WGMMAs but has not run on a GPU yet, and the hybrid plan's cost model (schedule.item_cost) was measured with
+# 16-bit caches: off (the even fp8 seesaw, 0.2.17's behaviour) until benchmarks/device/fp8_balanced_gpu.sh
+# verified and timed it on an H200. Read at call time by balanced_split (so kernel_summary, seesaw_tma_min_rows,
+# the session's schedule and plan follow it)
+FP8_SEESAW_BALANCED = False
 
 
 def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
@@ -451,16 +458,25 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
     producer pairs its register sets with ring stages at compile time. The other WGMMA kernels have none
     either. Shape class and options only, so the session's buffers and its CUDA graphs never change kind
     between steps: mma=auto's KV-block rule swaps mma_sync for wgmma_t, both balanced kernels, never changing
-    this answer. The seesaw kernel (a bf16/fp16 cache) runs its balanced mode with seesaw_split=balanced
-    (the default since 0.2.13; split_kv does not reach it)."""
-    if shape.kv_dtype == "fp8_e4m3":
-        return False
+    this answer. The seesaw kernel (a bf16/fp16 cache; an fp8 cache too with FP8_SEESAW_BALANCED, off by
+    default) runs its balanced mode with seesaw_split=balanced (the default since 0.2.13; split_kv does not
+    reach it)."""
     kernel = partial_kernel(shape, options)
+    if shape.kv_dtype == "fp8_e4m3" and not (FP8_SEESAW_BALANCED and kernel == SEESAW_BALANCED_KERNEL):
+        return False  # FP8_SEESAW_BALANCED: the seesaw's balanced mode takes an fp8 cache too (same rule below)
     if kernel == SEESAW_BALANCED_KERNEL:
         # one seesaw CTA fits an SM (222 KB of shared memory): the balanced grid's columns must all run at once
         # (the hybrid's cost model assumes it), so ctas_per_sm=2 keeps the even kernel
         return options.seesaw_split == "balanced" and options.ctas_per_sm in ("auto", 1)
     return options.split_kv == "balanced" and kernel in BALANCED_KERNELS
+
+
+def seesaw_fp8_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether the fp8 seesaw runs with its producer warpgroup: option fp8_loader=producer (the default since
+    0.2.17), an fp8 cache, the seesaw kernel, and its even mode: the producer warpgroup is built for one item per
+    CTA (the balanced seesaw, FP8_SEESAW_BALANCED, converts inline)."""
+    return (shape.kv_dtype == "fp8_e4m3" and options.fp8_loader == "producer"
+            and partial_kernel(shape, options) == "seesaw" and not balanced_split(shape, options))
 
 
 def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optional[int] = None) -> str:
@@ -473,6 +489,8 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
     if balanced_split(shape, options) and kernel == SEESAW_BALANCED_KERNEL:
         text = ("seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan, "
                 "whichever is predicted >= 10% faster)")
+        if shape.kv_dtype == "fp8_e4m3":
+            text += " with an fp8 cache (FP8_SEESAW_BALANCED; the plan's cost model was measured with 16-bit caches)"
     elif balanced_split(shape, options):
         text = (f"{kernel} kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, "
                 "whichever is predicted >= 10% faster)")
@@ -483,14 +501,20 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
                      f"cache, this shape {why})")
         if kernel == SEESAW_BALANCED_KERNEL and options.seesaw_split == "balanced":
-            why = ("takes a bf16/fp16 cache only" if shape.kv_dtype == "fp8_e4m3"
+            why = ("takes an fp8 cache only with backend.FP8_SEESAW_BALANCED, off until measured on a GPU"
+                   if shape.kv_dtype == "fp8_e4m3" and not FP8_SEESAW_BALANCED
                    else "runs one CTA per SM, ctas_per_sm=2 asks for two")
             text += f" (seesaw_split=balanced ignored: the balanced seesaw {why})"
     if kernel == "seesaw":
         text += f", {options.rescale} softmax rescale (rescale={options.rescale})"
     if kernel == "seesaw" and shape.kv_dtype == "fp8_e4m3":
-        text += (", a producer warpgroup converts the fp8 cache (fp8_loader=producer)" if options.fp8_loader == "producer"
-                 else ", the math warpgroups convert the fp8 cache (fp8_loader=inline)")
+        if seesaw_fp8_producer(shape, options):
+            text += ", a producer warpgroup converts the fp8 cache (fp8_loader=producer)"
+        elif options.fp8_loader == "producer":
+            text += (", the math warpgroups convert the fp8 cache (fp8_loader=producer ignored: the balanced seesaw "
+                     "has no producer warpgroup)")
+        else:
+            text += ", the math warpgroups convert the fp8 cache (fp8_loader=inline)"
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
         text += f", {'TMA' if seesaw_tma(shape, options) else 'cp.async'} KV loads (loads={options.loads}"
         if options.loads == "auto":
@@ -885,7 +909,7 @@ class CuteDslSession(Session):
                               self.config.kv_scale, kernel=kernel, balanced=balanced_split(problem, self.options),
                               s_accs=fp8reg_s_accs(problem, self.options), tma=seesaw_tma(problem, self.options),
                               lazy_rescale=self.options.rescale == "lazy",
-                              fp8_producer=(problem.kv_dtype == "fp8_e4m3" and self.options.fp8_loader == "producer"))
+                              fp8_producer=seesaw_fp8_producer(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()

@@ -195,3 +195,72 @@ def test_ctas_per_sm_2_keeps_the_even_seesaw(monkeypatch):
     assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw"
     assert "seesaw_split=balanced ignored: the balanced seesaw runs one CTA per SM" in be.kernel_summary(
         prob(num_heads=128), opts)
+
+
+# ---- branch fp8-balanced: backend.FP8_SEESAW_BALANCED (off by default) lets an fp8 cache run the balanced seesaw ----
+
+
+def test_fp8_seesaw_balanced_is_off_by_default():
+    assert be.FP8_SEESAW_BALANCED is False
+    assert not be.balanced_split(prob(num_heads=128, kv_dtype="fp8_e4m3"), CuteDslOptions())
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_fp8_seesaw_balanced_flag_routes_plan_summary_and_run(monkeypatch, flag):
+    """FP8_SEESAW_BALANCED off: an fp8 cache at 64+ rows runs the even fp8 seesaw and the summary says
+    seesaw_split=balanced is ignored (0.2.17's routing); on: the balanced seesaw entry on a balanced schedule in
+    the session's fixed buffers (the hybrid plan: its cost model measured with 16-bit caches), fp8 loads (never
+    TMA), lazy rescale, 16-bit partials and wide stores as for the even fp8 seesaw. The other kernels (fp8reg,
+    mma=wgmma / mma_sync / wgmma_t) never run balanced with an fp8 cache, and seesaw_split=even / ctas_per_sm=2
+    keep the even seesaw, whatever the flag."""
+    from mla_cute_dsl.kernels import api, sm90_wgmma_decode
+
+    monkeypatch.setattr(be, "FP8_SEESAW_BALANCED", flag)
+    fp8 = prob(num_heads=128, kv_dtype="fp8_e4m3")
+    assert be.balanced_split(fp8, CuteDslOptions()) is flag
+    assert be.balanced_split(prob(num_heads=64, seq_len_q=2, kv_dtype="fp8_e4m3"), CuteDslOptions()) is flag
+    assert not be.balanced_split(fp8, CuteDslOptions(seesaw_split="even"))
+    assert not be.balanced_split(fp8, CuteDslOptions(ctas_per_sm=2))
+    assert not be.balanced_split(fp8, CuteDslOptions(mma="wgmma"))
+    for opts in (CuteDslOptions(), CuteDslOptions(mma="mma_sync"), CuteDslOptions(mma="wgmma_t"),
+                 CuteDslOptions(mma="fp8reg")):
+        assert not be.balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), opts)
+    assert be.balanced_split(prob(num_heads=128), CuteDslOptions())  # 16-bit caches: unchanged
+    assert not be.seesaw_tma(fp8, CuteDslOptions()) and not be.seesaw_tma(fp8, CuteDslOptions(loads="tma"))
+    summary = be.kernel_summary(fp8, CuteDslOptions())
+    if flag:
+        assert summary.startswith("seesaw kernel, balanced split-KV (seesaw_split=balanced")
+        assert "with an fp8 cache (FP8_SEESAW_BALANCED; the plan's cost model was measured with 16-bit caches)" in \
+            summary and "seesaw_split=balanced ignored" not in summary and "KV loads" not in summary
+    else:
+        assert summary.startswith("seesaw kernel, even split-KV")
+        assert ("seesaw_split=balanced ignored: the balanced seesaw takes an fp8 cache only with "
+                "backend.FP8_SEESAW_BALANCED") in summary
+    assert "lazy softmax rescale" in summary
+
+    asked, launched = [], []
+    monkeypatch.setattr(sm90_wgmma_decode, "get_partial_kernel_wgmma_seesaw_balanced",
+                        lambda q, kv, **k: asked.append(("balanced", q, kv, k)) or "balanced-kernel")
+    monkeypatch.setattr(sm90_wgmma_decode, "get_partial_kernel_wgmma_seesaw",
+                        lambda q, kv, **k: asked.append(("even", q, kv, k)) or "even-kernel")
+    monkeypatch.setattr(api, "launch_balanced", lambda partial, *a: launched.append(("balanced", partial, a)))
+    monkeypatch.setattr(api, "launch", lambda partial, *a: launched.append(("even", partial, a)))
+    _, planned = _plan(monkeypatch, CuteDslOptions(), [3000, 17, 0, 4096], kv="fp8_e4m3")
+    assert planned.kernel == "seesaw" and planned.balanced is flag
+    assert planned.run_fn.__name__ == ("mla_decode_sm90_wgmma_seesaw_balanced" if flag
+                                       else "mla_decode_sm90_wgmma_seesaw")
+    # the producer warpgroup (fp8_loader=producer, the default since 0.2.17) runs on the even seesaw only
+    assert getattr(planned.run_fn, "keywords", {}) == {"lazy_rescale": True} | ({} if flag else {"fp8_producer": True})
+    assert be.seesaw_fp8_producer(fp8, CuteDslOptions()) is not flag
+    assert ("fp8_loader=producer ignored" in summary) is flag
+    assert planned.schedule.balanced is flag and (planned.schedule.cta_ranges is not None) is flag
+    q = torch.zeros(4, 1, 128, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    planned.run(q, kv, torch.empty(4, 1, 128, 512, dtype=torch.bfloat16), torch.empty(4, 1, 128))
+    kind, q_name, kv_name, kw = asked[-1]
+    assert (kind, q_name, kv_name) == ("balanced" if flag else "even", "bf16", "fp8_e4m3")
+    assert kw["partial"] == "bf16" and kw["wide_store"] is True and kw["tma"] is False and kw["lazy_rescale"] is True
+    assert kw["l2_prefetch"] is None  # the getters' default: seesaw_l2_prefetch_default, on for fp8
+    way, partial, args = launched[-1]
+    assert way == ("balanced" if flag else "even") and partial == f"{way}-kernel"
+    assert args[1] is kv and args[-2] is planned.schedule

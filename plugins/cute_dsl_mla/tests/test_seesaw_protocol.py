@@ -384,6 +384,13 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
                 elif what == "K" and not (cell["phase"] in landed and _hb(landed[cell["phase"]], vc[w])):
                     errors.append(f"RAW: WG{w} reads tile {t} buf {buf} block {blk}: landing not observed")
                 inflight[w].append((buf, blk))
+        elif kind == "write_q":  # balanced fp8 (test_seesaw_balanced_protocol.py): WG w converts its Q rows into sQ
+            _, r = ev
+            cell = mem.get(("Q", w))
+            if cell is not None and (any(("Q", w) in inflight[o] for o in (0, 1))
+                                     or not all(_hb(x, vc[w]) for x in cell["reads"])):
+                errors.append(f"WAR: WG{w} writes Q of request {r} while an S WGMMA may still read sQ")
+            mem[("Q", w)] = {"tag": ("Q", r), "vc": list(vc[w]), "phase": None, "reads": []}
         elif kind == "wait_reads":
             for key in inflight[w]:
                 mem[key]["reads"].append(list(vc[w]))

@@ -62,6 +62,10 @@ def _seesaw(kind: str):
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     lazy = kind.endswith("_lazy")
+    if kind.startswith("fp8_balanced"):  # the balanced fp8 seesaw (branch fp8-balanced, backend.FP8_SEESAW_BALANCED)
+        k = MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, l2_prefetch=True, balanced=True,
+                                        lazy_rescale=lazy)
+        return k.call_balanced, api._fake_args_partial_balanced("bf16", "fp8_e4m3")
     if kind.startswith("fp8p"):  # the opt-in fp8 seesaw with a producer warpgroup (fp8_producer=True, 384 threads)
         q = "fp16" if "_fp16" in kind else "bf16"
         k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), cutlass.Float8E4M3FN, l2_prefetch=True,
@@ -77,7 +81,7 @@ def _seesaw(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["fp8", "fp8_lazy", "bf16_balanced_tma", "bf16_balanced_tma_lazy", "fp8p", "fp8p_lazy",
-                                  "fp8p_fp16", "fp8p_fp16_lazy"])
+                                  "fp8p_fp16", "fp8p_fp16_lazy", "fp8_balanced", "fp8_balanced_lazy"])
 def test_ptxas_keeps_the_seesaw_wgmmas_asynchronous(kind, tmp_path):
     ptxas = _ptxas()
     if ptxas is None:

@@ -473,18 +473,22 @@ def launch_fused(partial, q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
     return out, lse
 
 
-def check_balanced(schedule: Schedule, kv_cache, pair_ok: bool = False) -> None:
+def check_balanced(schedule: Schedule, kv_cache, pair_ok: bool = False, fp8_ok: bool = False) -> None:
     """What every balanced entry needs, checked even with check=False (a wrong schedule or cache would make
     the column loop read another kernel's buffers): a make_schedule(..., balanced=True) schedule and a
-    bf16/fp16 cache (the balanced kernels have no fp8 path). A schedule of form "pair" only on an entry that runs
-    the pair kernel (pair_ok: mla_decode_sm90(balanced=True)): any other kernel would write both halves directly."""
+    bf16/fp16 cache (the mma.sync and wgmma_t balanced kernels have no fp8 path), or also an fp8 e4m3 cache on
+    the entry whose kernel has one (fp8_ok: the balanced seesaw, mla_decode_sm90_wgmma_seesaw_balanced; the
+    hybrid plan's cost model, schedule.item_cost, was measured with 16-bit caches and is used unchanged). A
+    schedule of form "pair" only on an entry that runs the pair kernel (pair_ok: mla_decode_sm90(balanced=True)):
+    any other kernel would write both halves directly."""
     if not schedule.balanced:
         raise ValueError("balanced=True needs a schedule made with make_schedule(..., balanced=True)")
     if schedule.form == PAIR_FORM and not pair_ok:
         raise ValueError("a schedule of form 'pair' runs only on the mma.sync balanced kernel "
                          "(mla_decode_sm90(..., balanced=True))")
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only")
+    if kv_cache.dtype == torch.float8_e4m3fn and not fp8_ok:
+        raise ValueError("balanced split-KV is built for bf16/fp16 KV caches only (an fp8 cache: the balanced "
+                         "seesaw, mla_decode_sm90_wgmma_seesaw_balanced)")
 
 
 def mla_decode_sm90(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,

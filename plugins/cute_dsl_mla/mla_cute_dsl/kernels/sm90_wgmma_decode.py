@@ -876,7 +876,15 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       (ph0 + p) % 2 / (ph1 + p) % 2 (``seesaw_pair_parities``; p % 2 for one item per CTA, generated code
       unchanged).  Host side: ``get_partial_kernel_wgmma_seesaw_balanced`` (cache kind
       ``partial_wgmma_seesaw_balanced``), ``mla_decode_sm90_wgmma_seesaw_balanced``; the backend runs it for
-      option seesaw_split=balanced (the default).  fp8 KV: ValueError (see __init__).
+      option seesaw_split=balanced (the default).  fp8 KV (branch fp8-balanced; compile-checked: no spills, no
+      ptxas C7518, not yet run on a GPU; the backend runs it only with ``backend.FP8_SEESAW_BALANCED``): the
+      fp8 seesaw's register-staged loads inside each item.  Nothing crosses an item boundary: a part
+      ld.global'ed in pair p is stored in pair p (WG1; WG0's tile a+2) or p + 1 (WG0's tile b+2, only when tile
+      b+2 < T, and pair p + 1 then exists), so no register holds fp8 bytes at an item's end; every WGMMA is
+      waited before the epilogue's CTA barrier, after which the next item's Q conversion (q_load) and prologue
+      stores may write sQ / sK; the L2 prefetch and the page-table reads stay inside the item (tiles < T,
+      indices clamped to T - 1); each tile still completes one phase on both mbarriers of its buffer (128
+      plain arrives each), so ``seesaw_item_phases`` holds and the fp8 waits take par0 / par1.
     * ``fp8_producer=True`` (fp8 KV only, one item per CTA, opt-in; branch fp8-producer, written compile-only, not yet
       run on a GPU): 384 threads, a third warpgroup does every fp8 part's ld.global (128-bit, 16 fp8 per thread-copy)
       -> cvt -> st.shared -> fence -> arrive on the part's "full" mbarrier, after waiting on its "empty" mbarrier,
@@ -906,11 +914,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if tma and self.is_fp8:
             raise ValueError("seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16); the fp8 "
                              "cache keeps its ld.global -> cvt -> st.shared loads")
-        if balanced and self.is_fp8:
-            raise ValueError("seesaw kernel: balanced=True needs a 16-bit KV cache (bf16 / fp16): every balanced "
-                             "entry refuses fp8 caches (api.check_balanced: the hybrid plan's cost model was "
-                             "measured with 16-bit caches) and the fp8 seesaw's register-staged loads across "
-                             "pairs were not checked under the item loop")
+        # balanced with an fp8 cache (branch fp8-balanced, compile-checked only: not yet run on a GPU): the
+        # register-staged fp8 parts never cross an item boundary (a part ld.global'ed in pair p is stored in pair
+        # p or p + 1 of the same item: only for a tile < T), see the class docstring and
+        # tests/test_seesaw_balanced_protocol.py (the fp8 model)
         # balanced split-KV (schedule.make_schedule(..., balanced=True)): launched through call_balanced, grid
         # (m-blocks, num_cols), each CTA walking its column's work items (kernel_seesaw, seesaw_item)
         self.balanced = bool(balanced)
@@ -1707,7 +1714,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     # issue S_a, then convert this pair's tile b part (columns 0..255 + RoPE,
                     # ld.global'ed during the previous pair) under those WGMMAs, then wait
                     self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
-                            mbar + 0, mbar + 1, parity, False)
+                            mbar + 0, mbar + 1, par0, False)
                     if p > 0 and ta + 1 < T:
                         self.store_part_fp8(r2s_wg, n_start + ta + 1, 1, SEESAW_LOAD_BLOCKS[0][1],
                                             kv_len, tKcK, tKsK, rRaw, mbar + 2)
@@ -1735,7 +1742,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 else:
                     if ta + 1 < T:
                         self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
-                                mbar + 3, mbar + 2, parity)
+                                mbar + 3, mbar + 2, par1)
                     self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
                                    row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
                     if ta + 1 < T:
@@ -2317,16 +2324,19 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
                                              wide_store: bool = False, tma: bool = False,
                                              lazy_rescale: bool = False):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
-    16-bit KV only; kernel cache kind ``partial_wgmma_seesaw_balanced`` with the even kernel's key
-    (``seesaw_spec``), so the even seesaw kernels' keys and symbols are unchanged and the two never collide.
-    ``l2_prefetch`` (None: ``seesaw_l2_prefetch_default``, off for 16-bit caches), ``partial``, ``wide_store``,
-    ``tma``, ``lazy_rescale``: as ``get_partial_kernel_wgmma_seesaw``."""
+    KV in the q dtype (default) or ``"fp8_e4m3"`` (branch fp8-balanced: the even fp8 seesaw's loads under the
+    item loop; compile-checked, not yet GPU-verified); kernel cache kind ``partial_wgmma_seesaw_balanced`` with
+    the even kernel's key (``seesaw_spec``), so the even seesaw kernels' keys and symbols are unchanged and the two
+    never collide.  ``l2_prefetch`` (None: ``seesaw_l2_prefetch_default``, off for 16-bit caches, on for fp8),
+    ``partial``, ``wide_store``, ``tma`` (16-bit caches only), ``lazy_rescale``: as
+    ``get_partial_kernel_wgmma_seesaw``."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
-    if kv_name != q_name:
-        raise ValueError(f"balanced seesaw kernel: needs a bf16/fp16 KV cache in the q dtype ({q_name}), got "
-                         f"{kv_name} (balanced split-KV is built for bf16/fp16 KV caches only)")
+    if kv_name not in (q_name, "fp8_e4m3"):
+        raise ValueError(f"balanced seesaw kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
+    if tma and kv_name == "fp8_e4m3":
+        raise ValueError("balanced seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
@@ -2343,11 +2353,12 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
     and wgmma_t balanced entries' launch).  Needs s_q * H > 32 (the 64-row tile: schedule.block_m 64) and a
-    bf16/fp16 cache (ValueError otherwise, also with check=False).  ``l2_prefetch``, ``tma``: see
+    bf16/fp16 or fp8 e4m3 cache (ValueError otherwise, also with check=False; fp8: k = kv * kv_scale as in the
+    even entry, compile-checked only on branch fp8-balanced).  ``l2_prefetch``, ``tma``: see
     ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
-    api.check_balanced(schedule, kv_cache)
+    api.check_balanced(schedule, kv_cache, fp8_ok=True)
     if schedule.block_m != BLOCK_M:
         raise ValueError(f"balanced seesaw: s_q * H must be > 32 (its 64-row tile), got {schedule.rows}")
     if check:
