@@ -64,8 +64,11 @@ def test_fp8p_is_refused_where_it_does_not_apply(monkeypatch):
     for kv in (cutlass.BFloat16, cutlass.Float16):
         with pytest.raises(ValueError, match="fp8_producer"):
             W.MLADecodePartialWGMMASeesaw(kv, kv, fp8_producer=True)
-    with pytest.raises(ValueError, match="balanced"):  # the balanced seesaw refuses fp8 caches anyway
-        W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, balanced=True, fp8_producer=True)
+    for kv in (cutlass.BFloat16, cutlass.Float16):  # balanced too (branch fp8-balanced-producer): fp8 caches only
+        with pytest.raises(ValueError, match="fp8_producer"):
+            W.MLADecodePartialWGMMASeesaw(kv, kv, balanced=True, fp8_producer=True)
+    assert W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, balanced=True,
+                                         fp8_producer=True).fp8_producer
     monkeypatch.setattr(kernel_cache, "get_or_build", lambda *a: pytest.fail("compiled"))
     for q in ("bf16", "fp16"):
         with pytest.raises(ValueError, match="fp8_producer"):
