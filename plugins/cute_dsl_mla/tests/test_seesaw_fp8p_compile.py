@@ -123,6 +123,26 @@ def test_fp8p_cache_key_builder_and_entry(monkeypatch):
     assert asked == [None, True]  # the default call's keywords are unchanged (test_backend_host.py pins them)
 
 
+# ptx_sha256 (test_seesaw_tma_compile.ptx_sha256) of the one-item fp8_producer kernel as GPU-verified on an H200 at
+# b583c07 (43 tests; l2_prefetch on, fp32 partials, narrow stores): (q, lazy). Branch fp8-balanced-producer added the
+# balanced mode's phase offsets and unconditional releases to fp8p_math / fp8p_producer under const_expr switches:
+# the one-item kernel's PTX must stay this
+FP8P_PTX_SHA256 = {
+    ("bf16", False): "437ea80eb4e9530b568a44f2b31ba06b8315d82bbc0193c36f74f4d5faed316b",
+    ("bf16", True): "78d6f8d618770e304b592323f3308cc7deba326d7724381a8a1ce3011a56b094",
+    ("fp16", True): "44a55df05a537f938a09c54bbb1e675ec7295ae090ed1f11078d4921d5aa6c54",
+}
+
+
+@pytest.mark.parametrize("spec", sorted(FP8P_PTX_SHA256))
+def test_fp8p_one_item_ptx_is_the_gpu_verified_one(spec, tmp_path):
+    from test_seesaw_tma_compile import ptx_sha256
+
+    q, lazy = spec
+    ptx, _, _ = _dump(q, tmp_path, lazy=lazy)
+    assert ptx_sha256(ptx) == FP8P_PTX_SHA256[spec]
+
+
 @pytest.mark.parametrize("q", ["bf16", "fp16"])
 def test_fp8p_kernel_ptx(q, tmp_path):
     from mla_cute_dsl.kernels import sm90_wgmma_decode as W
