@@ -890,7 +890,12 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       -> cvt -> st.shared -> fence -> arrive on the part's "full" mbarrier, after waiting on its "empty" mbarrier,
       which the math warpgroup that reads those columns last arrives on where the 16-bit kernel issues its load of
       tile +2; the math warpgroups run the 16-bit kernel's instruction stream (``kernel_fp8p``; setmaxnreg 216 math
-      / 72 producer, the CTA's whole pool; NOTES.md "fp8 seesaw with a producer warpgroup").
+      / 72 producer, the CTA's whole pool; NOTES.md "fp8 seesaw with a producer warpgroup").  With ``balanced=True``
+      (branch fp8-balanced-producer, compile-checked only; backend.FP8_BALANCED_PRODUCER, off): ``kernel_fp8p_balanced``,
+      both sides walking the column's items with the full / empty phases continued across items (the math side
+      releases every tile's parts, the producer's g-th tile of a buffer waits empty phase g - 1), Q reloaded by the
+      math warpgroups on a request change after the previous epilogue's BAR_MATH; NOTES.md "Balanced fp8 seesaw
+      with the producer warpgroup".
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
