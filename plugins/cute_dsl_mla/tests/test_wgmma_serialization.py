@@ -65,9 +65,10 @@ def _seesaw(kind: str):
     lazy = kind.endswith("_lazy")
     if kind.startswith("fp8p_balanced"):  # producer warpgroup on the balanced schedule (branch fp8-balanced-producer)
         q = "fp16" if "_fp16" in kind else "bf16"
+        wide = "_wide" in kind  # the backend's default arm: 16-bit partials in q's dtype, wide stores
         k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), cutlass.Float8E4M3FN, l2_prefetch=True, balanced=True,
-                                        lazy_rescale=lazy, fp8_producer=True)
-        return k.call_balanced, api._fake_args_partial_balanced(q, "fp8_e4m3")
+                                        lazy_rescale=lazy, fp8_producer=True, wide_store=wide)
+        return k.call_balanced, api._fake_args_partial_balanced(q, "fp8_e4m3", q if wide else "fp32")
     if kind.startswith("fp8_balanced"):  # the balanced fp8 seesaw (branch fp8-balanced, backend.FP8_SEESAW_BALANCED)
         k = MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, l2_prefetch=True, balanced=True,
                                         lazy_rescale=lazy)
@@ -88,7 +89,8 @@ def _seesaw(kind: str):
 
 @pytest.mark.parametrize("kind", ["fp8", "fp8_lazy", "bf16_balanced_tma", "bf16_balanced_tma_lazy", "fp8p", "fp8p_lazy",
                                   "fp8p_fp16", "fp8p_fp16_lazy", "fp8_balanced", "fp8_balanced_lazy",
-                                  "fp8p_balanced", "fp8p_balanced_lazy", "fp8p_balanced_fp16_lazy"])
+                                  "fp8p_balanced", "fp8p_balanced_lazy", "fp8p_balanced_fp16_lazy",
+                                  "fp8p_balanced_wide_lazy"])
 def test_ptxas_keeps_the_seesaw_wgmmas_asynchronous(kind, tmp_path):
     ptxas = _ptxas()
     if ptxas is None:
