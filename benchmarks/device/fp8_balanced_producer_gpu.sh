@@ -5,7 +5,7 @@
 # full / empty mbarrier phases continued across items, setmaxnreg 216 math / 72 producer) against the even fp8p
 # seesaw, the inline balanced fp8 seesaw and fa3. Carry a .kcache prebuilt from this kernels/ folder (every kernel's
 # cache key hashes the kernels' source, so main's prebuilt kernels do not match):
-#   ONLY="seesaw_fp8p_balanced|seesaw_balanced_fp8|fp8_e4m3 fp32|fp8p|combine" bash benchmarks/device/prebuild_kcache.sh
+#   ONLY="seesaw_fp8p_balanced|seesaw_balanced_fp8|fp8p|combine" bash benchmarks/device/prebuild_kcache.sh
 #   0. hang probe under timeout PT (default 150 s): the new kernel on 1-SM and 2-SM balanced schedules (columns of many
 #      items of 0..6 tiles, lengths 0 / 1 / partial tiles, s_q 1 and 2), then the all-SM schedule of B16 H128 S4096,
 #      one case at a time, each synchronized and printed, so a hang names its case; stops the script if it does not
