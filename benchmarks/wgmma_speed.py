@@ -18,6 +18,9 @@
     balanced / balanced_lazy  the balanced seesaw with cp.async loads (16-bit KV) or, with --kv fp8, the fp8
                 loads (branch fp8-balanced: backend.FP8_SEESAW_BALANCED; L2 prefetch as seesaw's default: on for
                 fp8), eager / lazy rescale, fp32 partials: compare with seesaw / seesaw_lazy (the even kernels)
+    balanced_fp8p / balanced_fp8p_lazy  the balanced fp8 seesaw (--kv fp8 only) with the producer warpgroup
+                (fp8_producer=True, branch fp8-balanced-producer: backend.FP8_BALANCED_PRODUCER), eager / lazy
+                rescale, fp32 partials: compare with balanced / balanced_lazy and seesaw_fp8p / seesaw_fp8p_lazy
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
            one CTA per SM)
@@ -63,8 +66,8 @@ SHAPES = [  # (B, H, s_q, S)
 QUICK_SHAPES = [0, 3]
 WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
         "seesaw_tma_fenced", "balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl", "balanced_tma_nocomb",
-        "seesaw_lazy", "seesaw_fp8p", "seesaw_fp8p_lazy", "balanced", "balanced_lazy", "mma", "wgmma_t", "ours",
-        "fa3")
+        "seesaw_lazy", "seesaw_fp8p", "seesaw_fp8p_lazy", "balanced", "balanced_lazy", "balanced_fp8p",
+        "balanced_fp8p_lazy", "mma", "wgmma_t", "ours", "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
@@ -160,13 +163,17 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
 
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True, lazy_rescale=name.endswith("_lazy"))
-    elif name in ("balanced", "balanced_lazy"):
-        # the balanced seesaw without TMA: cp.async with a 16-bit cache, the fp8 loads with --kv fp8
+    elif name in ("balanced", "balanced_lazy", "balanced_fp8p", "balanced_fp8p_lazy"):
+        # the balanced seesaw without TMA: cp.async with a 16-bit cache, the fp8 loads with --kv fp8 (inline, or
+        # _fp8p: the producer warpgroup, fp8 only)
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
 
-        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, lazy_rescale=name.endswith("_lazy"))
+        if name.startswith("balanced_fp8p") and KV["kv"] != "fp8":
+            raise ValueError(f"{name}: needs --kv fp8 (the producer warpgroup converts an fp8 cache)")
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, lazy_rescale=name.endswith("_lazy"),
+                               **({"fp8_producer": True} if name.startswith("balanced_fp8p") else {}))
     elif name == "balanced_tma_nocomb":
         fn = _partial_only_balanced_tma  # the same kernel without its combine launch (unsplit plans only)
     elif name == "wgmma_t":

@@ -85,6 +85,15 @@ def specs():
                         out.append((f"seesaw {q} {kv} {tag} fp8p lazy", lambda q=q, kv=kv, p=partial, w=wide:
                                     get_partial_kernel_wgmma_seesaw(q, kv, partial=p, wide_store=w,
                                                                     lazy_rescale=True, fp8_producer=True)))
+                if kv == "fp8_e4m3":  # the producer warpgroup on the balanced schedule (branch
+                    # fp8-balanced-producer; backend.FP8_BALANCED_PRODUCER with FP8_SEESAW_BALANCED): lazy in both
+                    # partial / store arms (the backend's default and fp32 narrow), eager in fp32 narrow
+                    # (wgmma_speed.py --kv fp8 balanced_fp8p / balanced_fp8p_lazy; test_seesaw_fp8p_balanced_gpu.py,
+                    # fp8_balanced_producer_gpu.sh): ONLY=seesaw_fp8p_balanced
+                    for lazy in ((False, True) if partial == "fp32" else (True,)):
+                        out.append((f"seesaw_fp8p_balanced {q} {tag}{' lazy' if lazy else ''}",
+                                    lambda q=q, p=partial, w=wide, z=lazy: get_partial_kernel_wgmma_seesaw_balanced(
+                                        q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z, fp8_producer=True)))
                 if q == "bf16" and partial == "fp32" and (kv == "fp8_e4m3" or kv == q):
                     # seesaw_nofence_gpu.sh's reader_fences=True arms (wgmma_speed.py seesaw_tma_fenced /
                     # seesaw_fenced --kv fp8)

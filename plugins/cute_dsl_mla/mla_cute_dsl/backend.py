@@ -448,6 +448,12 @@ SEESAW_BALANCED_KERNEL = "seesaw"
 # verified and timed it on an H200. Read at call time by balanced_split (so kernel_summary, seesaw_tma_min_rows,
 # the session's schedule and plan follow it)
 FP8_SEESAW_BALANCED = False
+# whether the balanced fp8 seesaw (FP8_SEESAW_BALANCED) takes the producer warpgroup with fp8_loader=producer
+# (branch fp8-balanced-producer: MLADecodePartialWGMMASeesaw(balanced=True, fp8_producer=True), the producer walking
+# the column's items with the math warpgroups; compile-checked without spills or serialized WGMMAs, not yet run on a
+# GPU): off (the balanced fp8 seesaw converts inline) until benchmarks/device/fp8_balanced_producer_gpu.sh verified
+# and timed it on an H200. Read at call time by seesaw_fp8_producer
+FP8_BALANCED_PRODUCER = False
 
 
 def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
@@ -473,10 +479,11 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
 
 def seesaw_fp8_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether the fp8 seesaw runs with its producer warpgroup: option fp8_loader=producer (the default since
-    0.2.17), an fp8 cache, the seesaw kernel, and its even mode: the producer warpgroup is built for one item per
-    CTA (the balanced seesaw, FP8_SEESAW_BALANCED, converts inline)."""
+    0.2.17), an fp8 cache, the seesaw kernel, and its even mode, or its balanced mode (FP8_SEESAW_BALANCED) only
+    with FP8_BALANCED_PRODUCER (off until GPU-verified: the balanced seesaw converts inline)."""
     return (shape.kv_dtype == "fp8_e4m3" and options.fp8_loader == "producer"
-            and partial_kernel(shape, options) == "seesaw" and not balanced_split(shape, options))
+            and partial_kernel(shape, options) == "seesaw"
+            and (FP8_BALANCED_PRODUCER or not balanced_split(shape, options)))
 
 
 def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optional[int] = None) -> str:
@@ -512,7 +519,7 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             text += ", a producer warpgroup converts the fp8 cache (fp8_loader=producer)"
         elif options.fp8_loader == "producer":
             text += (", the math warpgroups convert the fp8 cache (fp8_loader=producer ignored: the balanced seesaw "
-                     "has no producer warpgroup)")
+                     "takes the producer warpgroup only with backend.FP8_BALANCED_PRODUCER, off until GPU-verified)")
         else:
             text += ", the math warpgroups convert the fp8 cache (fp8_loader=inline)"
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":

@@ -53,6 +53,13 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp8_e4m3", 64, "l2pf", "partial_fp16", "wide_store")),
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp8_e4m3", 64, "l2pf", "lazy")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf")),
+        # backend.FP8_BALANCED_PRODUCER: the balanced fp8 seesaw with the producer warpgroup (lazy in the default
+        # arm; fp32 narrow eager / lazy for the GPU tests and wgmma_speed.py's balanced_fp8p ways; fp16 q too)
+        ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "partial_bf16", "wide_store", "lazy",
+                                           "fp8p")),
+        ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "fp8p")),
+        ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "lazy", "fp8p")),
+        ("partial_wgmma_seesaw_balanced", ("fp16", "fp8_e4m3", 64, "l2pf", "lazy", "fp8p")),
         ("partial_wgmma", ("fp16", "fp16", 64, "partial_fp16", "wide_store")),
         ("partial", ("bf16", "fp8_e4m3", 64, None, "partial_bf16", "wide_store")),
         ("combine", ("bf16", "partial_bf16", "cols128")),  # combine=auto's chunked kernel

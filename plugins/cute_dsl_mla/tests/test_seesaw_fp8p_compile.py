@@ -64,8 +64,11 @@ def test_fp8p_is_refused_where_it_does_not_apply(monkeypatch):
     for kv in (cutlass.BFloat16, cutlass.Float16):
         with pytest.raises(ValueError, match="fp8_producer"):
             W.MLADecodePartialWGMMASeesaw(kv, kv, fp8_producer=True)
-    with pytest.raises(ValueError, match="balanced"):  # the balanced seesaw refuses fp8 caches anyway
-        W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, balanced=True, fp8_producer=True)
+    for kv in (cutlass.BFloat16, cutlass.Float16):  # balanced too (branch fp8-balanced-producer): fp8 caches only
+        with pytest.raises(ValueError, match="fp8_producer"):
+            W.MLADecodePartialWGMMASeesaw(kv, kv, balanced=True, fp8_producer=True)
+    assert W.MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, balanced=True,
+                                         fp8_producer=True).fp8_producer
     monkeypatch.setattr(kernel_cache, "get_or_build", lambda *a: pytest.fail("compiled"))
     for q in ("bf16", "fp16"):
         with pytest.raises(ValueError, match="fp8_producer"):
@@ -118,6 +121,26 @@ def test_fp8p_cache_key_builder_and_entry(monkeypatch):
         W.mla_decode_sm90_wgmma_seesaw(q, q.to(torch.float8_e4m3fn), None, None, 1.0, 1.0, None, None, Sched(), ws,
                                        check=False, fp8_producer=fp8p)
     assert asked == [None, True]  # the default call's keywords are unchanged (test_backend_host.py pins them)
+
+
+# ptx_sha256 (test_seesaw_tma_compile.ptx_sha256) of the one-item fp8_producer kernel as GPU-verified on an H200 at
+# b583c07 (43 tests; l2_prefetch on, fp32 partials, narrow stores): (q, lazy). Branch fp8-balanced-producer added the
+# balanced mode's phase offsets and unconditional releases to fp8p_math / fp8p_producer under const_expr switches:
+# the one-item kernel's PTX must stay this
+FP8P_PTX_SHA256 = {
+    ("bf16", False): "437ea80eb4e9530b568a44f2b31ba06b8315d82bbc0193c36f74f4d5faed316b",
+    ("bf16", True): "78d6f8d618770e304b592323f3308cc7deba326d7724381a8a1ce3011a56b094",
+    ("fp16", True): "44a55df05a537f938a09c54bbb1e675ec7295ae090ed1f11078d4921d5aa6c54",
+}
+
+
+@pytest.mark.parametrize("spec", sorted(FP8P_PTX_SHA256))
+def test_fp8p_one_item_ptx_is_the_gpu_verified_one(spec, tmp_path):
+    from test_seesaw_tma_compile import ptx_sha256
+
+    q, lazy = spec
+    ptx, _, _ = _dump(q, tmp_path, lazy=lazy)
+    assert ptx_sha256(ptx) == FP8P_PTX_SHA256[spec]
 
 
 @pytest.mark.parametrize("q", ["bf16", "fp16"])

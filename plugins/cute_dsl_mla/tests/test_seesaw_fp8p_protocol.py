@@ -77,10 +77,17 @@ def _hb(a, b):
     return all(x <= y for x, y in zip(a, b))
 
 
-def run(T, seed, mutate=None):
-    """Interleave WG0, WG1 (math) and WG2 (producer) at random; return the list of violations (empty: fine)."""
+def run(T, seed, mutate=None, programs=None, counts=None):
+    """Interleave WG0, WG1 (math) and WG2 (producer) at random; return the list of violations (empty: fine).
+    ``programs`` (balanced columns, test_seesaw_fp8p_balanced_protocol.py): the three programs instead of one
+    item's, with ``counts`` = (full phases, empty arrives, producer empty waits) expected per mbarrier at the end;
+    they may also write sQ ("write_q", request: math warpgroup w's half of the rows, before the item's BAR_MATH)."""
     rng = random.Random(seed)
-    progs = [iter(math_program(0, T, mutate)), iter(math_program(1, T, mutate)), iter(producer_program(T, mutate))]
+    if programs is None:
+        progs = [iter(math_program(0, T, mutate)), iter(math_program(1, T, mutate)),
+                 iter(producer_program(T, mutate))]
+    else:
+        progs = [iter(p) for p in programs]
     vc = [[0] * N for _ in range(N)]
     nxt = [next(p, None) for p in progs]
     full_done, empty_done = [0] * 4, [0] * 4  # completed phases per mbarrier
@@ -170,6 +177,13 @@ def run(T, seed, mutate=None):
             for key in inflight[w]:
                 mem[key]["reads"].append(list(vc[w]))
             inflight[w] = []
+        elif kind == "write_q":  # sQ rows of math warpgroup w (load_q), for request ev[1]
+            cell = mem.setdefault(("Q", w), {"tag": None, "vc": [0] * N, "phase": None, "reads": []})
+            if any(("Q", w) in inflight[o] for o in range(N)):
+                errors.append(f"WAR: Q of request {ev[1]} written under an in-flight S WGMMA")
+            if not all(_hb(r, vc[w]) for r in cell["reads"]) or not _hb(cell["vc"], vc[w]):
+                errors.append(f"WAR/WAW: Q of request {ev[1]} written before the last S read of sQ")
+            mem[("Q", w)] = {"tag": ("Q", ev[1]), "vc": list(vc[w]), "phase": None, "reads": []}
         elif kind == "write_p":
             _, buf, t = ev
             cell = mem[(buf, 8)]
@@ -202,6 +216,10 @@ def run(T, seed, mutate=None):
         errors.append("named-barrier arrive left unmatched")
     if any(inflight):
         errors.append("WGMMA reads in flight at the end")
+    if counts is not None:
+        if (full_done, empty_done, ewaited) != tuple(list(c) for c in counts):
+            errors.append(f"phases full {full_done} / empty {empty_done} / empty waits {ewaited}, expected {counts}")
+        return errors
     if empty_done != ewaited:
         errors.append(f"empty arrives {empty_done} != producer waits {ewaited}")
     if full_done != [sum(1 for t in range(T) if t % 2 == mb // 2) for mb in range(4)]:

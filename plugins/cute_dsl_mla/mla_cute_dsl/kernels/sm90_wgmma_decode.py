@@ -890,7 +890,12 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       -> cvt -> st.shared -> fence -> arrive on the part's "full" mbarrier, after waiting on its "empty" mbarrier,
       which the math warpgroup that reads those columns last arrives on where the 16-bit kernel issues its load of
       tile +2; the math warpgroups run the 16-bit kernel's instruction stream (``kernel_fp8p``; setmaxnreg 216 math
-      / 72 producer, the CTA's whole pool; NOTES.md "fp8 seesaw with a producer warpgroup").
+      / 72 producer, the CTA's whole pool; NOTES.md "fp8 seesaw with a producer warpgroup").  With ``balanced=True``
+      (branch fp8-balanced-producer, compile-checked only; backend.FP8_BALANCED_PRODUCER, off): ``kernel_fp8p_balanced``,
+      both sides walking the column's items with the full / empty phases continued across items (the math side
+      releases every tile's parts, the producer's g-th tile of a buffer waits empty phase g - 1), Q reloaded by the
+      math warpgroups on a request change after the previous epilogue's BAR_MATH; NOTES.md "Balanced fp8 seesaw
+      with the producer warpgroup".
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
@@ -902,8 +907,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         self.fp8_producer = bool(fp8_producer)
         if self.fp8_producer and not self.is_fp8:
             raise ValueError(f"seesaw kernel: fp8_producer=True needs an fp8 e4m3 KV cache, got {kv_dtype}")
-        if self.fp8_producer and balanced:
-            raise ValueError("seesaw kernel: fp8_producer=True is built for the one-item kernel (balanced=False)")
+        # fp8_producer with balanced=True (branch fp8-balanced-producer, compile-checked only: not yet run on a
+        # GPU): both sides walk the column's items; the full and empty mbarriers count one phase per tile of their
+        # buffer across items (the math side releases every tile's parts, not only tiles < T - 2), so the producer
+        # runs into the next item's tiles 0 / 1 as soon as the previous item's last readers released them
         # lazy_rescale: a row keeps its reference max until a tile's max exceeds it by more than LAZY_RESCALE_LOG2
         # (exp2 units); only then are O and the row sum rescaled (corr != 1). Both warpgroups skip the 128
         # multiplies per thread of their O half for a tile whose rows all kept their reference, which sit on the
@@ -1480,7 +1487,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         wg_tidx = tidx % WG_THREADS
         lane = tidx % 32
 
-        if cutlass.const_expr(self.balanced):
+        if cutlass.const_expr(self.balanced and self.fp8_producer):
+            self.kernel_fp8p_balanced(
+                mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                sQ_layout, sK_layout, sP_layout, sV_layout, g2s, g2s_wg, r2s_P,
+                mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, mRanges, tidx, m_block, wi, wg, wg_tidx, lane,
+            )
+        elif cutlass.const_expr(self.balanced):
             R = mQ.shape[1]
             blocks_per_page = mKV.shape[1] // BLOCK_N
             smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
@@ -1927,6 +1940,76 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                blocks_per_page, n_start, T)
 
     @cute.jit
+    def kernel_fp8p_balanced(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        g2s: cute.TiledCopy, g2s_wg: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
+        mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr, mRanges: cute.Tensor,
+        tidx: cutlass.Int32, m_block: cutlass.Int32, wi: cutlass.Int32, wg: cutlass.Int32,
+        wg_tidx: cutlass.Int32, lane: cutlass.Int32,
+    ):
+        """fp8_producer=True with balanced=True (branch fp8-balanced-producer; compile-checked only): CTA
+        (m_block, column wi), 384 threads, the 8 mbarriers of ``kernel_fp8p`` set up once.  The math warpgroups
+        and the producer each walk work rows mRanges[wi] .. mRanges[wi + 1] - 1 (rows with b < 0 skipped by
+        both), computing the same T per item from mWork, and each keeps its own copy of the per-buffer phase
+        counts ph0 / ph1 (``seesaw_item_phases``: ceil(T / 2) / floor(T / 2) per item; T = 0 adds nothing and
+        neither side waits).  Every tile of buffer j completes one phase on full[2j], full[2j+1] (the producer's
+        128 arrives each) and one on empty[2j], empty[2j+1] (the math side releases every tile's parts in
+        balanced), so both counts agree by construction; the producer's g-th tile of a buffer in the column waits
+        on empty phase g - 1 (none for g = 0).  So the producer runs into the next item's tiles 0 / 1 as soon as
+        the previous item's last readers released those parts (its epilogue reads no shared K memory).  Q: the
+        math warpgroups reload / reconvert sQ when the request changes (``fp8p_math``'s q_load), after the
+        previous item's epilogue BAR_MATH (all their S WGMMAs waited), and BAR_MATH before the first S."""
+        R = mQ.shape[1]
+        blocks_per_page = mKV.shape[1] // BLOCK_N
+        smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
+        mbar = smem[8]
+        if tidx == 0:
+            for i in cutlass.range_constexpr(8):
+                cute.arch.mbarrier_init(mbar + i, WG_THREADS)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        ph0 = cutlass.Int32(0)  # phases completed so far on buffer 0's full / empty mbarriers (tiles 0, 2, ...)
+        ph1 = cutlass.Int32(0)  # ... on buffer 1's (tiles 1, 3, ...)
+        if wg < 2:
+            cute.arch.setmaxregister_increase(FP8P_MATH_REGS)
+            q_of = cutlass.Int32(-1)  # request whose Q rows sQ holds
+            for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):
+                b = mWork[it, 0]
+                if b >= 0:
+                    slot = mWork[it, 3]
+                    kv_len = mLens[b]
+                    n_start = mWork[it, 1] // BLOCK_N
+                    T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start
+                    self.fp8p_math(
+                        mQ, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads, g2s, r2s_P,
+                        mma_s, mma_s_first, mma_o_rs, mma_o_ss, smem, tidx, m_block, wg, wg_tidx, lane, b, slot,
+                        kv_len, R, n_start, T, b != q_of, ph0, ph1,
+                    )
+                    q_of = b
+                    ph0 = ph0 + (T + 1) // 2
+                    ph1 = ph1 + T // 2
+        else:
+            cute.arch.setmaxregister_decrease(FP8P_PRODUCER_REGS)
+            for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):
+                b = mWork[it, 0]
+                if b >= 0:
+                    kv_len = mLens[b]
+                    n_start = mWork[it, 1] // BLOCK_N
+                    T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start
+                    self.fp8p_producer(mKV, mPT, g2s_wg, smem[1], mbar, tidx - 2 * WG_THREADS, b, kv_len,
+                                       blocks_per_page, n_start, T, ph0, ph1)
+                    ph0 = ph0 + (T + 1) // 2
+                    ph1 = ph1 + T // 2
+
+    @cute.jit
     def fp8p_produce_part(
         self, g2r: cute.TiledCopy, thr_g2r, r2s: cute.TiledCopy, mKV: cute.Tensor, page: cutlass.Int32,
         n: cutlass.Int32, stage: cutlass.Constexpr, blocks: cutlass.Constexpr, blocks_per_page: cutlass.Int32,
@@ -1946,13 +2029,16 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     def fp8p_producer(
         self, mKV: cute.Tensor, mPT: cute.Tensor, g2s_wg: cute.TiledCopy, sK: cute.Tensor, mbar,
         ptid: cutlass.Int32, b: cutlass.Int32, kv_len: cutlass.Int32, blocks_per_page: cutlass.Int32,
-        n_start: cutlass.Int32, T: cutlass.Int32,
+        n_start: cutlass.Int32, T: cutlass.Int32, ph0=None, ph1=None,
     ):
         """Warpgroup 2 (``ptid`` 0..127): every part of local tiles 0 .. T - 1 in the math side's wait order,
         tile a = 2p: full[0] (blocks 0-3) then full[1] (blocks 4-8); tile b = 2p + 1: full[3] (blocks 4-7) then
         full[2] (blocks 0-3 + RoPE).  Pair p >= 1 first waits on the matching empty barrier (parity (p - 1) % 2:
         its tile - 2 released).  The page table is read one pair ahead; with l2_prefetch ptid 0 prefetches the
-        next pair's tiles into L2 before this pair's loads."""
+        next pair's tiles into L2 before this pair's loads.  ``ph0``, ``ph1`` (balanced only; None: one item per
+        CTA): the phases the column's earlier items completed on buffer 0's / buffer 1's full and empty mbarriers
+        (``seesaw_item_phases``); the g-th tile of a buffer in the column (g = ph + p) waits on empty phase
+        g - 1 (parity (g - 1) % 2) unless g = 0 (the buffer's first use in the column: nobody released it)."""
         g2r_wg, r2s_wg = self._fp8p_copies()
         thr_g2r_wg = g2r_wg.get_slice(ptid)
         cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
@@ -1970,6 +2056,16 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         for p in cutlass.range(0, (T + 1) // 2, 1):
             ta = 2 * p
             par = (p + 1) % 2  # phase p - 1 of the empty barriers: tile ta - 2 / tb - 2 released
+            par0 = par
+            par1 = par
+            wait0 = p > 0
+            wait1 = p > 0
+            if cutlass.const_expr(ph0 is not None):
+                # balanced: the buffer's (ph + p)-th tile of the column waits on empty phase ph + p - 1
+                par0 = (ph0 + p + 1) % 2
+                par1 = (ph1 + p + 1) % 2
+                wait0 = ph0 + p > 0
+                wait1 = ph1 + p > 0
             # the next pair's pages (clamped to a valid entry of this request; unused past T)
             pn2 = mPT[b, (n_start + (ta + 2 if ta + 2 < T else T - 1)) // blocks_per_page]
             pn3 = mPT[b, (n_start + (ta + 3 if ta + 3 < T else T - 1)) // blocks_per_page]
@@ -1981,17 +2077,17 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         self.prefetch_tile_l2(mKV, pn3, n_start + ta + 3, blocks_per_page)
             # tile a (buffer 0): WG0's S waits full[0] then full[1]
             self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[0][0],
-                                   blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 0, full + 0, p > 0, par)
+                                   blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 0, full + 0, wait0, par0)
             self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[1][1],
-                                   blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 1, full + 1, p > 0, par)
+                                   blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 1, full + 1, wait0, par0)
             if ta + 1 < T:
                 # tile b (buffer 1): WG1's S waits full[3] then full[2]
                 self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_b, n_start + ta + 1, 1,
                                        SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len, tKcK, tKsK, rRaw,
-                                       empty + 3, full + 3, p > 0, par)
+                                       empty + 3, full + 3, wait1, par1)
                 self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_b, n_start + ta + 1, 1,
                                        SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len, tKcK, tKsK, rRaw,
-                                       empty + 2, full + 2, p > 0, par)
+                                       empty + 2, full + 2, wait1, par1)
             pg_a = pn2
             pg_b = pn3
 
@@ -2006,13 +2102,21 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma, smem,
         tidx: cutlass.Int32, m_block: cutlass.Int32, wg: cutlass.Int32, wg_tidx: cutlass.Int32,
         lane: cutlass.Int32, b: cutlass.Int32, slot: cutlass.Int32, kv_len: cutlass.Int32, R: cutlass.Int32,
-        n_start: cutlass.Int32, T: cutlass.Int32,
+        n_start: cutlass.Int32, T: cutlass.Int32, q_load=None, ph0=None, ph1=None,
     ):
         """Warpgroups 0 and 1 (tidx 0..255): ``seesaw_item``'s 16-bit (cp.async) instruction stream with each
         ``load_kv_part`` of tile +2 replaced by an arrive on that part's empty mbarrier (same place, same
         condition: the warpgroup's WGMMAs on those columns have completed), and the CTA barriers by BAR_MATH
         over the 256 math threads.  Q as in ``seesaw_item`` (bf16 q: ld.global -> cvt -> st.shared; fp16 q:
-        cp.async), complete and fenced before the BAR_MATH barrier that precedes the first S."""
+        cp.async), complete and fenced before the BAR_MATH barrier that precedes the first S.
+
+        ``q_load``, ``ph0``, ``ph1``: None for one item per CTA; balanced (``kernel_fp8p_balanced``): whether to
+        load Q (the request changed: sQ is rewritten only here, after the previous item's epilogue BAR_MATH, by
+        which every S WGMMA of both math warpgroups was waited; the BAR_MATH below orders it before the first S)
+        and the phases the column's earlier items completed per buffer (full waits (ph + p) % 2).  Balanced also
+        releases every tile's parts (empty arrives without the ``tile + 2 < T`` conditions), so that the empty
+        barriers count one phase per tile, like the full ones, and the producer may write the next item's tiles
+        0 / 1 once their last readers in this item arrived."""
         mt = self.mma_dtype
         sQ, sK, sV, sP0, sP1, sScale, sMax, sL, mbar = smem
         full = mbar
@@ -2020,7 +2124,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 
         thr_g2s = g2s.get_slice(tidx)
         _, _, r2s_q, g2r_q = self._fp8_copies()
-        self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
+        if cutlass.const_expr(q_load is None):
+            self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
+        else:
+            if q_load:
+                self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
@@ -2059,32 +2167,45 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
 
+        # balanced: release every tile's parts (the next item's tiles 0 / 1 reuse the buffers)
+        rel_all = ph0 is not None
         for p in cutlass.range(0, (T + 1) // 2, 1):
             ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
             parity = p % 2
+            par0 = parity
+            par1 = parity
+            if cutlass.const_expr(rel_all):
+                par0 = (ph0 + p) % 2
+                par1 = (ph1 + p) % 2
             if wg == 0:
                 # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
                 self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
-                        full + 0, full + 1, parity)
+                        full + 0, full + 1, par0)
                 self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
                                      acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
                                      scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr, True)
                 self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
                 # columns 0..255 of buffer 0 are free (only WG0 reads them): tile a+2's part 0 may come
-                if ta + 2 < T:
+                if cutlass.const_expr(rel_all):
                     cute.arch.mbarrier_arrive(empty + 0)
+                else:
+                    if ta + 2 < T:
+                        cute.arch.mbarrier_arrive(empty + 0)
                 if ta + 1 < T:
                     # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS), waited
                     self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
                                    row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
                     # columns 0..255 and P's block of buffer 1 are free: tile b+2's part 2 may come
-                    if ta + 3 < T:
+                    if cutlass.const_expr(rel_all):
                         cute.arch.mbarrier_arrive(empty + 2)
+                    else:
+                        if ta + 3 < T:
+                            cute.arch.mbarrier_arrive(empty + 2)
             else:
                 if ta + 1 < T:
                     # S_b (runs while WG0 does softmax_a)
                     self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
-                            full + 3, full + 2, parity)
+                            full + 3, full + 2, par1)
                 # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet
                 self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
                                row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
@@ -2095,14 +2216,20 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                          scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1], row_corr, False)
                 warpgroup.wait_group(0)
                 # columns 256..575 of buffer 0 are free: tile a+2's part 1 may come
-                if ta + 2 < T:
+                if cutlass.const_expr(rel_all):
                     cute.arch.mbarrier_arrive(empty + 1)
+                else:
+                    if ta + 2 < T:
+                        cute.arch.mbarrier_arrive(empty + 1)
                 if ta + 1 < T:
                     self.rescale_rows(acc_O_mn, row_corr, n_rows)
                     self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
                     # columns 256..511 of buffer 1 are free: tile b+2's part 3 may come
-                    if ta + 3 < T:
+                    if cutlass.const_expr(rel_all):
                         cute.arch.mbarrier_arrive(empty + 3)
+                    else:
+                        if ta + 3 < T:
+                            cute.arch.mbarrier_arrive(empty + 3)
 
         # ---------------- epilogue (seesaw_item's, BAR_MATH for the CTA barrier) ----------------
         for r in cutlass.range_constexpr(n_rows):
@@ -2315,21 +2442,24 @@ def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int
                          "and a partial_<dtype> tag")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
-                                    tma="tma" in flags, balanced=True, lazy_rescale="lazy" in flags)
+                                    tma="tma" in flags, balanced=True, lazy_rescale="lazy" in flags,
+                                    fp8_producer="fp8p" in flags)
     return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
 
 
 def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = None, *,
                                              l2_prefetch: bool | None = None, partial: str = "fp32",
                                              wide_store: bool = False, tma: bool = False,
-                                             lazy_rescale: bool = False):
+                                             lazy_rescale: bool = False, fp8_producer: bool = False):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
     KV in the q dtype (default) or ``"fp8_e4m3"`` (branch fp8-balanced: the even fp8 seesaw's loads under the
     item loop; compile-checked, not yet GPU-verified); kernel cache kind ``partial_wgmma_seesaw_balanced`` with
     the even kernel's key (``seesaw_spec``), so the even seesaw kernels' keys and symbols are unchanged and the two
     never collide.  ``l2_prefetch`` (None: ``seesaw_l2_prefetch_default``, off for 16-bit caches, on for fp8),
     ``partial``, ``wide_store``, ``tma`` (16-bit caches only), ``lazy_rescale``: as
-    ``get_partial_kernel_wgmma_seesaw``."""
+    ``get_partial_kernel_wgmma_seesaw``.  ``fp8_producer`` (fp8 cache only, ValueError otherwise; branch
+    fp8-balanced-producer, compile-checked, not yet GPU-verified): the producer-warpgroup kernel on the balanced
+    schedule (``kernel_fp8p_balanced``), key flag "fp8p" as the even getter's."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2337,25 +2467,28 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
         raise ValueError(f"balanced seesaw kernel: kv dtype must be {q_name} or fp8_e4m3, got {kv_name}")
     if tma and kv_name == "fp8_e4m3":
         raise ValueError("balanced seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
+    if fp8_producer and kv_name != "fp8_e4m3":
+        raise ValueError(f"balanced seesaw kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 lazy_rescale=lazy_rescale),
+                                                 lazy_rescale=lazy_rescale, fp8_producer=fp8_producer),
                                      _build_partial_wgmma_seesaw_balanced)
 
 
 def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                           out, lse, schedule, workspace, *, check: bool = True,
                                           l2_prefetch: bool | None = None, tma: bool = False,
-                                          lazy_rescale: bool = False):
+                                          lazy_rescale: bool = False, fp8_producer: bool = False):
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
     and wgmma_t balanced entries' launch).  Needs s_q * H > 32 (the 64-row tile: schedule.block_m 64) and a
     bf16/fp16 or fp8 e4m3 cache (ValueError otherwise, also with check=False; fp8: k = kv * kv_scale as in the
     even entry, compile-checked only on branch fp8-balanced).  ``l2_prefetch``, ``tma``: see
-    ``get_partial_kernel_wgmma_seesaw``."""
+    ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only, opt-in, compile-checked only): see
+    ``get_partial_kernel_wgmma_seesaw_balanced``."""
     from . import api
 
     api.check_balanced(schedule, kv_cache, fp8_ok=True)
@@ -2365,6 +2498,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw_balanced(
         api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype], l2_prefetch=l2_prefetch,
-        partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma, lazy_rescale=lazy_rescale)
+        partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma, lazy_rescale=lazy_rescale,
+        **({"fp8_producer": True} if fp8_producer else {}))  # opt-in only
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
