@@ -220,7 +220,7 @@ class CuteDslOptions(BackendOptions):
     seesaw_split: SeesawSplit = Field(
         default="balanced",
         description="how the seesaw WGMMA kernel (sm_90; mma=auto from s_q*num_heads >= "
-                    f"{SEESAW_MIN_ROWS}, or mma=seesaw) with a bf16/fp16 cache splits the KV work. balanced "
+                    f"{SEESAW_MIN_ROWS}, or mma=seesaw) splits the KV work (an fp8 cache too since 0.2.17). balanced "
                     "(default since 0.2.13): the balanced seesaw kernel, a fixed grid of (m-blocks x "
                     "num_sms/m-blocks) CTA columns walking a per-step hybrid plan (the balanced split when "
                     "predicted >= 10% faster, else the even one in the same buffers; CUDA-graph safe), as "
@@ -229,7 +229,10 @@ class CuteDslOptions(BackendOptions):
                     "with lengths 410-4096 at B=48), within 3% where it stays even (B=16/32/128). even: each request "
                     "cut into equal items, one CTA per item, waves of CTAs over the SMs (0.2.12's kernel). A separate "
                     "option and not a split_kv value because the two defaults were measured and flipped "
-                    "independently. fp8 caches and the other kernels ignore it")
+                    "independently. With an fp8 cache (since 0.2.17, FP8_SEESAW_BALANCED; the producer warpgroup "
+                    "walks the same items) on an H200 0.67-0.89x the even kernel's time at batch 24, 40 and 96, "
+                    "0.99-1.02x elsewhere (docs/results/gpu22_session/fp8_h128_batches_flags_*.txt). The other "
+                    "kernels ignore it")
     num_sms: Union[Literal["auto"], int] = Field(
         default="auto",
         description="SMs the split-KV schedule spreads one step's work over (sm_90). auto: all of the GPU's. Set "
@@ -441,19 +444,18 @@ def rule_kv_blocks(shape: DecodeShape, options: CuteDslOptions,
 BALANCED_KERNELS = ("mma_sync", "wgmma_t")
 # the seesaw's balanced mode follows its own option, seesaw_split (default balanced)
 SEESAW_BALANCED_KERNEL = "seesaw"
-# whether an fp8 cache runs the balanced seesaw too (seesaw_split=balanced; branch fp8-balanced). The kernel
-# (MLADecodePartialWGMMASeesaw(balanced=True) with an fp8 e4m3 cache) compiles without spills or serialized
-# WGMMAs but has not run on a GPU yet, and the hybrid plan's cost model (schedule.item_cost) was measured with
-# 16-bit caches: off (the even fp8 seesaw, 0.2.17's behaviour) until benchmarks/device/fp8_balanced_gpu.sh
-# verified and timed it on an H200. Read at call time by balanced_split (so kernel_summary, seesaw_tma_min_rows,
-# the session's schedule and plan follow it)
-FP8_SEESAW_BALANCED = False
-# whether the balanced fp8 seesaw (FP8_SEESAW_BALANCED) takes the producer warpgroup with fp8_loader=producer
-# (branch fp8-balanced-producer: MLADecodePartialWGMMASeesaw(balanced=True, fp8_producer=True), the producer walking
-# the column's items with the math warpgroups; compile-checked without spills or serialized WGMMAs, not yet run on a
-# GPU): off (the balanced fp8 seesaw converts inline) until benchmarks/device/fp8_balanced_producer_gpu.sh verified
-# and timed it on an H200. Read at call time by seesaw_fp8_producer
-FP8_BALANCED_PRODUCER = False
+# whether an fp8 cache runs the balanced seesaw too (seesaw_split=balanced; on since 0.2.17), and whether that
+# kernel takes the producer warpgroup with fp8_loader=producer (the default). Both GPU-verified on an H200 in the
+# twenty-second session (docs/results/gpu22_session/: the balanced fp8 seesaw 46 GPU tests, with the producer 44;
+# the backend's auto, forced-seesaw and engine-interface classes with both on: 31 passed). `mla bench` with both on
+# against both off (the even producer kernel; fp8_h128_batches_flags_{on,off}.txt, fa3 in each run, H=64/128, s_q
+# 1/2, S=4096): 0.67-0.89x the time at batch 24, 40 and 96 where the even split leaves SMs idle (H=128 s_q=2 B=40
+# 187.5 against 280.8 us, fa3 880.7), 0.99-1.00x at 64 and 128, 1.00-1.02x at batch 8 (+0.3-0.4 us). The hybrid
+# plan's cost model (schedule.item_cost, its 10% margin) was measured with 16-bit caches and is used unchanged.
+# Read at call time by balanced_split and seesaw_fp8_producer (so kernel_summary, the session's schedule and plan
+# follow them); False restores 0.2.16's even fp8 seesaw / the inline balanced one
+FP8_SEESAW_BALANCED = True
+FP8_BALANCED_PRODUCER = True
 
 
 def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:

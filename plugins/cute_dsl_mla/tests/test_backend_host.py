@@ -279,7 +279,7 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
     runs = {"fp8reg": "mla_decode_sm90_fp8", "wgmma": "mla_decode_sm90_wgmma",
             # seesaw_split=balanced (the default since 0.2.13) takes the seesaw with a 16-bit cache to its balanced
             # entry, split_kv=balanced (the default) the mma.sync kernel
-            "seesaw": "mla_decode_sm90_wgmma_seesaw" if kv_dtype == "fp8_e4m3" else "mla_decode_sm90_wgmma_seesaw_balanced",
+            "seesaw": "mla_decode_sm90_wgmma_seesaw_balanced",  # fp8 too since 0.2.17 (FP8_SEESAW_BALANCED)
             "mma_sync": "mla_decode_sm90" if kv_dtype == "fp8_e4m3" else "mla_decode_sm90_balanced"}
     assert planned.run_fn.__name__ == runs[kernel]
     session.plan(problem, StepInputs(lens, table, lens, table))
@@ -344,7 +344,7 @@ def test_auto_picks_wgmma_t_for_a_16_bit_cache_at_17_to_32_rows_from_640_kv_bloc
                 assert partial_kernel(prob(num_heads=heads, seq_len_q=s_q, batch_size=1, q_dtype=q, kv_dtype=kv),
                                       auto, blocks) == want
                 # what differs between the two kernels is nothing the session's buffers are keyed by
-                assert balanced_split(p, auto) == (kv != "fp8_e4m3")
+                assert balanced_split(p, auto) == (kv != "fp8_e4m3" or rows > 32)  # the fp8 seesaw: 0.2.17
                 assert ctas_per_sm(want, auto) == (2 if want == "fp8reg" else 1)
                 # forced kernels stay forced at every step
                 assert partial_kernel_for(p, CuteDslOptions(mma="mma_sync"), lens) == "mma_sync"
@@ -819,8 +819,7 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
         problem, StepInputs(lens, table, lens, table))
     assert planned.kernel == "seesaw" and be.seesaw_tma(problem, opts) is want
     # seesaw_split=balanced (the default) runs a 16-bit cache on the balanced entry; an fp8 cache on the even one
-    assert planned.run_fn.__name__ == ("mla_decode_sm90_wgmma_seesaw_balanced" if kv == "bf16"
-                                       else "mla_decode_sm90_wgmma_seesaw")
+    assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"  # fp8 too since 0.2.17
     # and option rescale (default lazy) as lazy_rescale=True, with either cache
     # (and option fp8_loader, default producer since 0.2.17, as fp8_producer=True with an fp8 cache)
     assert getattr(planned.run_fn, "keywords", {}) == (({"tma": True} if want else {}) | {"lazy_rescale": True}

@@ -121,7 +121,7 @@ def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch)
 
 
 @pytest.mark.parametrize("opts,heads,kv,want_kernel", [
-    ({"seesaw_split": "balanced"}, 128, "fp8_e4m3", "seesaw"),  # fp8: even seesaw, option ignored
+    ({"seesaw_split": "even"}, 128, "fp8_e4m3", "seesaw"),  # fp8 (balanced by default since 0.2.17): even asked
     ({"seesaw_split": "balanced", "mma": "wgmma"}, 128, "bf16", "wgmma"),
     ({"seesaw_split": "balanced", "mma": "wgmma"}, 64, "fp16", "wgmma"),  # the plain WGMMA kernel: even
     ({"seesaw_split": "balanced", "split_kv": "even"}, 16, "bf16", "mma_sync"),  # does not reach mma.sync
@@ -155,7 +155,7 @@ def test_kernel_summary_run_function_and_notes():
     assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(ctas_per_sm=2)).endswith(
         "cp.async KV loads (loads=auto: TMA from 256 rows)")
     fp8 = be.kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), bal)
-    assert fp8.startswith("seesaw kernel, even split-KV") and "seesaw_split=balanced ignored" in fp8
+    assert fp8.startswith("seesaw kernel, balanced split-KV") and "ignored" not in fp8  # since 0.2.17
     # the default is the balanced text; seesaw_split=even gives 0.2.12's (test_backend_host pins it too)
     assert be.kernel_summary(prob(num_heads=128), CuteDslOptions()) == be.kernel_summary(prob(num_heads=128), bal)
     even = CuteDslOptions(seesaw_split="even")
@@ -200,9 +200,9 @@ def test_ctas_per_sm_2_keeps_the_even_seesaw(monkeypatch):
 # ---- branch fp8-balanced: backend.FP8_SEESAW_BALANCED (off by default) lets an fp8 cache run the balanced seesaw ----
 
 
-def test_fp8_seesaw_balanced_is_off_by_default():
-    assert be.FP8_SEESAW_BALANCED is False
-    assert not be.balanced_split(prob(num_heads=128, kv_dtype="fp8_e4m3"), CuteDslOptions())
+def test_fp8_seesaw_balanced_is_on_by_default():
+    assert be.FP8_SEESAW_BALANCED is True  # since 0.2.17
+    assert be.balanced_split(prob(num_heads=128, kv_dtype="fp8_e4m3"), CuteDslOptions())
 
 
 @pytest.mark.parametrize("flag", [False, True])
@@ -216,6 +216,7 @@ def test_fp8_seesaw_balanced_flag_routes_plan_summary_and_run(monkeypatch, flag)
     from mla_cute_dsl.kernels import api, sm90_wgmma_decode
 
     monkeypatch.setattr(be, "FP8_SEESAW_BALANCED", flag)
+    monkeypatch.setattr(be, "FP8_BALANCED_PRODUCER", False)  # this test: the inline balanced fp8 seesaw
     fp8 = prob(num_heads=128, kv_dtype="fp8_e4m3")
     assert be.balanced_split(fp8, CuteDslOptions()) is flag
     assert be.balanced_split(prob(num_heads=64, seq_len_q=2, kv_dtype="fp8_e4m3"), CuteDslOptions()) is flag

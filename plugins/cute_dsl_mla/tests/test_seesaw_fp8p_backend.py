@@ -35,7 +35,7 @@ def test_option_fp8_loader_reaches_the_seesaw_entry(monkeypatch, loader, kv):
     keywords = getattr(planned.run_fn, "keywords", {})
     assert keywords.get("fp8_producer", False) is (kv == "fp8_e4m3" and loader == "producer")
     if kv == "fp8_e4m3":
-        assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw"
+        assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"  # since 0.2.17
         assert keywords == {"lazy_rescale": True} | ({"fp8_producer": True} if loader == "producer" else {})
         assert ("(fp8_loader=producer)" in be.kernel_summary(problem, opts)) is (loader == "producer")
         assert ("(fp8_loader=inline)" in be.kernel_summary(problem, opts)) is (loader == "inline")
