@@ -482,7 +482,7 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
 def seesaw_fp8_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether the fp8 seesaw runs with its producer warpgroup: option fp8_loader=producer (the default since
     0.2.17), an fp8 cache, the seesaw kernel, and its even mode, or its balanced mode (FP8_SEESAW_BALANCED) only
-    with FP8_BALANCED_PRODUCER (off until GPU-verified: the balanced seesaw converts inline)."""
+    with FP8_BALANCED_PRODUCER (on since 0.2.17; off: the balanced seesaw converts inline)."""
     return (shape.kv_dtype == "fp8_e4m3" and options.fp8_loader == "producer"
             and partial_kernel(shape, options) == "seesaw"
             and (FP8_BALANCED_PRODUCER or not balanced_split(shape, options)))
@@ -510,7 +510,7 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             text += (f" (split_kv=balanced ignored: it applies to the mma.sync and wgmma_t kernels with a bf16/fp16 "
                      f"cache, this shape {why})")
         if kernel == SEESAW_BALANCED_KERNEL and options.seesaw_split == "balanced":
-            why = ("takes an fp8 cache only with backend.FP8_SEESAW_BALANCED, off until measured on a GPU"
+            why = ("takes an fp8 cache only with backend.FP8_SEESAW_BALANCED (set off here)"
                    if shape.kv_dtype == "fp8_e4m3" and not FP8_SEESAW_BALANCED
                    else "runs one CTA per SM, ctas_per_sm=2 asks for two")
             text += f" (seesaw_split=balanced ignored: the balanced seesaw {why})"
@@ -521,7 +521,7 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
             text += ", a producer warpgroup converts the fp8 cache (fp8_loader=producer)"
         elif options.fp8_loader == "producer":
             text += (", the math warpgroups convert the fp8 cache (fp8_loader=producer ignored: the balanced seesaw "
-                     "takes the producer warpgroup only with backend.FP8_BALANCED_PRODUCER, off until GPU-verified)")
+                     "takes the producer warpgroup only with backend.FP8_BALANCED_PRODUCER, set off here)")
         else:
             text += ", the math warpgroups convert the fp8 cache (fp8_loader=inline)"
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":

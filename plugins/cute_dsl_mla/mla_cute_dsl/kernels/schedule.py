@@ -369,7 +369,7 @@ def plan_items(kv_lens, s_q: int, num_heads: int, num_sms: int, ctas_per_sm: int
 # budgets spread over the columns left (so the tail columns are not left empty), falling back to
 # the plain greedy walk if the spread walk would not fit.
 # The item cost and the hybrid's 10% margin were measured with 16-bit caches (bf16 / fp16); the balanced seesaw
-# with an fp8 cache (branch fp8-balanced, backend.FP8_SEESAW_BALANCED) uses them unchanged, not re-measured: an
+# with an fp8 cache (backend.FP8_SEESAW_BALANCED, on since 0.2.17) uses them unchanged, not re-measured: an
 # fp8 tile's load (ld.global + convert + st.shared by the math warpgroups) costs a different share of an item.
 #
 # Bounds (T = total blocks, N = requests with kv_len > 0, C = num_cols, k = item_cost):
