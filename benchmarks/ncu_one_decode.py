@@ -17,6 +17,9 @@ SHAPES = {  # kernel: (B, s_q, H, S, kv dtype)
     "wgmma": (128, 1, 128, 4096, torch.bfloat16),
     "wgmma_fp8": (128, 1, 128, 4096, torch.float8_e4m3fn),
     "seesaw_fp8": (128, 1, 128, 4096, torch.float8_e4m3fn),
+    # the backend's defaults at H=128: lazy rescale; the fp8 seesaw with its producer warpgroup
+    "seesaw_lazy": (128, 1, 128, 4096, torch.bfloat16),
+    "seesaw_fp8p": (128, 1, 128, 4096, torch.float8_e4m3fn),
     "fp8reg": (64, 1, 16, 8192, torch.float8_e4m3fn),
     "fp8reg_sq2": (128, 2, 16, 4096, torch.float8_e4m3fn),
     # the mma.sync kernel (even split) with a bf16 cache: at fp8reg's bytes (B32 S8192) and at the s_q=2 target
@@ -38,7 +41,10 @@ def main() -> None:
     fn = {"seesaw": mla_decode_sm90_wgmma_seesaw, "wgmma": mla_decode_sm90_wgmma,
           "wgmma_fp8": mla_decode_sm90_wgmma, "seesaw_fp8": mla_decode_sm90_wgmma_seesaw,
           "fp8reg": mla_decode_sm90_fp8, "fp8reg_sq2": mla_decode_sm90_fp8, "mma_sync": mla_decode_sm90,
-          "mma_sync_sq2": mla_decode_sm90}[a.kernel]
+          "mma_sync_sq2": mla_decode_sm90, "seesaw_lazy": mla_decode_sm90_wgmma_seesaw,
+          "seesaw_fp8p": mla_decode_sm90_wgmma_seesaw}[a.kernel]
+    kw = {"seesaw_lazy": {"lazy_rescale": True},
+          "seesaw_fp8p": {"lazy_rescale": True, "fp8_producer": True}}.get(a.kernel, {})
     pages = S // 64
     q = torch.randn(B, s_q, H, 576, device="cuda").to(torch.bfloat16)
     kv = torch.randn(B * pages, 64, 576, device="cuda").to(kv_dtype)
@@ -50,7 +56,7 @@ def main() -> None:
     out = torch.empty(B, s_q, H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(B, s_q, H, dtype=torch.float32, device="cuda")
     for _ in range(2):
-        fn(q, kv, table, lens_cpu.cuda(), 576 ** -0.5, 1.0, out, lse, sched, ws)
+        fn(q, kv, table, lens_cpu.cuda(), 576 ** -0.5, 1.0, out, lse, sched, ws, **kw)
     torch.cuda.synchronize()
     print(a.kernel, "ok", float(out.float().abs().mean()))
 

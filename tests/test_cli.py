@@ -52,6 +52,23 @@ def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
     assert "capability=10.0 not in ['9.0']" in reasons[1, 16, "10.0"]
 
 
+def test_default_policy_routes_tp4_tp2_bf16_by_batch_and_length(capsys):
+    """The built-in rules for a bf16 cache at H=32 and 64 (s_q 1-4, capability 9.0, twenty-third session): ours up
+    to batch 55 at any length and from 56 when the longest request has >= 1600 tokens; fa3 from batch 56 below that
+    length, except at H=64 s_q 3 and 4 (ours at every batch); a B200 keeps FlashInfer."""
+    cases = {(32, 1, 55, 700, "9.0"): "cute_dsl_mla", (32, 1, 56, 1599, "9.0"): "flashinfer_mla",
+             (32, 4, 56, 1600, "9.0"): "cute_dsl_mla", (64, 2, 160, 700, "9.0"): "flashinfer_mla",
+             (64, 1, 500, 7000, "9.0"): "cute_dsl_mla", (64, 3, 160, 700, "9.0"): "cute_dsl_mla",
+             (64, 4, 128, 1024, "9.0"): "cute_dsl_mla", (32, 2, 16, 4096, "10.0"): "flashinfer_mla"}
+    chosen = {}
+    for heads, s_q, batch, kv_len, cap in cases:
+        code = main(["backends", "explain", "--num-heads", str(heads), "--seq-len-q", str(s_q), "--batch", str(batch),
+                     "--kv-len", str(kv_len), "--device", "cuda", "--capability", cap, "--json"])
+        assert code == 0
+        chosen[heads, s_q, batch, kv_len, cap] = json.loads(capsys.readouterr().out)["chosen"]
+    assert chosen == cases
+
+
 def test_explain_with_error_fallback_exits_1(tmp_path, capsys):
     pol = tmp_path / "p.toml"
     pol.write_text('[mla]\norder = ["flashinfer_mla"]\nfallback = "error"')
