@@ -1,11 +1,12 @@
 """Pure-Python model of the fp8 seesaw with a producer warpgroup (``MLADecodePartialWGMMASeesaw(fp8_producer=True)``,
 ``kernel_fp8p``): three programs, no DSL, no GPU.
 
-* Math warpgroups 0 and 1 (``fp8p_math``): the 16-bit (cp.async) seesaw's program of test_seesaw_protocol.py
-  (``wg_program``) with every in-loop ("load", tile, buffer, blocks, mbarrier i) replaced by ("release", i): an
-  arrive on empty[i] at the same place under the same condition (after the warpgroup's WGMMAs on those columns
-  were waited), the prologue loads dropped (the producer loads tiles 0 and 1) and the CTA barriers among the two
-  math warpgroups only (BAR_MATH, 256 threads; the producer never joins one after the setup).
+* Math warpgroups 0 and 1 (``seesaw_item`` under fp8_producer): the 16-bit (cp.async) seesaw's program of
+  test_seesaw_protocol.py (``wg_program``) with every in-loop ("load", tile, buffer, blocks, mbarrier i) replaced
+  by ("release", i): an arrive on empty[i] at the same place under the same condition (after the warpgroup's
+  WGMMAs on those columns were waited; ``refill_part``), the prologue loads dropped (the producer loads tiles 0
+  and 1) and the CTA barriers among the two math warpgroups only (BAR_MATH, 256 threads; the producer never joins
+  one after the setup).
 * The producer (``fp8p_producer``): per pair p, tile a = 2p parts full[0] then full[1], tile b = 2p + 1 (if it
   exists) parts full[3] then full[2], each a ("load", ...) (convert + st.shared + fence + arrive on full[i]) after
   ("ewait", i, (p - 1) % 2) for p >= 1 (its buffer's tile - 2 released).  The ld.global into registers touches no
@@ -31,7 +32,8 @@ N = 3  # programs: math WG0, math WG1, producer WG2
 
 
 def math_program(w, T, mutate=None):
-    """``fp8p_math`` of warpgroup w: ``wg_program(w, T)`` (16-bit cp.async) with its in-loop loads as releases."""
+    """``seesaw_item`` (fp8_producer) of warpgroup w: ``wg_program(w, T)`` (16-bit cp.async) with its in-loop loads
+    as releases."""
     evs = list(wg_program(w, T))
     first_bar = evs.index(("ctabar",))
     out = []
