@@ -417,21 +417,25 @@ def test_emulation_catches_q_not_reloaded():
 
 
 def test_the_kernel_walks_what_the_emulation_walks():
-    """Source check of the balanced branch of kernel_seesaw: the column's rows from mRanges, b < 0 skipped, T
-    and n_start as the one-item kernel computes them, Q reloaded only when the request changes, the phase counts
-    advanced after each item (test_seesaw_balanced_protocol.py checks their arithmetic)."""
+    """Source check of the balanced branch of kernel_seesaw and its column walk (seesaw_column): the column's rows
+    from mRanges, b < 0 skipped, T and n_start as the one-item kernel computes them, Q reloaded only when the
+    request changes, the phase counts from 0 and advanced after each item (test_seesaw_balanced_protocol.py checks
+    their arithmetic)."""
     import inspect
 
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw as K
 
     src = " ".join(inspect.getsource(K.kernel_seesaw).split())
     bal = src[src.index("if cutlass.const_expr(self.balanced):"):src.index("else: b = mWork[wi, 0]")]
+    for piece in ("cute.arch.mbarrier_init(mbar + i, self._mbar_count())", "ph0 = cutlass.Int32(0)",
+                  "ph1 = cutlass.Int32(0)", "self.seesaw_column(", "blocks_per_page, ph0, ph1, )"):
+        assert piece in bal, piece
+    assert bal.index("mbarrier_init") < bal.index("self.seesaw_column(")  # once per CTA, not per item
+    col = " ".join(inspect.getsource(K.seesaw_column).split())
     for piece in ("for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1): b = mWork[it, 0] if b >= 0:",
                   "n_start = mWork[it, 1] // BLOCK_N", "T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start",
-                  "b != q_of, ph0, ph1, ) q_of = b", "ph0 = ph0 + (T + 1) // 2 ph1 = ph1 + T // 2",
-                  "cute.arch.mbarrier_init(mbar + i, self._mbar_count())"):
-        assert piece in bal, piece
-    assert bal.index("mbarrier_init") < bal.index("for it in")  # once per CTA, not per item
+                  "b != q_of, ph0, ph1, ) q_of = b", "ph0 = ph0 + (T + 1) // 2 ph1 = ph1 + T // 2"):
+        assert piece in col, piece
     item = " ".join(inspect.getsource(K.seesaw_item).split())
     assert "if cutlass.const_expr(q_load is None): self.load_q(" in item and "if q_load:" in item
     assert item.index("cute.arch.cp_async_wait_group(0)") > item.index("for p in cutlass.range(0, (T + 1) // 2, 1):")

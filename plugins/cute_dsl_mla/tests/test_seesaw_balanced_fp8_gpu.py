@@ -24,6 +24,7 @@ Skipped without an sm_90 GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -31,6 +32,8 @@ import pytest
 import torch
 
 from test_kernel_gpu import check
+from test_seesaw_balanced_gpu import (MANY_ITEM_LENGTHS, _graph_replays_the_other_form, _schedule,
+                                      _two_items_of_one_request_in_a_column, _walk_many_items)
 from test_wgmma_t_balanced_gpu import _lengths, _num_sms, _outs, needs_sm90
 
 pytestmark = pytest.mark.gpu
@@ -65,17 +68,6 @@ def make_case_fp8(lens, s_q, H, q_dtype, page, seed, q_std=1.0):
     lens_t = torch.tensor(lens, dtype=torch.int32)
     return dict(q=q.cuda(), kv=kv.cuda(), page_table=page_table.cuda(), lens=lens_t.cuda(), lens_cpu=lens_t,
                 kv_scale=KV_SCALE, sm_scale=1.0 / math.sqrt(192))
-
-
-def _schedule(case, form="auto", num_sms=None):
-    from mla_cute_dsl.kernels import alloc_workspace, make_schedule
-
-    B, s_q, H, _ = case["q"].shape
-    sched = make_schedule(case["lens_cpu"], s_q, H, num_sms or _num_sms(), balanced=True, form=form, ctas_per_sm=1)
-    ws = alloc_workspace(sched)
-    for part in ws:  # a partial slot the kernel fails to write must not pass as old memory
-        part.fill_(float("nan"))
-    return sched, ws
 
 
 def run_bal(case, out, lse, sched, ws, lazy):
@@ -129,32 +121,16 @@ def test_fp8_balanced_few_columns_walk_many_items(num_sms, s_q, lazy):
     several requests: Q reconverted at each request change), so the mbarrier phases and the fp8 staging run across
     dozens of item boundaries (a hang here is a parity or a lost arrive)."""
     rng = random.Random()
-    lens = [rng.choice([0, 1, 63, 64, 65, 128, 129, 192, 200, 320, 384]) for _ in range(24)]
+    lens = [rng.choice(MANY_ITEM_LENGTHS) for _ in range(24)]
     case = make_case_fp8(lens, s_q, 64, torch.bfloat16, 64, seed=rng.randrange(1 << 30))
-    for form in ("even", "balanced"):
-        sched, ws = _schedule(case, form, num_sms=num_sms)
-        ranges = sched.cta_ranges.tolist()
-        assert max(ranges[c + 1] - ranges[c] for c in range(sched.num_cols)) > 3
-        out, lse = _outs(case)
-        run_bal(case, out, lse, sched, ws, lazy)
-        torch.cuda.synchronize()
-        check(case, out, lse)
+    _walk_many_items(case, num_sms, functools.partial(run_bal, lazy=lazy))
 
 
 @needs_sm90
 def test_fp8_balanced_two_items_of_one_request_in_a_column():
     """The even form on 4 columns puts two items of one request in one column (Q kept, not reconverted; row state
     reset, two partial slots meeting in the combine)."""
-    lens = [64, 1500, 700, 0, 65]
-    case = make_case_fp8(lens, 1, 64, torch.bfloat16, 64, seed=random.randrange(1 << 30))
-    sched, ws = _schedule(case, "even", num_sms=4)
-    items, ranges = sched.work_info.tolist(), sched.cta_ranges.tolist()
-    assert any(len({items[i][0] for i in range(ranges[c], ranges[c + 1])}) < ranges[c + 1] - ranges[c]
-               for c in range(4))
-    out, lse = _outs(case)
-    run_bal(case, out, lse, sched, ws, False)
-    torch.cuda.synchronize()
-    check(case, out, lse)
+    _two_items_of_one_request_in_a_column(make_case_fp8, functools.partial(run_bal, lazy=False))
 
 
 @needs_sm90
@@ -209,40 +185,9 @@ def test_fp8_balanced_large_magnitude_q(qd):
 def test_fp8_balanced_graph_replays_the_other_form_equal_to_eager(first, second, lazy):
     """Capture with the schedule in one (forced) form, re-plan the other form with new lengths into the same
     buffers, replay: equal to an eager call bit for bit and to the reference."""
-    from mla_cute_dsl.kernels import make_schedule
-
     rng = random.Random()
-    B, s_q, H, S = 24, 2, 128, 2048
-    case = make_case_fp8([S] * B, s_q, H, torch.bfloat16, 64, seed=rng.randrange(1 << 30))
-    sched, ws = _schedule(case, first)
-    out, lse = _outs(case)
-    run_bal(case, out, lse, sched, ws, lazy)  # warm up (compile) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph):
-            run_bal(case, out, lse, sched, ws, lazy)
-    torch.cuda.current_stream().wait_stream(stream)
-    new = _lengths("skewed", B, S, s_q, rng)  # each at most the old: the rows read are not poisoned
-    new[1], new[2] = 0, 1
-    case["lens_cpu"] = torch.tensor(new, dtype=torch.int32)
-    case["lens"].copy_(case["lens_cpu"])
-    make_schedule(case["lens_cpu"], s_q, H, _num_sms(), out=sched, balanced=True, form=second, ctas_per_sm=1)
-    assert sched.form == second
-    case["q"].copy_(torch.randn_like(case["q"], dtype=torch.float32).to(case["q"].dtype))
-    for t in (*ws, out, lse):
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    o_graph, l_graph = out.clone(), lse.clone()
-    check(case, o_graph, l_graph)
-    for t in (*ws, out, lse):
-        t.fill_(float("nan"))
-    run_bal(case, out, lse, sched, ws, lazy)
-    torch.cuda.synchronize()
-    assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)
+    case = make_case_fp8([2048] * 24, 2, 128, torch.bfloat16, 64, seed=rng.randrange(1 << 30))
+    _graph_replays_the_other_form(case, first, second, functools.partial(run_bal, lazy=lazy), rng)
 
 
 @needs_sm90

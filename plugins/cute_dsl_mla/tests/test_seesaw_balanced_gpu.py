@@ -23,11 +23,13 @@ Skipped without an sm_90 GPU.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 
+from graph_replay import fresh_values, graph_replay_equals_eager
 from test_kernel_gpu import check
 from test_wgmma_t_balanced_gpu import _lengths, _num_sms, _outs, make_case_lens, needs_sm90
 
@@ -56,6 +58,68 @@ def run_bal(case, out, lse, sched, ws, tma):
 
 def _cols(sched):
     return -(-sched.rows // 64), _num_sms() // -(-sched.rows // 64)
+
+
+# ---- scaffolding shared with the fp8 balanced seesaw's GPU tests (test_seesaw_balanced_fp8_gpu.py,
+# test_seesaw_fp8p_balanced_gpu.py): ``run(case, out, lse, sched, ws)`` runs the kernel under test
+
+MANY_ITEM_LENGTHS = (0, 1, 63, 64, 65, 128, 129, 192, 200, 320, 384)  # items of 0-6 tiles: odd counts, 1-tile ones
+
+
+def _walk_many_items(case, num_sms, run, num_cols=None):
+    """Both plan forms on a ``num_sms``-SM schedule whose busiest column walks more than 3 items: equal to the
+    reference.  ``num_cols``: the column count the schedule must have (None: not checked)."""
+    for form in ("even", "balanced"):
+        sched, ws = _schedule(case, form, num_sms=num_sms)
+        if num_cols is not None:
+            assert sched.num_cols == num_cols
+        ranges = sched.cta_ranges.tolist()
+        assert max(ranges[c + 1] - ranges[c] for c in range(sched.num_cols)) > 3
+        out, lse = _outs(case)
+        run(case, out, lse, sched, ws)
+        torch.cuda.synchronize()
+        check(case, out, lse)
+
+
+def _two_items_of_one_request_in_a_column(make_case, run):
+    """The even form on 4 columns puts two items of one request in one column (``make_case``: the file's case
+    maker, bf16 q): equal to the reference."""
+    lens = [64, 1500, 700, 0, 65]
+    case = make_case(lens, 1, 64, torch.bfloat16, 64, seed=random.randrange(1 << 30))
+    sched, ws = _schedule(case, "even", num_sms=4)
+    items, ranges = sched.work_info.tolist(), sched.cta_ranges.tolist()
+    assert any(len({items[i][0] for i in range(ranges[c], ranges[c + 1])}) < ranges[c + 1] - ranges[c]
+               for c in range(4))
+    out, lse = _outs(case)
+    run(case, out, lse, sched, ws)
+    torch.cuda.synchronize()
+    check(case, out, lse)
+
+
+def _graph_replays_the_other_form(case, first, second, run, rng):
+    """Kernel level: capture ``run`` with the schedule in one (forced) form, re-plan the other form with new
+    lengths into the same buffers (skewed, each at most the old, so the rows read are not poisoned; one request
+    empty, one of one token), new q, replay: equal to an eager call bit for bit and to the reference
+    (graph_replay_equals_eager).  ``case``: every request of the same length."""
+    from mla_cute_dsl.kernels import make_schedule
+
+    B, s_q, H, _ = case["q"].shape
+    S = int(case["lens_cpu"].max())
+    sched, ws = _schedule(case, first)
+    out, lse = _outs(case)
+    run(case, out, lse, sched, ws)  # warm up (compile) outside the capture
+
+    def replan():
+        new = _lengths("skewed", B, S, s_q, rng)
+        new[1], new[2] = 0, 1
+        case["lens_cpu"] = torch.tensor(new, dtype=torch.int32)
+        case["lens"].copy_(case["lens_cpu"])
+        make_schedule(case["lens_cpu"], s_q, H, _num_sms(), out=sched, balanced=True, form=second, ctas_per_sm=1)
+        assert sched.form == second
+        fresh_values(case["q"])
+
+    graph_replay_equals_eager(lambda: run(case, out, lse, sched, ws), out, lse, refresh=replan,
+                              check=lambda o, l: check(case, o, l), scratch=ws)
 
 
 CASES = [  # B, s_q, H, lengths, S, page, dtype, form, tma
@@ -100,17 +164,9 @@ def test_seesaw_balanced_few_columns_walk_many_items(num_sms, s_q, tma):
     """Schedules for 1, 2 or 5 SMs at H=64: each column walks many items of 0-6 tiles (odd counts, 1-tile items,
     several requests), so the mbarrier phases run across dozens of item boundaries (a hang here is a parity)."""
     rng = random.Random()
-    lens = [rng.choice([0, 1, 63, 64, 65, 128, 129, 192, 200, 320, 384]) for _ in range(24)]
+    lens = [rng.choice(MANY_ITEM_LENGTHS) for _ in range(24)]
     case = make_case_lens(lens, s_q, 64, torch.bfloat16, 64, seed=rng.randrange(1 << 30))
-    for form in ("even", "balanced"):
-        sched, ws = _schedule(case, form, num_sms=num_sms)
-        assert sched.num_cols == max(1, num_sms // s_q)
-        ranges = sched.cta_ranges.tolist()
-        assert max(ranges[c + 1] - ranges[c] for c in range(sched.num_cols)) > 3
-        out, lse = _outs(case)
-        run_bal(case, out, lse, sched, ws, tma)
-        torch.cuda.synchronize()
-        check(case, out, lse)
+    _walk_many_items(case, num_sms, functools.partial(run_bal, tma=tma), num_cols=max(1, num_sms // s_q))
 
 
 @needs_sm90
@@ -118,16 +174,7 @@ def test_seesaw_balanced_few_columns_walk_many_items(num_sms, s_q, tma):
 def test_seesaw_balanced_two_items_of_one_request_in_a_column(tma):
     """The even form on 4 columns puts two items of one request in one column (Q kept, row state reset, two
     partial slots meeting in the combine)."""
-    lens = [64, 1500, 700, 0, 65]
-    case = make_case_lens(lens, 1, 64, torch.bfloat16, 64, seed=random.randrange(1 << 30))
-    sched, ws = _schedule(case, "even", num_sms=4)
-    items, ranges = sched.work_info.tolist(), sched.cta_ranges.tolist()
-    assert any(len({items[i][0] for i in range(ranges[c], ranges[c + 1])}) < ranges[c + 1] - ranges[c]
-               for c in range(4))
-    out, lse = _outs(case)
-    run_bal(case, out, lse, sched, ws, tma)
-    torch.cuda.synchronize()
-    check(case, out, lse)
+    _two_items_of_one_request_in_a_column(make_case_lens, functools.partial(run_bal, tma=tma))
 
 
 @needs_sm90
@@ -184,41 +231,9 @@ def test_seesaw_balanced_large_magnitude_q():
 def test_seesaw_balanced_graph_replays_the_other_form_equal_to_eager(first, second, tma):
     """Kernel level: capture with the schedule in one (forced) form, re-plan the other form with new lengths
     into the same buffers, replay: equal to an eager call bit for bit and to the reference."""
-    from mla_cute_dsl.kernels import make_schedule
-
     rng = random.Random()
-    B, s_q, H, S = 24, 2, 128, 2048
-    case = make_case_lens([S] * B, s_q, H, torch.bfloat16, 64, seed=rng.randrange(1 << 30))
-    sched, ws = _schedule(case, first)
-    out, lse = _outs(case)
-    run_bal(case, out, lse, sched, ws, tma)  # warm up (compile) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph):
-            run_bal(case, out, lse, sched, ws, tma)
-    torch.cuda.current_stream().wait_stream(stream)
-    # new lengths (each at most the old: the rows read are not poisoned), new q, the other form in place
-    new = _lengths("skewed", B, S, s_q, rng)
-    new[1], new[2] = 0, 1
-    case["lens_cpu"] = torch.tensor(new, dtype=torch.int32)
-    case["lens"].copy_(case["lens_cpu"])
-    make_schedule(case["lens_cpu"], s_q, H, _num_sms(), out=sched, balanced=True, form=second, ctas_per_sm=1)
-    assert sched.form == second
-    case["q"].copy_(torch.randn_like(case["q"], dtype=torch.float32).to(case["q"].dtype))
-    for t in (*ws, out, lse):
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    o_graph, l_graph = out.clone(), lse.clone()
-    check(case, o_graph, l_graph)
-    for t in (*ws, out, lse):
-        t.fill_(float("nan"))
-    run_bal(case, out, lse, sched, ws, tma)
-    torch.cuda.synchronize()
-    assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)
+    case = make_case_lens([2048] * 24, 2, 128, torch.bfloat16, 64, seed=rng.randrange(1 << 30))
+    _graph_replays_the_other_form(case, first, second, functools.partial(run_bal, tma=tma), rng)
 
 
 # ---- through the backend: option seesaw_split=balanced (the default since 0.2.13) ----

@@ -275,7 +275,8 @@ def test_the_fp8_kernel_path_waits_with_the_per_buffer_parities():
     the same Python value: its PTX is unchanged), and the fp8 stores and prefetches stay inside the item (tiles < T)."""
     src = KERNEL_SRC.read_text()
     item = src[src.index("    def seesaw_item("):src.index("# ---------------------------------------------------------------------- host helpers")]
-    fp8 = item[item.index("            if cutlass.const_expr(self.is_fp8):\n                # fp8 KV: the same schedule"):
+    fp8 = item[item.index("            if cutlass.const_expr(self.is_fp8 and not self.fp8_producer):\n"
+                          "                # fp8 KV: the same schedule"):
                item.index("            else:\n                if wg == 0:\n                    # S_a")]
     waits = re.findall(r"mbar \+ (\d), mbar \+ (\d), (par\d|parity)", fp8)
     assert sorted(waits) == [("0", "1", "par0"), ("3", "2", "par1")], waits

@@ -25,13 +25,16 @@ Skipped without an sm_90 GPU.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 
 from test_kernel_gpu import check
-from test_seesaw_balanced_fp8_gpu import QT, _schedule, make_case_fp8
+from test_seesaw_balanced_fp8_gpu import QT, make_case_fp8
+from test_seesaw_balanced_gpu import (MANY_ITEM_LENGTHS, _graph_replays_the_other_form, _schedule,
+                                      _two_items_of_one_request_in_a_column, _walk_many_items)
 from test_wgmma_t_balanced_gpu import _lengths, _num_sms, _outs, needs_sm90
 
 pytestmark = pytest.mark.gpu
@@ -89,31 +92,15 @@ def test_fp8p_balanced_few_columns_walk_many_items(num_sms, s_q, qd):
     several requests: Q reloaded at each request change), so the full / empty phases run across dozens of item
     boundaries with the producer running ahead into the next item (a hang here is a parity or a lost release)."""
     rng = random.Random()
-    lens = [rng.choice([0, 1, 63, 64, 65, 128, 129, 192, 200, 320, 384]) for _ in range(24)]
+    lens = [rng.choice(MANY_ITEM_LENGTHS) for _ in range(24)]
     case = make_case_fp8(lens, s_q, 64, QT[qd], 64, seed=rng.randrange(1 << 30))
-    for form in ("even", "balanced"):
-        sched, ws = _schedule(case, form, num_sms=num_sms)
-        ranges = sched.cta_ranges.tolist()
-        assert max(ranges[c + 1] - ranges[c] for c in range(sched.num_cols)) > 3
-        out, lse = _outs(case)
-        run_bal_p(case, out, lse, sched, ws, True)
-        torch.cuda.synchronize()
-        check(case, out, lse)
+    _walk_many_items(case, num_sms, functools.partial(run_bal_p, lazy=True))
 
 
 @needs_sm90
 def test_fp8p_balanced_two_items_of_one_request_in_a_column():
     """Two items of one request in one column (Q kept, not reloaded; row state reset, two partial slots)."""
-    lens = [64, 1500, 700, 0, 65]
-    case = make_case_fp8(lens, 1, 64, torch.bfloat16, 64, seed=random.randrange(1 << 30))
-    sched, ws = _schedule(case, "even", num_sms=4)
-    items, ranges = sched.work_info.tolist(), sched.cta_ranges.tolist()
-    assert any(len({items[i][0] for i in range(ranges[c], ranges[c + 1])}) < ranges[c + 1] - ranges[c]
-               for c in range(4))
-    out, lse = _outs(case)
-    run_bal_p(case, out, lse, sched, ws, False)
-    torch.cuda.synchronize()
-    check(case, out, lse)
+    _two_items_of_one_request_in_a_column(make_case_fp8, functools.partial(run_bal_p, lazy=False))
 
 
 @needs_sm90
@@ -157,40 +144,9 @@ def test_fp8p_balanced_close_to_the_even_fp8p_seesaw_and_the_inline_balanced_one
 @pytest.mark.parametrize("lazy", [False, True])
 @pytest.mark.parametrize("first,second", [("even", "balanced"), ("balanced", "even")])
 def test_fp8p_balanced_graph_replays_the_other_form_equal_to_eager(first, second, lazy):
-    from mla_cute_dsl.kernels import make_schedule
-
     rng = random.Random()
-    B, s_q, H, S = 24, 2, 128, 2048
-    case = make_case_fp8([S] * B, s_q, H, torch.bfloat16, 64, seed=rng.randrange(1 << 30))
-    sched, ws = _schedule(case, first)
-    out, lse = _outs(case)
-    run_bal_p(case, out, lse, sched, ws, lazy)  # warm up (compile) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph):
-            run_bal_p(case, out, lse, sched, ws, lazy)
-    torch.cuda.current_stream().wait_stream(stream)
-    new = _lengths("skewed", B, S, s_q, rng)  # each at most the old: the rows read are not poisoned
-    new[1], new[2] = 0, 1
-    case["lens_cpu"] = torch.tensor(new, dtype=torch.int32)
-    case["lens"].copy_(case["lens_cpu"])
-    make_schedule(case["lens_cpu"], s_q, H, _num_sms(), out=sched, balanced=True, form=second, ctas_per_sm=1)
-    assert sched.form == second
-    case["q"].copy_(torch.randn_like(case["q"], dtype=torch.float32).to(case["q"].dtype))
-    for t in (*ws, out, lse):
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    o_graph, l_graph = out.clone(), lse.clone()
-    check(case, o_graph, l_graph)
-    for t in (*ws, out, lse):
-        t.fill_(float("nan"))
-    run_bal_p(case, out, lse, sched, ws, lazy)
-    torch.cuda.synchronize()
-    assert torch.equal(o_graph, out) and torch.equal(l_graph, lse)
+    case = make_case_fp8([2048] * 24, 2, 128, torch.bfloat16, 64, seed=rng.randrange(1 << 30))
+    _graph_replays_the_other_form(case, first, second, functools.partial(run_bal_p, lazy=lazy), rng)
 
 
 @needs_sm90

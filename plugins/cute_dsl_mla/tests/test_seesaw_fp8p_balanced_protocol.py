@@ -3,11 +3,11 @@
 fp8-balanced-producer): a CTA column runs several work items with the same 8 mbarriers, so their phases continue
 across items on both sides.
 
-* Math warpgroups (``fp8p_math`` with q_load / ph0 / ph1): per item, Q written into sQ when the request changes
-  ("write_q", each math warpgroup its half of the rows), the BAR_MATH barrier ("ctabar"), the pairs of the one-item
-  program (``test_seesaw_fp8p_protocol.math_program``) with the full waits at parity (ph + p) % 2 and every tile's
-  parts released (empty arrives also for a buffer's last tile of the item: the next item's tiles 0 / 1 reuse it),
-  every S WGMMA also reading sQ, then the epilogue's BAR_MATH ("ctabar").
+* Math warpgroups (``seesaw_item`` under fp8_producer, with q_load / ph0 / ph1): per item, Q written into sQ when
+  the request changes ("write_q", each math warpgroup its half of the rows), the BAR_MATH barrier ("ctabar"), the
+  pairs of the one-item program (``test_seesaw_fp8p_protocol.math_program``) with the full waits at parity
+  (ph + p) % 2 and every tile's parts released (empty arrives also for a buffer's last tile of the item: the next
+  item's tiles 0 / 1 reuse it), every S WGMMA also reading sQ, then the epilogue's BAR_MATH ("ctabar").
 * The producer (``fp8p_producer`` with ph0 / ph1): per item the one-item order of parts, the g-th tile of a buffer in
   the column (g = ph + p) waiting on empty phase g - 1 first (none for g = 0); no barrier with the math side after the
   setup, so it runs into the next item as far as the empty barriers let it.
@@ -38,8 +38,9 @@ KERNEL_SRC = Path(__file__).resolve().parents[1] / "mla_cute_dsl" / "kernels" / 
 
 
 def math_item(w, T, g, ph, req, mutate=None):
-    """``fp8p_math`` events of math warpgroup w for one item of T tiles, column tiles g .. g + T - 1, after the
-    column's earlier phases ph = [ph0, ph1] (full waits (ph + p) % 2), its S WGMMAs reading sQ (request req)."""
+    """``seesaw_item`` (fp8_producer) events of math warpgroup w for one item of T tiles, column tiles g .. g + T - 1,
+    after the column's earlier phases ph = [ph0, ph1] (full waits (ph + p) % 2), its S WGMMAs reading sQ (request
+    req)."""
     rel_all = mutate != "release_in_item_only"
     out = []
     for p in range((T + 1) // 2):
@@ -177,16 +178,31 @@ def test_the_kernel_computes_what_the_model_checks():
     unconditional releases in balanced; Q loaded on a request change; the one-item kernel keeps its own."""
     src = KERNEL_SRC.read_text()
     bal = src[src.index("    def kernel_fp8p_balanced("):src.index("    def fp8p_produce_part(")]
-    assert bal.count("ph0 = ph0 + (T + 1) // 2") == 2 and bal.count("ph1 = ph1 + T // 2") == 2
-    assert bal.count("for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):") == 2
-    assert bal.count("T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start") == 2
-    assert "kv_len, R, n_start, T, b != q_of, ph0, ph1," in bal and "blocks_per_page, n_start, T, ph0, ph1)" in bal
-    prod = src[src.index("    def fp8p_producer("):src.index("    def fp8p_math(")]
+    # both sides walk the column from the same phase counts: the math warpgroups in seesaw_column, the producer here
+    col = src[src.index("    def seesaw_column("):src.index("    def seesaw_item(")]
+    assert "ph0 = cutlass.Int32(0)" in bal and "ph1 = cutlass.Int32(0)" in bal
+    assert bal.index("ph0 = cutlass.Int32(0)") < bal.index("if wg < 2:")
+    assert "lane, R, blocks_per_page, ph0, ph1," in " ".join(bal.split())
+    for walk in (bal, col):
+        assert walk.count("ph0 = ph0 + (T + 1) // 2") == 1 and walk.count("ph1 = ph1 + T // 2") == 1
+        assert walk.count("for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):") == 1
+        assert walk.count("T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start") == 1
+    assert "kv_len, R, blocks_per_page, n_start, T, b != q_of, ph0, ph1," in " ".join(col.split())
+    assert "blocks_per_page, n_start, T, ph0, ph1)" in bal
+    host = src.index("# ---------------------------------------------------------------------- host helpers")
+    prod = src[src.index("    def fp8p_producer("):host]
     for s in ("par0 = (ph0 + p + 1) % 2", "par1 = (ph1 + p + 1) % 2", "wait0 = ph0 + p > 0", "wait1 = ph1 + p > 0"):
         assert s in prod, s
     assert prod.count("wait0, par0)") == 2 and prod.count("wait1, par1)") == 2
-    math = src[src.index("    def fp8p_math("):src.index("# ---------------------------------------------------------------------- host helpers")]
+    # the math side: seesaw_item's 16-bit stream (fp8_producer), its releases through refill_part
+    math = src[src.index("    def seesaw_item("):src.index("    def kernel_fp8p(")]
     assert "par0 = (ph0 + p) % 2" in math and "par1 = (ph1 + p) % 2" in math
-    assert "full + 0, full + 1, par0)" in math and "full + 3, full + 2, par1)" in math
-    assert len(re.findall(r"if cutlass\.const_expr\(rel_all\):\s+cute\.arch\.mbarrier_arrive\(empty \+ \d\)", math)) == 4
+    sixteen = math[math.index("            else:\n                if wg == 0:\n                    # S_a"):]
+    assert "mbar + 0, mbar + 1, par0)" in sixteen and "mbar + 3, mbar + 2, par1)" in sixteen
+    assert "refill_bars = mbar + 4" in math
+    assert "every_tile = self.fp8_producer and ph0 is not None" in math
+    releases = re.findall(r"self\.refill_part\([^)]*refill_bars, (\d), every_tile\)", sixteen)
+    assert sorted(releases) == ["0", "1", "2", "3"]
+    refill = src[src.index("    def refill_part("):src.index("    def item_barrier(")]
+    assert re.search(r"if cutlass\.const_expr\(every_tile\):\s+cute\.arch\.mbarrier_arrive\(bars \+ part\)", refill)
     assert "if q_load:" in math

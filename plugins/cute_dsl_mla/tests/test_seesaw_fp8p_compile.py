@@ -125,7 +125,8 @@ def test_fp8p_cache_key_builder_and_entry(monkeypatch):
 
 # ptx_sha256 (test_seesaw_tma_compile.ptx_sha256) of the one-item fp8_producer kernel as GPU-verified on an H200 at
 # b583c07 (43 tests; l2_prefetch on, fp32 partials, narrow stores): (q, lazy). Branch fp8-balanced-producer added the
-# balanced mode's phase offsets and unconditional releases to fp8p_math / fp8p_producer under const_expr switches:
+# balanced mode's phase offsets and unconditional releases to the math side / fp8p_producer under const_expr switches
+# (the math side is seesaw_item's 16-bit stream under fp8_producer since branch fold-fp8p):
 # the one-item kernel's PTX must stay this
 FP8P_PTX_SHA256 = {
     ("bf16", False): "437ea80eb4e9530b568a44f2b31ba06b8315d82bbc0193c36f74f4d5faed316b",

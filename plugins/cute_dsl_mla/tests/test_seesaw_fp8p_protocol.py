@@ -1,11 +1,12 @@
 """Pure-Python model of the fp8 seesaw with a producer warpgroup (``MLADecodePartialWGMMASeesaw(fp8_producer=True)``,
 ``kernel_fp8p``): three programs, no DSL, no GPU.
 
-* Math warpgroups 0 and 1 (``fp8p_math``): the 16-bit (cp.async) seesaw's program of test_seesaw_protocol.py
-  (``wg_program``) with every in-loop ("load", tile, buffer, blocks, mbarrier i) replaced by ("release", i): an
-  arrive on empty[i] at the same place under the same condition (after the warpgroup's WGMMAs on those columns
-  were waited), the prologue loads dropped (the producer loads tiles 0 and 1) and the CTA barriers among the two
-  math warpgroups only (BAR_MATH, 256 threads; the producer never joins one after the setup).
+* Math warpgroups 0 and 1 (``seesaw_item`` under fp8_producer): the 16-bit (cp.async) seesaw's program of
+  test_seesaw_protocol.py (``wg_program``) with every in-loop ("load", tile, buffer, blocks, mbarrier i) replaced
+  by ("release", i): an arrive on empty[i] at the same place under the same condition (after the warpgroup's
+  WGMMAs on those columns were waited; ``refill_part``), the prologue loads dropped (the producer loads tiles 0
+  and 1) and the CTA barriers among the two math warpgroups only (BAR_MATH, 256 threads; the producer never joins
+  one after the setup).
 * The producer (``fp8p_producer``): per pair p, tile a = 2p parts full[0] then full[1], tile b = 2p + 1 (if it
   exists) parts full[3] then full[2], each a ("load", ...) (convert + st.shared + fence + arrive on full[i]) after
   ("ewait", i, (p - 1) % 2) for p >= 1 (its buffer's tile - 2 released).  The ld.global into registers touches no
@@ -25,13 +26,14 @@ import random
 
 import pytest
 
-from test_seesaw_protocol import LOAD, wg_program  # same directory (pytest rootdir import)
+from test_seesaw_protocol import LOAD, SmemModel, _hb, wg_program  # same directory (pytest rootdir import)
 
 N = 3  # programs: math WG0, math WG1, producer WG2
 
 
 def math_program(w, T, mutate=None):
-    """``fp8p_math`` of warpgroup w: ``wg_program(w, T)`` (16-bit cp.async) with its in-loop loads as releases."""
+    """``seesaw_item`` (fp8_producer) of warpgroup w: ``wg_program(w, T)`` (16-bit cp.async) with its in-loop loads
+    as releases."""
     evs = list(wg_program(w, T))
     first_bar = evs.index(("ctabar",))
     out = []
@@ -73,10 +75,6 @@ def producer_program(T, mutate=None):
     return out
 
 
-def _hb(a, b):
-    return all(x <= y for x, y in zip(a, b))
-
-
 def run(T, seed, mutate=None, programs=None, counts=None):
     """Interleave WG0, WG1 (math) and WG2 (producer) at random; return the list of violations (empty: fine).
     ``programs`` (balanced columns, test_seesaw_fp8p_balanced_protocol.py): the three programs instead of one
@@ -88,21 +86,14 @@ def run(T, seed, mutate=None, programs=None, counts=None):
                  iter(producer_program(T, mutate))]
     else:
         progs = [iter(p) for p in programs]
-    vc = [[0] * N for _ in range(N)]
+    sm = SmemModel(N)
+    vc, mem, inflight, errors = sm.vc, sm.mem, sm.inflight, sm.errors
     nxt = [next(p, None) for p in progs]
     full_done, empty_done = [0] * 4, [0] * 4  # completed phases per mbarrier
     full_vc, empty_vc = {}, {}  # (mbar, phase) -> clock of the arrive that completed it
     landed = {}  # (mbar, phase) of full -> clock of a thread that observed it
     waited = [[0] * 4 for _ in range(N)]  # full phases each program waited
     ewaited = [0] * 4  # empty phases the producer waited
-    arrives = {1: [], 2: []}
-    mem = {}  # (buffer, block) -> {"tag", "vc", "phase", "reads"}
-    inflight = [[] for _ in range(N)]
-    slots = {}
-    errors = []
-
-    def merge(w, v):
-        vc[w] = [max(a, b) for a, b in zip(vc[w], v)]
 
     for _ in range(200000):
         if all(e is None for e in nxt):
@@ -117,7 +108,7 @@ def run(T, seed, mutate=None, programs=None, counts=None):
                 continue
             if kind == "ewait" and empty_done[ev[1]] <= ewaited[ev[1]]:
                 continue
-            if kind == "sync" and not arrives[ev[1]]:
+            if kind == "sync" and not sm.arrives[ev[1]]:
                 continue
             if kind == "ctabar" and (nxt[1 - w] is None or nxt[1 - w][0] != "ctabar"):  # math-only barrier
                 continue
@@ -135,13 +126,7 @@ def run(T, seed, mutate=None, programs=None, counts=None):
             continue
         if kind == "load":
             _, t, buf, blocks, mb = ev
-            for blk in blocks:
-                cell = mem.setdefault((buf, blk), {"tag": None, "vc": [0] * N, "phase": None, "reads": []})
-                if any((buf, blk) in inflight[o] for o in range(N)):
-                    errors.append(f"WAR: tile {t} store into buf {buf} block {blk} under an in-flight read")
-                if not all(_hb(r, vc[w]) for r in cell["reads"]) or not _hb(cell["vc"], vc[w]):
-                    errors.append(f"WAR/WAW: tile {t} store into buf {buf} block {blk} not ordered")
-                mem[(buf, blk)] = {"tag": ("K", t), "vc": list(vc[w]), "phase": (mb, full_done[mb]), "reads": []}
+            sm.store(w, t, buf, blocks, (mb, full_done[mb]), "store")
             full_vc[(mb, full_done[mb])] = list(vc[w])
             full_done[mb] += 1
         elif kind == "mwait":
@@ -149,7 +134,7 @@ def run(T, seed, mutate=None, programs=None, counts=None):
             ph = waited[w][mb]
             if ph % 2 != par:
                 errors.append(f"WG{w} waits full[{mb}] phase {ph} with parity {par}")
-            merge(w, full_vc[(mb, ph)])
+            sm.merge(w, full_vc[(mb, ph)])
             landed[(mb, ph)] = list(vc[w])
             waited[w][mb] += 1
         elif kind == "release":
@@ -161,22 +146,11 @@ def run(T, seed, mutate=None, programs=None, counts=None):
             ph = ewaited[mb]
             if ph % 2 != par:
                 errors.append(f"producer waits empty[{mb}] phase {ph} with parity {par}")
-            merge(w, empty_vc[(mb, ph)])
+            sm.merge(w, empty_vc[(mb, ph)])
             ewaited[mb] += 1
         elif kind == "read":
             _, buf, t, blocks, what = ev
-            for blk in blocks:
-                cell = mem.get((buf, blk))
-                if cell is None or cell["tag"] != (what, t) or not _hb(cell["vc"], vc[w]):
-                    errors.append(f"RAW: WG{w} reads {(what, t)} from buf {buf} block {blk}: "
-                                  f"{None if cell is None else cell['tag']}")
-                elif what == "K" and not (cell["phase"] in landed and _hb(landed[cell["phase"]], vc[w])):
-                    errors.append(f"RAW: WG{w} reads tile {t} buf {buf} block {blk}: landing not observed")
-                inflight[w].append((buf, blk))
-        elif kind == "wait_reads":
-            for key in inflight[w]:
-                mem[key]["reads"].append(list(vc[w]))
-            inflight[w] = []
+            sm.read(w, buf, t, blocks, what, landed)
         elif kind == "write_q":  # sQ rows of math warpgroup w (load_q), for request ev[1]
             cell = mem.setdefault(("Q", w), {"tag": None, "vc": [0] * N, "phase": None, "reads": []})
             if any(("Q", w) in inflight[o] for o in range(N)):
@@ -184,38 +158,12 @@ def run(T, seed, mutate=None, programs=None, counts=None):
             if not all(_hb(r, vc[w]) for r in cell["reads"]) or not _hb(cell["vc"], vc[w]):
                 errors.append(f"WAR/WAW: Q of request {ev[1]} written before the last S read of sQ")
             mem[("Q", w)] = {"tag": ("Q", ev[1]), "vc": list(vc[w]), "phase": None, "reads": []}
-        elif kind == "write_p":
-            _, buf, t = ev
-            cell = mem[(buf, 8)]
-            if cell["tag"] != ("K", t) or not _hb(cell["vc"], vc[w]) or not all(_hb(r, vc[w]) for r in cell["reads"]):
-                errors.append(f"P of tile {t}: block 8 not free ({cell['tag']})")
-            mem[(buf, 8)] = {"tag": ("P", t), "vc": list(vc[w]), "phase": None, "reads": []}
-        elif kind == "write_scale":
-            _, s, t = ev
-            old = slots.get(s)
-            if old is not None and not all(_hb(r, vc[w]) for r in old["reads"]):
-                errors.append(f"rescale slot {s} of tile {t} overwritten before it was read")
-            slots[s] = {"t": t, "vc": list(vc[w]), "reads": []}
-        elif kind == "read_scale":
-            _, s, t = ev
-            cur = slots.get(s)
-            if cur is None or cur["t"] != t or not _hb(cur["vc"], vc[w]):
-                errors.append(f"rescale slot {s}: tile {t} read before it was written")
-            else:
-                cur["reads"].append(list(vc[w]))
-        elif kind == "arrive":
-            if arrives[ev[1]]:
-                errors.append(f"named barrier {ev[1]}: a second arrive before the sync")
-            arrives[ev[1]].append(list(vc[w]))
-        elif kind == "sync":
-            merge(w, arrives[ev[1]].pop(0))
+        else:
+            sm.step(w, ev)
         nxt[w] = next(progs[w], None)
     else:
         return ["no progress"]
-    if any(arrives.values()):
-        errors.append("named-barrier arrive left unmatched")
-    if any(inflight):
-        errors.append("WGMMA reads in flight at the end")
+    sm.end_checks()
     if counts is not None:
         if (full_done, empty_done, ewaited) != tuple(list(c) for c in counts):
             errors.append(f"phases full {full_done} / empty {empty_done} / empty waits {ewaited}, expected {counts}")

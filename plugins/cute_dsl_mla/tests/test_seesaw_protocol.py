@@ -263,7 +263,92 @@ def wg_program_fp8(w, T, mutate=None):
 
 
 def _hb(a, b):
-    return a[0] <= b[0] and a[1] <= b[1]
+    return all(x <= y for x, y in zip(a, b))
+
+
+class SmemModel:
+    """What every protocol model here checks on shared memory, for ``n`` programs with vector clocks ``vc``: the
+    K / P blocks of the two buffers (``store``, ``read``, ``wait_reads``: WAR / WAW / RAW), the owner's P and the
+    rescale slots (``write_p``, ``write_scale``, ``read_scale``) and the P named barriers (``arrive``, ``sync``).
+    Violations go to ``errors``.  This file's two-warpgroup ``run`` and test_seesaw_fp8p_protocol.py's
+    three-program ``run`` share it; each handles its own mbarriers, barriers and extra events around it."""
+
+    def __init__(self, n):
+        self.vc = [[0] * n for _ in range(n)]
+        self.mem = {}  # (buffer, block) -> {"tag", "vc", "phase", "reads"}
+        self.inflight = [[] for _ in range(n)]  # per program: blocks its issued WGMMAs may still read
+        self.slots = {}  # rescale slot -> {"t", "vc", "reads"}
+        self.arrives = {1: [], 2: []}  # named barrier -> clocks of arrives not yet synced
+        self.errors = []
+
+    def merge(self, w, v):
+        self.vc[w] = [max(a, b) for a, b in zip(self.vc[w], v)]
+
+    def store(self, w, t, buf, blocks, phase, verb):
+        """Program w writes tile t's ``blocks`` of buffer ``buf`` (landing on mbarrier phase ``phase``)."""
+        vc = self.vc
+        for blk in blocks:
+            cell = self.mem.setdefault((buf, blk), {"tag": None, "vc": [0] * len(vc), "phase": None, "reads": []})
+            if any((buf, blk) in reads for reads in self.inflight):
+                self.errors.append(f"WAR: tile {t} {verb} into buf {buf} block {blk} under an in-flight read")
+            if not all(_hb(r, vc[w]) for r in cell["reads"]) or not _hb(cell["vc"], vc[w]):
+                self.errors.append(f"WAR/WAW: tile {t} {verb} into buf {buf} block {blk} not ordered")
+            self.mem[(buf, blk)] = {"tag": ("K", t), "vc": list(vc[w]), "phase": phase, "reads": []}
+
+    def read(self, w, buf, t, blocks, what, landed):
+        """A WGMMA of program w reads ``what`` of tile t ("K" / "P") from ``blocks`` of buffer ``buf``: written
+        before, and for K its mbarrier phase observed (``landed``: (mbar, phase) -> clock of an observer)."""
+        vc = self.vc
+        for blk in blocks:
+            cell = self.mem.get((buf, blk))
+            if cell is None or cell["tag"] != (what, t) or not _hb(cell["vc"], vc[w]):
+                self.errors.append(f"RAW: WG{w} reads {(what, t)} from buf {buf} block {blk}: "
+                                   f"{None if cell is None else cell['tag']}")
+            elif what == "K" and not (cell["phase"] in landed and _hb(landed[cell["phase"]], vc[w])):
+                self.errors.append(f"RAW: WG{w} reads tile {t} buf {buf} block {blk}: landing not observed")
+            self.inflight[w].append((buf, blk))
+
+    def step(self, w, ev):
+        """The events every model has the same way; False for any other (the caller's)."""
+        kind, vc, errors = ev[0], self.vc, self.errors
+        if kind == "wait_reads":
+            for key in self.inflight[w]:
+                self.mem[key]["reads"].append(list(vc[w]))
+            self.inflight[w] = []
+        elif kind == "write_p":
+            _, buf, t = ev
+            cell = self.mem[(buf, 8)]
+            if cell["tag"] != ("K", t) or not _hb(cell["vc"], vc[w]) or not all(_hb(r, vc[w]) for r in cell["reads"]):
+                errors.append(f"P of tile {t}: block 8 not free ({cell['tag']})")
+            self.mem[(buf, 8)] = {"tag": ("P", t), "vc": list(vc[w]), "phase": None, "reads": []}
+        elif kind == "write_scale":
+            _, s, t = ev
+            old = self.slots.get(s)
+            if old is not None and not all(_hb(r, vc[w]) for r in old["reads"]):
+                errors.append(f"rescale slot {s} of tile {t} overwritten before it was read")
+            self.slots[s] = {"t": t, "vc": list(vc[w]), "reads": []}
+        elif kind == "read_scale":
+            _, s, t = ev
+            cur = self.slots.get(s)
+            if cur is None or cur["t"] != t or not _hb(cur["vc"], vc[w]):
+                errors.append(f"rescale slot {s}: tile {t} read before it was written")
+            else:
+                cur["reads"].append(list(vc[w]))
+        elif kind == "arrive":
+            if self.arrives[ev[1]]:
+                errors.append(f"named barrier {ev[1]}: a second arrive before the sync")
+            self.arrives[ev[1]].append(list(vc[w]))
+        elif kind == "sync":
+            self.merge(w, self.arrives[ev[1]].pop(0))
+        else:
+            return False
+        return True
+
+    def end_checks(self):
+        if any(self.arrives.values()):
+            self.errors.append("named-barrier arrive left unmatched")
+        if any(self.inflight):
+            self.errors.append("WGMMA reads in flight at the end")
 
 
 def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, tail_tiles=None):
@@ -276,20 +361,13 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
         progs = [iter(programs[0]), iter(programs[1])]
     tails = set(tail_tiles) if tail_tiles is not None else ({T - 1} if tail else set())
     staged = [None, None]  # fp8: (tile, blocks) in each warpgroup's staging registers
-    vc = [[0, 0], [0, 0]]
+    sm = SmemModel(2)
+    vc, mem, inflight, errors = sm.vc, sm.mem, sm.inflight, sm.errors
     nxt = [next(progs[0], None), next(progs[1], None)]
     phase_done = [0] * 4  # completed phases per mbarrier
     phase_vc = {}  # (mbar, phase) -> clock of the load that completes it
     landed = {}  # (mbar, phase) -> clock of a thread that observed it (after its wait)
     waited = [[0] * 4, [0] * 4]  # phases each warpgroup has waited per mbarrier
-    arrives = {1: [], 2: []}
-    mem = {}  # (buffer, block) -> {"tag", "vc", "phase", "reads"}
-    inflight = [[], []]
-    slots = {}
-    errors = []
-
-    def merge(w, v):
-        vc[w] = [max(vc[w][i], v[i]) for i in range(2)]
 
     for _ in range(200000):
         if nxt[0] is None and nxt[1] is None:
@@ -304,7 +382,7 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
                 continue
             if kind == "zero" and phase_done[ev[4]] <= ev[5]:  # its part's phase of this pair not landed
                 continue
-            if kind == "sync" and not arrives[ev[1]]:
+            if kind == "sync" and not sm.arrives[ev[1]]:
                 continue
             if kind == "ctabar" and (nxt[1 - w] is None or nxt[1 - w][0] != "ctabar"):
                 continue
@@ -330,14 +408,7 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
             staged[w] = None
         if kind == "load":
             _, t, buf, blocks, mb = ev
-            for blk in blocks:
-                cell = mem.setdefault((buf, blk), {"tag": None, "vc": [0, 0], "phase": None, "reads": []})
-                if any((buf, blk) in inflight[o] for o in (0, 1)):
-                    errors.append(f"WAR: tile {t} load into buf {buf} block {blk} under an in-flight read")
-                if not all(_hb(r, vc[w]) for r in cell["reads"]) or not _hb(cell["vc"], vc[w]):
-                    errors.append(f"WAR/WAW: tile {t} load into buf {buf} block {blk} not ordered")
-                mem[(buf, blk)] = {"tag": ("K", t), "vc": list(vc[w]), "phase": (mb, phase_done[mb]),
-                                   "reads": []}
+            sm.store(w, t, buf, blocks, (mb, phase_done[mb]), "load")
             phase_vc[(mb, phase_done[mb])] = list(vc[w])
             phase_done[mb] += 1
         elif kind == "mwait":
@@ -345,14 +416,14 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
             ph = waited[w][mb]
             if ph % 2 != par:
                 errors.append(f"WG{w} waits mbarrier {mb} phase {ph} with parity {par}")
-            merge(w, phase_vc[(mb, ph)])
+            sm.merge(w, phase_vc[(mb, ph)])
             landed[(mb, ph)] = list(vc[w])
             waited[w][mb] += 1
         elif kind == "zero":  # zero_v_tail: second wait on the part's phase, st.shared of zeros
             _, buf, t, blocks, mb, ph = ev
             if phase_done[mb] != ph + 1:
                 errors.append(f"WG{w} zeroes tile {t}: mbarrier {mb} is past phase {ph} (parity wait ABA)")
-            merge(w, phase_vc[(mb, ph)])
+            sm.merge(w, phase_vc[(mb, ph)])
             for blk in blocks:
                 cell = mem.get((buf, blk))
                 if cell is None or cell["tag"] != ("K", t) or not _hb(cell["vc"], vc[w]):
@@ -376,14 +447,7 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
                     inflight[w].append((buf, blk))
                 nxt[w] = next(progs[w], None)
                 continue
-            for blk in blocks:
-                cell = mem.get((buf, blk))
-                if cell is None or cell["tag"] != (what, t) or not _hb(cell["vc"], vc[w]):
-                    errors.append(f"RAW: WG{w} reads {(what, t)} from buf {buf} block {blk}: "
-                                  f"{None if cell is None else cell['tag']}")
-                elif what == "K" and not (cell["phase"] in landed and _hb(landed[cell["phase"]], vc[w])):
-                    errors.append(f"RAW: WG{w} reads tile {t} buf {buf} block {blk}: landing not observed")
-                inflight[w].append((buf, blk))
+            sm.read(w, buf, t, blocks, what, landed)
         elif kind == "write_q":  # balanced fp8 (test_seesaw_balanced_protocol.py): WG w converts its Q rows into sQ
             _, r = ev
             cell = mem.get(("Q", w))
@@ -391,44 +455,13 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
                                      or not all(_hb(x, vc[w]) for x in cell["reads"])):
                 errors.append(f"WAR: WG{w} writes Q of request {r} while an S WGMMA may still read sQ")
             mem[("Q", w)] = {"tag": ("Q", r), "vc": list(vc[w]), "phase": None, "reads": []}
-        elif kind == "wait_reads":
-            for key in inflight[w]:
-                mem[key]["reads"].append(list(vc[w]))
-            inflight[w] = []
-        elif kind == "write_p":
-            _, buf, t = ev
-            cell = mem[(buf, 8)]
-            if cell["tag"] != ("K", t) or not _hb(cell["vc"], vc[w]) or not all(_hb(r, vc[w]) for r in cell["reads"]):
-                errors.append(f"P of tile {t}: block 8 not free ({cell['tag']})")
-            mem[(buf, 8)] = {"tag": ("P", t), "vc": list(vc[w]), "phase": None, "reads": []}
-        elif kind == "write_scale":
-            _, s, t = ev
-            old = slots.get(s)
-            if old is not None and not all(_hb(r, vc[w]) for r in old["reads"]):
-                errors.append(f"rescale slot {s} of tile {t} overwritten before it was read")
-            slots[s] = {"t": t, "vc": list(vc[w]), "reads": []}
-        elif kind == "read_scale":
-            _, s, t = ev
-            cur = slots.get(s)
-            if cur is None or cur["t"] != t or not _hb(cur["vc"], vc[w]):
-                errors.append(f"rescale slot {s}: tile {t} read before it was written")
-            else:
-                cur["reads"].append(list(vc[w]))
-        elif kind == "arrive":
-            if arrives[ev[1]]:
-                errors.append(f"named barrier {ev[1]}: a second arrive before the sync")
-            arrives[ev[1]].append(list(vc[w]))
-        elif kind == "sync":
-            merge(w, arrives[ev[1]].pop(0))
+        else:
+            sm.step(w, ev)
         nxt[w] = next(progs[w], None)
     else:
         return ["no progress"]
-    if any(arrives.values()):
-        errors.append("named-barrier arrive left unmatched")
-    if inflight[0] or inflight[1]:
-        errors.append("WGMMA reads in flight at the end")
+    sm.end_checks()
     return errors
-
 
 @pytest.mark.parametrize("T", range(12))
 def test_seesaw_protocol_has_no_deadlock_or_hazard(T):

@@ -1235,6 +1235,40 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                            tKcK, tKsK, mbar_ptr)
 
     @cute.jit
+    def refill_part(
+        self, src, page, n_start: cutlass.Int32, ta: cutlass.Int32, ahead: cutlass.Constexpr, T: cutlass.Int32,
+        stage: cutlass.Constexpr, blocks: cutlass.Constexpr, blocks_per_page, kv_len, bars, part: cutlass.Constexpr,
+        every_tile: cutlass.Constexpr,
+    ):
+        """Part ``part`` (2 * buffer ``stage`` + its loading warpgroup) is free: this warpgroup, its last reader,
+        has waited for its WGMMAs on those columns.  Hand it to local tile ta + ``ahead``, the buffer's next tile.
+        16-bit KV (``seesaw_item``'s loads): ``load_kv_part`` of that tile from ``src`` / ``page`` on the part's
+        mbarrier ``bars + part``, if the tile exists.  fp8_producer: ``bars`` are the empty mbarriers: arrive on
+        the part's (the producer converts the tile in), under the same condition so that the one-item kernel's
+        code stays the 16-bit stream with loads turned into arrives, or for every tile with ``every_tile``
+        (balanced: the empty barriers then count one phase per tile, like the full ones, and the producer may
+        write the next item's tiles 0 / 1 once their last readers in this item arrived)."""
+        if cutlass.const_expr(self.fp8_producer):
+            if cutlass.const_expr(every_tile):
+                cute.arch.mbarrier_arrive(bars + part)
+            else:
+                if ta + ahead < T:
+                    cute.arch.mbarrier_arrive(bars + part)
+        else:
+            if ta + ahead < T:
+                self.load_kv_part(src, page, n_start + ta + ahead, stage, blocks, blocks_per_page, kv_len,
+                                  bars + part)
+
+    @cute.jit
+    def item_barrier(self):
+        """The barrier of every thread that runs ``seesaw_item``: the CTA's (bar 0), or with fp8_producer the 256
+        math threads' own (BAR_MATH): the producer warpgroup runs its own loop and never joins it."""
+        if cutlass.const_expr(self.fp8_producer):
+            cute.arch.barrier(barrier_id=BAR_MATH, number_of_threads=NUM_THREADS)
+        else:
+            cute.arch.barrier()
+
+    @cute.jit
     def zero_v_tail(
         self, tKcK: cute.Tensor, tKsK: cute.Tensor, n: cutlass.Int32, stage: cutlass.Constexpr,
         wg: cutlass.Constexpr, kv_len: cutlass.Int32, mbar_ptr, parity: cutlass.Int32,
@@ -1276,6 +1310,20 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if cutlass.const_expr(_nvw is not None):
             gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (n % blocks_per_page, 0))
             _nvw.cp_async_bulk_prefetch(gK.iterator, BLOCK_N * D_QK * (self.kv_dtype.width // 8))
+
+    @cute.jit
+    def prefetch_pair_l2(self, mKV: cute.Tensor, thread: cutlass.Int32, pg2: cutlass.Int32, pg3: cutlass.Int32,
+                         n_start: cutlass.Int32, ta: cutlass.Int32, T: cutlass.Int32,
+                         blocks_per_page: cutlass.Int32):
+        """With l2_prefetch, by the loading threads' thread 0 (``thread``: this one's index among them): the next
+        pair's tiles a+2, b+2 that exist (pages pg2 / pg3, read one pair ahead) -> L2, one bulk prefetch each (a
+        64-token block of a page is contiguous), so that their loads later in this pair hit L2."""
+        if cutlass.const_expr(self.l2_prefetch):
+            if thread == 0:
+                if ta + 2 < T:
+                    self.prefetch_tile_l2(mKV, pg2, n_start + ta + 2, blocks_per_page)
+                if ta + 3 < T:
+                    self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
 
     @cute.jit
     def qk(
@@ -1505,24 +1553,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             cute.arch.barrier()
             ph0 = cutlass.Int32(0)  # phases completed so far on buffer 0's two mbarriers (tiles 0, 2, ...)
             ph1 = cutlass.Int32(0)  # ... on buffer 1's (tiles 1, 3, ...)
-            q_of = cutlass.Int32(-1)  # request whose Q rows sQ holds
-            for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):
-                b = mWork[it, 0]
-                if b >= 0:
-                    slot = mWork[it, 3]
-                    kv_len = mLens[b]
-                    n_start = mWork[it, 1] // BLOCK_N
-                    T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start
-                    self.seesaw_item(
-                        mQ, mKV, mPT, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
-                        g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, tma_atom, mKV_tma, smem,
-                        tidx, m_block, wg, wg_tidx, lane, b, slot, kv_len, R, blocks_per_page, n_start, T,
-                        b != q_of, ph0, ph1,
-                    )
-                    q_of = b
-                    # seesaw_item_phases: buffer 0 holds local tiles 0, 2, ..., buffer 1 tiles 1, 3, ...
-                    ph0 = ph0 + (T + 1) // 2
-                    ph1 = ph1 + T // 2
+            self.seesaw_column(
+                mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, tma_atom, mKV_tma, smem, mRanges,
+                tidx, m_block, wi, wg, wg_tidx, lane, R, blocks_per_page, ph0, ph1,
+            )
         elif cutlass.const_expr(self.fp8_producer):
             b = mWork[wi, 0]
             if b >= 0:
@@ -1560,6 +1595,44 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 )
 
     @cute.jit
+    def seesaw_column(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        g2s: cute.TiledCopy, g2s_wg: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
+        mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
+        tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, smem, mRanges: cute.Tensor,
+        tidx: cutlass.Int32, m_block: cutlass.Int32, wi: cutlass.Int32, wg: cutlass.Int32,
+        wg_tidx: cutlass.Int32, lane: cutlass.Int32, R: cutlass.Int32, blocks_per_page: cutlass.Int32,
+        ph0: cutlass.Int32, ph1: cutlass.Int32,
+    ):
+        """balanced: ``seesaw_item`` for each of column wi's work rows mRanges[wi] .. mRanges[wi + 1] - 1 (rows with
+        b < 0 skipped), Q loaded only when the request changes, each item after the phases the column's earlier
+        items completed per buffer (``ph0`` / ``ph1``: 0 at the column's start, then ``seesaw_item_phases`` added
+        per item: buffer 0 holds local tiles 0, 2, ..., buffer 1 tiles 1, 3, ...).  The CTA's own threads
+        (kernel_seesaw) or its two math warpgroups (kernel_fp8p_balanced, whose producer walks the same rows)."""
+        q_of = cutlass.Int32(-1)  # request whose Q rows sQ holds
+        for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):
+            b = mWork[it, 0]
+            if b >= 0:
+                slot = mWork[it, 3]
+                kv_len = mLens[b]
+                n_start = mWork[it, 1] // BLOCK_N
+                T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start
+                self.seesaw_item(
+                    mQ, mKV, mPT, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                    g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, tma_atom, mKV_tma, smem,
+                    tidx, m_block, wg, wg_tidx, lane, b, slot, kv_len, R, blocks_per_page, n_start, T,
+                    b != q_of, ph0, ph1,
+                )
+                q_of = b
+                ph0 = ph0 + (T + 1) // 2
+                ph1 = ph1 + T // 2
+
+    @cute.jit
     def seesaw_item(
         self,
         mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor,
@@ -1579,9 +1652,22 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         the prologue loads of tiles 0 and 1, the pairs, the epilogue.  The shared memory and initialised
         mbarriers come from the caller (``smem``: seesaw_smem's tuple).  ``q_load``, ``ph0``, ``ph1``: None
         for one item per CTA (Q always loaded, parities p % 2); balanced: whether to load Q (the request
-        changed) and the phases the column's earlier items completed on buffer 0's / buffer 1's mbarriers."""
+        changed) and the phases the column's earlier items completed on buffer 0's / buffer 1's mbarriers.
+
+        fp8_producer: what math warpgroups 0 and 1 (tidx 0..255) run (``kernel_fp8p``, ``kernel_fp8p_balanced``):
+        the 16-bit (cp.async) instruction stream with no KV load of its own (no prologue, no page table, no L2
+        prefetch: the producer warpgroup's), each load of tile +2 turned into an arrive on that part's empty
+        mbarrier (``refill_part``: same place, same condition; balanced: every tile), the full mbarriers waited as
+        the 16-bit ones, and the CTA barriers by BAR_MATH over the 256 math threads (``item_barrier``).  Q as in
+        the other kernels (bf16 q: ld.global -> cvt -> st.shared; fp16 q: cp.async), complete and fenced before
+        the BAR_MATH that precedes the first S.  In balanced, sQ is rewritten (``q_load``) only after the
+        previous item's epilogue BAR_MATH, by which every S WGMMA of both math warpgroups was waited."""
         mt = self.mma_dtype
         sQ, sK, sV, sP0, sP1, sScale, sMax, sL, mbar = smem
+        if cutlass.const_expr(self.fp8_producer):
+            refill_bars = mbar + 4  # the parts' empty mbarriers (the full ones are mbar + 0 .. 3)
+        else:
+            refill_bars = mbar  # the mbarriers the refill loads complete
 
         # ---------------- Q: gmem -> smem (rows >= R zero), its own commit group ----------
         thr_g2s = g2s.get_slice(tidx)
@@ -1594,61 +1680,66 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         cute.arch.cp_async_commit_group()
 
         # ---------------- KV tiles 0 and 1: each warpgroup loads its parts ----------------
-        thr_g2s_wg = g2s_wg.get_slice(wg_tidx)
-        cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
-        tKcK = thr_g2s_wg.partition_S(cKV)  # (CPY, 4, 9)
-        tKsK = thr_g2s_wg.partition_D(sK)  # (CPY, 4, 9, STAGES)
-        kv_src = (g2s_wg, thr_g2s_wg, mKV, tKcK, tKsK)  # load_kv_part: cp.async
-        if cutlass.const_expr(self.tma):
-            # TMA: boxes (64 tokens, 64 columns); the smem side is sK's 64-column blocks
-            # (TMA, 1, 9, STAGES), the gmem side (TMA, page_size / 64, 9, pages)
-            tKsT, tKgT = cpasync.tma_partition(
-                tma_atom, 0, cute.make_layout(1),
-                cute.group_modes(cute.flat_divide(sK, (BLOCK_N, KV_BOX)), 0, 2),
-                cute.group_modes(cute.flat_divide(mKV_tma, (BLOCK_N, KV_BOX)), 0, 2))
-            tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
-            kv_src = (tma_atom, tKgT, tKsT, tma_warp)
-            if tidx == 0:
-                cpasync.prefetch_descriptor(tma_atom)
-        if cutlass.const_expr(self.is_fp8):
-            # fp8 KV: ld.global -> registers (one part: up to 5 blocks x 4 passes x 8
-            # fp8 = 40 registers), later cvt + st.shared into the fp16 sK; same (row, col)
-            # per position as tKsK (the TV layout of g2s_wg)
-            g2r_wg, r2s_wg = self._wg_fp8_copies()
-            thr_g2r_wg = g2r_wg.get_slice(wg_tidx)
-            tKsK = r2s_wg.get_slice(wg_tidx).partition_D(sK)  # (CPY, 4, 9, STAGES)
-            rRaw = cute.make_rmem_tensor(
-                (cute.size(tKcK.shape[0]), cute.size(tKcK.shape[1]), 5), cutlass.Float8E4M3FN)
-        # WG w loads blocks SEESAW_LOAD_BLOCKS[w][0] of the tile it owns (w) and
-        # SEESAW_LOAD_BLOCKS[w][1] of the other one; mbarrier 2 * buffer + w
-        for t in cutlass.range_constexpr(2):
-            if T > t:
-                pg = mPT[b, (n_start + t) // blocks_per_page]
-                if cutlass.const_expr(self.is_fp8):
-                    if wg == 0:
-                        self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg, n_start + t,
-                                          SEESAW_LOAD_BLOCKS[0][t], blocks_per_page, kv_len, tKcK,
-                                          rRaw)
-                        self.store_part_fp8(r2s_wg, n_start + t, t, SEESAW_LOAD_BLOCKS[0][t],
-                                            kv_len, tKcK, tKsK, rRaw, mbar + 2 * t)
+        if cutlass.const_expr(self.fp8_producer):
+            kv_src = None  # no KV load here: the producer warpgroup's (refill_part arrives instead)
+            in_flight = 0  # Q is the math warpgroups' only cp.async group
+        else:
+            thr_g2s_wg = g2s_wg.get_slice(wg_tidx)
+            cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
+            tKcK = thr_g2s_wg.partition_S(cKV)  # (CPY, 4, 9)
+            tKsK = thr_g2s_wg.partition_D(sK)  # (CPY, 4, 9, STAGES)
+            kv_src = (g2s_wg, thr_g2s_wg, mKV, tKcK, tKsK)  # load_kv_part: cp.async
+            if cutlass.const_expr(self.tma):
+                # TMA: boxes (64 tokens, 64 columns); the smem side is sK's 64-column blocks
+                # (TMA, 1, 9, STAGES), the gmem side (TMA, page_size / 64, 9, pages)
+                tKsT, tKgT = cpasync.tma_partition(
+                    tma_atom, 0, cute.make_layout(1),
+                    cute.group_modes(cute.flat_divide(sK, (BLOCK_N, KV_BOX)), 0, 2),
+                    cute.group_modes(cute.flat_divide(mKV_tma, (BLOCK_N, KV_BOX)), 0, 2))
+                tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
+                kv_src = (tma_atom, tKgT, tKsT, tma_warp)
+                if tidx == 0:
+                    cpasync.prefetch_descriptor(tma_atom)
+            if cutlass.const_expr(self.is_fp8):
+                # fp8 KV: ld.global -> registers (one part: up to 5 blocks x 4 passes x 8
+                # fp8 = 40 registers), later cvt + st.shared into the fp16 sK; same (row, col)
+                # per position as tKsK (the TV layout of g2s_wg)
+                g2r_wg, r2s_wg = self._wg_fp8_copies()
+                thr_g2r_wg = g2r_wg.get_slice(wg_tidx)
+                tKsK = r2s_wg.get_slice(wg_tidx).partition_D(sK)  # (CPY, 4, 9, STAGES)
+                rRaw = cute.make_rmem_tensor(
+                    (cute.size(tKcK.shape[0]), cute.size(tKcK.shape[1]), 5), cutlass.Float8E4M3FN)
+            # WG w loads blocks SEESAW_LOAD_BLOCKS[w][0] of the tile it owns (w) and
+            # SEESAW_LOAD_BLOCKS[w][1] of the other one; mbarrier 2 * buffer + w
+            for t in cutlass.range_constexpr(2):
+                if T > t:
+                    pg = mPT[b, (n_start + t) // blocks_per_page]
+                    if cutlass.const_expr(self.is_fp8):
+                        if wg == 0:
+                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg, n_start + t,
+                                              SEESAW_LOAD_BLOCKS[0][t], blocks_per_page, kv_len, tKcK,
+                                              rRaw)
+                            self.store_part_fp8(r2s_wg, n_start + t, t, SEESAW_LOAD_BLOCKS[0][t],
+                                                kv_len, tKcK, tKsK, rRaw, mbar + 2 * t)
+                        else:
+                            self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg, n_start + t,
+                                              SEESAW_LOAD_BLOCKS[1][1 - t], blocks_per_page, kv_len,
+                                              tKcK, rRaw)
+                            self.store_part_fp8(r2s_wg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
+                                                kv_len, tKcK, tKsK, rRaw, mbar + 2 * t + 1)
                     else:
-                        self.ldg_part_fp8(g2r_wg, thr_g2r_wg, mKV, pg, n_start + t,
-                                          SEESAW_LOAD_BLOCKS[1][1 - t], blocks_per_page, kv_len,
-                                          tKcK, rRaw)
-                        self.store_part_fp8(r2s_wg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
-                                            kv_len, tKcK, tKsK, rRaw, mbar + 2 * t + 1)
-                else:
-                    if wg == 0:
-                        self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[0][t],
-                                          blocks_per_page, kv_len, mbar + 2 * t)
-                    else:
-                        self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
-                                          blocks_per_page, kv_len, mbar + 2 * t + 1)
-        cute.arch.cp_async_commit_group()
+                        if wg == 0:
+                            self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[0][t],
+                                              blocks_per_page, kv_len, mbar + 2 * t)
+                        else:
+                            self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
+                                              blocks_per_page, kv_len, mbar + 2 * t + 1)
+            cute.arch.cp_async_commit_group()
+            in_flight = 1  # the KV group
         # Q landed (the KV group may still fly), visible to the async proxy and to all threads
-        cute.arch.cp_async_wait_group(1)
+        cute.arch.cp_async_wait_group(in_flight)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier()
+        self.item_barrier()
 
         # ---------------- per-warpgroup MMA partitions ----------------
         mma_o_rs.set(warpgroup.Field.ACCUMULATE, True)
@@ -1684,12 +1775,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
 
-        pg_next2 = cutlass.Int32(0)
-        pg_next3 = cutlass.Int32(0)
-        if T > 2:
-            pg_next2 = mPT[b, (n_start + 2) // blocks_per_page]
-        if T > 3:
-            pg_next3 = mPT[b, (n_start + 3) // blocks_per_page]
+        if cutlass.const_expr(not self.fp8_producer):  # fp8_producer: the producer reads the page table
+            pg_next2 = cutlass.Int32(0)
+            pg_next3 = cutlass.Int32(0)
+            if T > 2:
+                pg_next2 = mPT[b, (n_start + 2) // blocks_per_page]
+            if T > 3:
+                pg_next3 = mPT[b, (n_start + 3) // blocks_per_page]
+        every_tile = self.fp8_producer and ph0 is not None  # balanced fp8_producer: release every tile's parts
         for p in cutlass.range(0, (T + 1) // 2, 1):
             ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
             parity = p % 2
@@ -1701,23 +1794,20 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             if cutlass.const_expr(ph0 is not None):
                 par0 = (ph0 + p) % 2
                 par1 = (ph1 + p) % 2
-            # cache pages of the next pair's tiles (tiles a+2, b+2), read one pair ahead so
-            # that neither the L2 prefetch below nor the cp.asyncs after this pair's P V
-            # WGMMAs wait for the page table (clamped: always a valid entry of this
-            # request; unused when the tile does not exist)
-            pg2 = pg_next2
-            pg3 = pg_next3
-            # tiles a+2, b+2 -> L2 now (one bulk prefetch each: a 64-token block of a page is
-            # contiguous), so that their cp.asyncs later in this pair hit L2
-            if cutlass.const_expr(self.l2_prefetch):
-                if tidx == 0:
-                    if ta + 2 < T:
-                        self.prefetch_tile_l2(mKV, pg2, n_start + ta + 2, blocks_per_page)
-                    if ta + 3 < T:
-                        self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
-            pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
-            pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
-            if cutlass.const_expr(self.is_fp8):
+            if cutlass.const_expr(self.fp8_producer):
+                pg2 = pg3 = None  # the producer warpgroup reads the page table and prefetches into L2
+            else:
+                # cache pages of the next pair's tiles (tiles a+2, b+2), read one pair ahead so
+                # that neither the L2 prefetch below nor the cp.asyncs after this pair's P V
+                # WGMMAs wait for the page table (clamped: always a valid entry of this
+                # request; unused when the tile does not exist)
+                pg2 = pg_next2
+                pg3 = pg_next3
+                # tiles a+2, b+2 -> L2 now, so that their cp.asyncs later in this pair hit L2
+                self.prefetch_pair_l2(mKV, tidx, pg2, pg3, n_start, ta, T, blocks_per_page)
+                pg_next2 = mPT[b, (n_start + (ta + 4 if ta + 4 < T else T - 1)) // blocks_per_page]
+                pg_next3 = mPT[b, (n_start + (ta + 5 if ta + 5 < T else T - 1)) // blocks_per_page]
+            if cutlass.const_expr(self.is_fp8 and not self.fp8_producer):
                 # fp8 KV: the same schedule, parts, mbarriers and named barriers as the
                 # cp.async version; each part is ld.global'ed into registers *before* the
                 # wait that frees its columns, then converted and stored.  Two stores move
@@ -1807,9 +1897,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         self.zero_v_tail(tKcK, tKsK, n_start + ta, 0, 0, kv_len, mbar + 0, par0)
                     self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
                     # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
-                    if ta + 2 < T:
-                        self.load_kv_part(kv_src, pg2, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[0][0],
-                                          blocks_per_page, kv_len, mbar + 0)
+                    self.refill_part(kv_src, pg2, n_start, ta, 2, T, 0, SEESAW_LOAD_BLOCKS[0][0], blocks_per_page,
+                                     kv_len, refill_bars, 0, every_tile)
                     if ta + 1 < T:
                         # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS); tma=True: its V_L
                         # tail rows zeroed after the P_b barrier (S_b is done) if it is the last
@@ -1818,9 +1907,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                        (tKcK, tKsK, n_start + ta + 1, 1, 0, kv_len, mbar + 2, par1)
                                        if self.tma else None)
                         # columns 0..255 and P's block of buffer 1 are free: tile b+2's
-                        if ta + 3 < T:
-                            self.load_kv_part(kv_src, pg3, n_start + ta + 3, 1, SEESAW_LOAD_BLOCKS[0][1],
-                                              blocks_per_page, kv_len, mbar + 2)
+                        self.refill_part(kv_src, pg3, n_start, ta, 3, T, 1, SEESAW_LOAD_BLOCKS[0][1],
+                                         blocks_per_page, kv_len, refill_bars, 2, every_tile)
                 else:
                     if ta + 1 < T:
                         # S_b (runs while WG0 does softmax_a)
@@ -1840,9 +1928,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                              False)
                     warpgroup.wait_group(0)
                     # columns 256..575 of buffer 0 are free: tile a+2's
-                    if ta + 2 < T:
-                        self.load_kv_part(kv_src, pg2, n_start + ta + 2, 0, SEESAW_LOAD_BLOCKS[1][1],
-                                          blocks_per_page, kv_len, mbar + 1)
+                    self.refill_part(kv_src, pg2, n_start, ta, 2, T, 0, SEESAW_LOAD_BLOCKS[1][1], blocks_per_page,
+                                     kv_len, refill_bars, 1, every_tile)
                     if ta + 1 < T:
                         # tma=True, request's last tile: zero its V_R tail rows (S_b is done)
                         if cutlass.const_expr(self.tma):
@@ -1850,11 +1937,12 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                              par1)
                         self.rescale_rows(acc_O_mn, row_corr, n_rows)
                         self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
-                        if ta + 3 < T:
-                            self.load_kv_part(kv_src, pg3, n_start + ta + 3, 1, SEESAW_LOAD_BLOCKS[1][0],
-                                              blocks_per_page, kv_len, mbar + 3)
+                        # columns 256..511 of buffer 1 are free: tile b+2's
+                        self.refill_part(kv_src, pg3, n_start, ta, 3, T, 1, SEESAW_LOAD_BLOCKS[1][0],
+                                         blocks_per_page, kv_len, refill_bars, 3, every_tile)
 
-        cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(not self.fp8_producer):  # fp8_producer: Q, the only group, was waited
+            cute.arch.cp_async_wait_group(0)
 
         # ---------------- epilogue ----------------
         # both warpgroups hold the final running max; the row sum is the sum of the two
@@ -1863,7 +1951,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             row_sum[r] = s_own
             if is_quad_leader:
                 sL[tScS[r, 0][0], wg] = s_own
-        cute.arch.barrier()
+        self.item_barrier()
         row_scale = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         row_lse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         for r in cutlass.range_constexpr(n_rows):
@@ -1929,10 +2017,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         cute.arch.barrier()
         if wg < 2:
             cute.arch.setmaxregister_increase(FP8P_MATH_REGS)
-            self.fp8p_math(
-                mQ, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads, g2s, r2s_P,
-                mma_s, mma_s_first, mma_o_rs, mma_o_ss, smem, tidx, m_block, wg, wg_tidx, lane, b, slot, kv_len,
-                R, n_start, T,
+            self.seesaw_item(
+                mQ, mKV, mPT, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, None, None, smem,
+                tidx, m_block, wg, wg_tidx, lane, b, slot, kv_len, R, blocks_per_page, n_start, T,
+                None, None, None,
             )
         else:
             cute.arch.setmaxregister_decrease(FP8P_PRODUCER_REGS)
@@ -1957,7 +2046,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     ):
         """fp8_producer=True with balanced=True (branch fp8-balanced-producer; GPU-verified): CTA
         (m_block, column wi), 384 threads, the 8 mbarriers of ``kernel_fp8p`` set up once.  The math warpgroups
-        and the producer each walk work rows mRanges[wi] .. mRanges[wi + 1] - 1 (rows with b < 0 skipped by
+        (``seesaw_column``) and the producer each walk work rows mRanges[wi] .. mRanges[wi + 1] - 1 (rows with b < 0 skipped by
         both), computing the same T per item from mWork, and each keeps its own copy of the per-buffer phase
         counts ph0 / ph1 (``seesaw_item_phases``: ceil(T / 2) / floor(T / 2) per item; T = 0 adds nothing and
         neither side waits).  Every tile of buffer j completes one phase on full[2j], full[2j+1] (the producer's
@@ -1965,7 +2054,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         balanced), so both counts agree by construction; the producer's g-th tile of a buffer in the column waits
         on empty phase g - 1 (none for g = 0).  So the producer runs into the next item's tiles 0 / 1 as soon as
         the previous item's last readers released those parts (its epilogue reads no shared K memory).  Q: the
-        math warpgroups reload / reconvert sQ when the request changes (``fp8p_math``'s q_load), after the
+        math warpgroups reload / reconvert sQ when the request changes (``seesaw_item``'s q_load), after the
         previous item's epilogue BAR_MATH (all their S WGMMAs waited), and BAR_MATH before the first S."""
         R = mQ.shape[1]
         blocks_per_page = mKV.shape[1] // BLOCK_N
@@ -1980,22 +2069,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         ph1 = cutlass.Int32(0)  # ... on buffer 1's (tiles 1, 3, ...)
         if wg < 2:
             cute.arch.setmaxregister_increase(FP8P_MATH_REGS)
-            q_of = cutlass.Int32(-1)  # request whose Q rows sQ holds
-            for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):
-                b = mWork[it, 0]
-                if b >= 0:
-                    slot = mWork[it, 3]
-                    kv_len = mLens[b]
-                    n_start = mWork[it, 1] // BLOCK_N
-                    T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start
-                    self.fp8p_math(
-                        mQ, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads, g2s, r2s_P,
-                        mma_s, mma_s_first, mma_o_rs, mma_o_ss, smem, tidx, m_block, wg, wg_tidx, lane, b, slot,
-                        kv_len, R, n_start, T, b != q_of, ph0, ph1,
-                    )
-                    q_of = b
-                    ph0 = ph0 + (T + 1) // 2
-                    ph1 = ph1 + T // 2
+            self.seesaw_column(
+                mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, None, None, smem, mRanges,
+                tidx, m_block, wi, wg, wg_tidx, lane, R, blocks_per_page, ph0, ph1,
+            )
         else:
             cute.arch.setmaxregister_decrease(FP8P_PRODUCER_REGS)
             for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):
@@ -2069,12 +2147,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             # the next pair's pages (clamped to a valid entry of this request; unused past T)
             pn2 = mPT[b, (n_start + (ta + 2 if ta + 2 < T else T - 1)) // blocks_per_page]
             pn3 = mPT[b, (n_start + (ta + 3 if ta + 3 < T else T - 1)) // blocks_per_page]
-            if cutlass.const_expr(self.l2_prefetch):
-                if ptid == 0:
-                    if ta + 2 < T:
-                        self.prefetch_tile_l2(mKV, pn2, n_start + ta + 2, blocks_per_page)
-                    if ta + 3 < T:
-                        self.prefetch_tile_l2(mKV, pn3, n_start + ta + 3, blocks_per_page)
+            self.prefetch_pair_l2(mKV, ptid, pn2, pn3, n_start, ta, T, blocks_per_page)
             # tile a (buffer 0): WG0's S waits full[0] then full[1]
             self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[0][0],
                                    blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 0, full + 0, wait0, par0)
@@ -2090,173 +2163,6 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                        empty + 2, full + 2, wait1, par1)
             pg_a = pn2
             pg_b = pn3
-
-    @cute.jit
-    def fp8p_math(
-        self,
-        mQ: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
-        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
-        s_q: cutlass.Int32, num_heads: cutlass.Int32,
-        g2s: cute.TiledCopy, r2s_P: cute.TiledCopy,
-        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
-        mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma, smem,
-        tidx: cutlass.Int32, m_block: cutlass.Int32, wg: cutlass.Int32, wg_tidx: cutlass.Int32,
-        lane: cutlass.Int32, b: cutlass.Int32, slot: cutlass.Int32, kv_len: cutlass.Int32, R: cutlass.Int32,
-        n_start: cutlass.Int32, T: cutlass.Int32, q_load=None, ph0=None, ph1=None,
-    ):
-        """Warpgroups 0 and 1 (tidx 0..255): ``seesaw_item``'s 16-bit (cp.async) instruction stream with each
-        ``load_kv_part`` of tile +2 replaced by an arrive on that part's empty mbarrier (same place, same
-        condition: the warpgroup's WGMMAs on those columns have completed), and the CTA barriers by BAR_MATH
-        over the 256 math threads.  Q as in ``seesaw_item`` (bf16 q: ld.global -> cvt -> st.shared; fp16 q:
-        cp.async), complete and fenced before the BAR_MATH barrier that precedes the first S.
-
-        ``q_load``, ``ph0``, ``ph1``: None for one item per CTA; balanced (``kernel_fp8p_balanced``): whether to
-        load Q (the request changed: sQ is rewritten only here, after the previous item's epilogue BAR_MATH, by
-        which every S WGMMA of both math warpgroups was waited; the BAR_MATH below orders it before the first S)
-        and the phases the column's earlier items completed per buffer (full waits (ph + p) % 2).  Balanced also
-        releases every tile's parts (empty arrives without the ``tile + 2 < T`` conditions), so that the empty
-        barriers count one phase per tile, like the full ones, and the producer may write the next item's tiles
-        0 / 1 once their last readers in this item arrived."""
-        mt = self.mma_dtype
-        sQ, sK, sV, sP0, sP1, sScale, sMax, sL, mbar = smem
-        full = mbar
-        empty = mbar + 4
-
-        thr_g2s = g2s.get_slice(tidx)
-        _, _, r2s_q, g2r_q = self._fp8_copies()
-        if cutlass.const_expr(q_load is None):
-            self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
-        else:
-            if q_load:
-                self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=BAR_MATH, number_of_threads=NUM_THREADS)
-
-        # ---------------- per-warpgroup MMA partitions (seesaw_item's) ----------------
-        mma_o_rs.set(warpgroup.Field.ACCUMULATE, True)
-        mma_o_ss.set(warpgroup.Field.ACCUMULATE, True)
-        mma_s.set(warpgroup.Field.ACCUMULATE, True)
-        mma_s_first.set(warpgroup.Field.ACCUMULATE, False)
-        thr_s = mma_s.get_slice(wg_tidx)
-        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))  # (MMA, 1, 36)
-        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK))  # (MMA, 1, 36, STAGES)
-        s_shape = thr_s.partition_shape_C((BLOCK_M, BLOCK_N))
-        cS = cute.make_identity_tensor((BLOCK_M, BLOCK_N))
-        tScS = _acc_mn_view(thr_s.partition_C(cS))
-        n_rows = cute.size(tScS.shape[0])
-
-        sV_half = cute.local_tile(sV, (D_V_HALF, BLOCK_N, STAGES), (wg, 0, 0))
-        thr_o = mma_o_rs.get_slice(wg_tidx)
-        tOrV = thr_o.make_fragment_B(thr_o.partition_B(sV_half))  # (MMA, 1, 4, STAGES)
-        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_M, D_V_HALF)), cutlass.Float32)
-        acc_O.fill(0.0)
-        acc_O_mn = _acc_mn_view(acc_O)
-        acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-        tOrP = cute.make_rmem_tensor(thr_o.partition_shape_A((BLOCK_M, BLOCK_N)), mt)
-        is_quad_leader = lane % 4 == 0
-
-        row_lim = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
-        for r in cutlass.range_constexpr(n_rows):
-            grow = m_block * BLOCK_M + tScS[r, 0][0]
-            row_lim[r] = kv_len - s_q + grow // num_heads + 1
-        row_max = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        row_sum = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        row_corr = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        row_max.fill(-cutlass.Float32.inf)
-        row_sum.fill(0.0)
-
-        # balanced: release every tile's parts (the next item's tiles 0 / 1 reuse the buffers)
-        rel_all = ph0 is not None
-        for p in cutlass.range(0, (T + 1) // 2, 1):
-            ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
-            parity = p % 2
-            par0 = parity
-            par1 = parity
-            if cutlass.const_expr(rel_all):
-                par0 = (ph0 + p) % 2
-                par1 = (ph1 + p) % 2
-            if wg == 0:
-                # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
-                self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
-                        full + 0, full + 1, par0)
-                self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
-                                     acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
-                                     scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr, True)
-                self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
-                # columns 0..255 of buffer 0 are free (only WG0 reads them): tile a+2's part 0 may come
-                if cutlass.const_expr(rel_all):
-                    cute.arch.mbarrier_arrive(empty + 0)
-                else:
-                    if ta + 2 < T:
-                        cute.arch.mbarrier_arrive(empty + 0)
-                if ta + 1 < T:
-                    # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS), waited
-                    self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
-                                   row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True)
-                    # columns 0..255 and P's block of buffer 1 are free: tile b+2's part 2 may come
-                    if cutlass.const_expr(rel_all):
-                        cute.arch.mbarrier_arrive(empty + 2)
-                    else:
-                        if ta + 3 < T:
-                            cute.arch.mbarrier_arrive(empty + 2)
-            else:
-                if ta + 1 < T:
-                    # S_b (runs while WG0 does softmax_a)
-                    self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
-                            full + 3, full + 2, par1)
-                # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet
-                self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
-                               row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False)
-                if ta + 1 < T:
-                    # softmax_b under the P_a V WGMMAs; O_R *= scale_b needs them done
-                    self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
-                                         acc_O_mn, row_lim, row_max, row_sum, n_start + ta + 1, 1,
-                                         scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[1], row_corr, False)
-                warpgroup.wait_group(0)
-                # columns 256..575 of buffer 0 are free: tile a+2's part 1 may come
-                if cutlass.const_expr(rel_all):
-                    cute.arch.mbarrier_arrive(empty + 1)
-                else:
-                    if ta + 2 < T:
-                        cute.arch.mbarrier_arrive(empty + 1)
-                if ta + 1 < T:
-                    self.rescale_rows(acc_O_mn, row_corr, n_rows)
-                    self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
-                    # columns 256..511 of buffer 1 are free: tile b+2's part 3 may come
-                    if cutlass.const_expr(rel_all):
-                        cute.arch.mbarrier_arrive(empty + 3)
-                    else:
-                        if ta + 3 < T:
-                            cute.arch.mbarrier_arrive(empty + 3)
-
-        # ---------------- epilogue (seesaw_item's, BAR_MATH for the CTA barrier) ----------------
-        for r in cutlass.range_constexpr(n_rows):
-            s_own = _quad_sum(row_sum[r])
-            row_sum[r] = s_own
-            if is_quad_leader:
-                sL[tScS[r, 0][0], wg] = s_own
-        cute.arch.barrier(barrier_id=BAR_MATH, number_of_threads=NUM_THREADS)
-        row_scale = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        row_lse = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-        for r in cutlass.range_constexpr(n_rows):
-            s = row_sum[r] + sL[tScS[r, 0][0], 1 - wg]
-            ok = s > 0.0
-            row_scale[r] = v_scale / s if ok else 0.0
-            row_lse[r] = (
-                row_max[r] * scale_ln + cute.math.log(s, fastmath=False)
-                if ok
-                else -cutlass.Float32.inf
-            )
-
-        cO = cute.make_identity_tensor((BLOCK_M, D_V_HALF))
-        tOcO = _acc_mn_view(thr_o.partition_C(cO))
-        lse_writer = is_quad_leader
-        if wg != 0:
-            lse_writer = False
-        self.store_epilogue(mO, mLSE, mOp, mLSEp, b, slot, acc_O_mn, row_scale, row_lse, tOcO, thr_o, m_block,
-                            wg, R, lane, lse_writer)
 
 
 # ---------------------------------------------------------------------- host helpers
