@@ -278,10 +278,10 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
     staged = [None, None]  # fp8: (tile, blocks) in each warpgroup's staging registers
     vc = [[0, 0], [0, 0]]
     nxt = [next(progs[0], None), next(progs[1], None)]
-    phase_done = [0] * 4  # completed phases per mbarrier
+    phase_done = [0] * 5  # completed phases per mbarrier (4: the Q mbarrier of test_seesaw_qpf_protocol.py)
     phase_vc = {}  # (mbar, phase) -> clock of the load that completes it
-    landed = {}  # (mbar, phase) -> clock of a thread that observed it (after its wait)
-    waited = [[0] * 4, [0] * 4]  # phases each warpgroup has waited per mbarrier
+    landed = {}  # (mbar, phase) -> clocks of the threads that observed it (after their waits)
+    waited = [[0] * 5, [0] * 5]  # phases each warpgroup has waited per mbarrier
     arrives = {1: [], 2: []}
     mem = {}  # (buffer, block) -> {"tag", "vc", "phase", "reads"}
     inflight = [[], []]
@@ -346,7 +346,7 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
             if ph % 2 != par:
                 errors.append(f"WG{w} waits mbarrier {mb} phase {ph} with parity {par}")
             merge(w, phase_vc[(mb, ph)])
-            landed[(mb, ph)] = list(vc[w])
+            landed.setdefault((mb, ph), []).append(list(vc[w]))
             waited[w][mb] += 1
         elif kind == "zero":  # zero_v_tail: second wait on the part's phase, st.shared of zeros
             _, buf, t, blocks, mb, ph = ev
@@ -371,7 +371,7 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
                     if cell is None or cell["tag"] != want or not _hb(cell["vc"], vc[w]):
                         errors.append(f"RAW: WG{w} P V reads tile {t} buf {buf} block {blk}: "
                                       f"{None if cell is None else cell['tag']}, wants {want}")
-                    elif not (cell["phase"] in landed and _hb(landed[cell["phase"]], vc[w])):
+                    elif not (any(_hb(x, vc[w]) for x in landed.get(cell["phase"], ()))):
                         errors.append(f"RAW: WG{w} P V reads tile {t} buf {buf} block {blk}: landing not observed")
                     inflight[w].append((buf, blk))
                 nxt[w] = next(progs[w], None)
@@ -381,7 +381,7 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
                 if cell is None or cell["tag"] != (what, t) or not _hb(cell["vc"], vc[w]):
                     errors.append(f"RAW: WG{w} reads {(what, t)} from buf {buf} block {blk}: "
                                   f"{None if cell is None else cell['tag']}")
-                elif what == "K" and not (cell["phase"] in landed and _hb(landed[cell["phase"]], vc[w])):
+                elif what == "K" and not (any(_hb(x, vc[w]) for x in landed.get(cell["phase"], ()))):
                     errors.append(f"RAW: WG{w} reads tile {t} buf {buf} block {blk}: landing not observed")
                 inflight[w].append((buf, blk))
         elif kind == "write_q":  # balanced fp8 (test_seesaw_balanced_protocol.py): WG w converts its Q rows into sQ
