@@ -7,10 +7,10 @@
 #   ONLY="seesaw_balanced|combine" bash benchmarks/device/prebuild_kcache.sh
 #   0. hang probe under timeout PT (default 90 s): the q_prefetch kernel (TMA and cp.async loads) on one 1-tile item,
 #      then 1-SM and 5-SM balanced schedules (columns of many items of 0..6 tiles, lengths 0 / 1 / partial tiles,
-#      s_q 1 and 2, H 64 / 126 / 128), then the all-SM plan of B128 H128 S1500, one case at a time, each
+#      s_q 1 to 3, H 16 / 64 / 126 / 128), then the all-SM plan of B128 H128 S1500, one case at a time, each
 #      synchronized, checked against the fp64 reference and printed, so a hang names its case; stops the script if
 #      it does not finish (rc 124: a hung kernel; do not run the rest on a wedged GPU)
-#   1. GPU tests under timeout TT (default 180 s): test_seesaw_qpf_gpu.py (40 tests: fp64 reference, NaN tails and
+#   1. GPU tests under timeout TT (default 180 s): test_seesaw_qpf_gpu.py (42 tests: fp64 reference, NaN tails and
 #      poisoned outputs, lengths 0 and < s_q, 1-tile items, columns of many items on 1/2/5 SMs, the same request
 #      twice in a column, H 64/126/128, s_q 1/2, bf16/fp16, TMA/cp.async, eager/lazy, bit-for-bit equal to the option
 #      off, graphs across plan forms, the backend option through MLADecoder)
@@ -47,6 +47,7 @@ cases = [  # (label, lengths, s_q, H, SMs for the schedule, form)
     ("many items, 1 SM, s_q 1", many, 1, 64, 1, "balanced"),
     ("many items, 5 SMs, s_q 2, H 126", many, 2, 126, 5, "even"),
     ("many items, 5 SMs, s_q 2, H 128", many, 2, 128, 5, "balanced"),
+    ("many items, 48 rows (s_q 3, H 16), 2 SMs", many, 3, 16, 2, "balanced"),
     ("B128 H128 S1500, all SMs", [1500] * 128, 1, 128, n_sm, "auto"),
 ]
 for tma in (True, False):

@@ -10,8 +10,9 @@ tiles in the same order, the same Q bytes: rows past s_q * H zero either way), s
 * Fresh random inputs per case, shuffled page tables, NaN in unused pages and page tails (the KV tiles issued for the
   next item: cp.async zero-fills with that item's length, TMA leaves the tail to the next item's own zeroing),
   NaN-poisoned outputs and partial buffers; lengths uniform, variable with 0 and < s_q, skewed, log-skewed, short
-  (every item one tile, the next tile 1 issued from the buffer-0 slot), tiny (0..s_q); s_q 1 / 2, H 64 / 128 and 126
-  (a partial second m-block: the Q box's rows past R zero-filled by TMA); pages 64 and 256; bf16 and fp16; cp.async
+  (every item one tile, the next tile 1 issued from the buffer-0 slot), tiny (0..s_q); s_q 1 / 2 / 3, H 16 (48 rows:
+  one m-block shorter than the Q box), 64, 128 and 126 (a partial second m-block: the Q box's rows past R
+  zero-filled by TMA); pages 64 and 256; bf16 and fp16; cp.async
   and TMA loads; eager and lazy rescale; both plan forms and the hybrid's choice; 1 / 2 / 5-SM schedules whose
   columns walk dozens of items (items of different requests, pieces of one request, several per column); an
   even-form column holding two items of one request (Q kept, tiles still prefetched).
@@ -103,6 +104,8 @@ CASES = [  # B, s_q, H, lengths, S, page, dtype, form, tma, lazy
     (16, 1, 126, "varlen", 1500, 64, "bf16", "balanced", True, True),    # 126 rows: a partial second m-block
     (16, 2, 126, "skewed", 1500, 64, "fp16", "balanced", False, False),
     (12, 2, 128, "skewed", 4096, 64, "bf16", "balanced", True, True),    # with q std 100 below
+    (8, 3, 16, "varlen", 2000, 64, "bf16", "balanced", True, True),      # 48 rows: the Q box taller than R
+    (8, 3, 16, "skewed", 1000, 64, "bf16", "auto", False, False),
 ]
 
 
