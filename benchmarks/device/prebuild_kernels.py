@@ -76,8 +76,9 @@ def specs():
                             ((True, True), (False, False)))
                     for tma, lazy in arms:
                         out.append((f"seesaw_balanced {q} {tag}{' tma' if tma else ''}{' lazy' if lazy else ''} qpf",
-                                    lambda q=q, p=partial, w=wide, t=tma, z=lazy: get_partial_kernel_wgmma_seesaw_balanced(
-                                        q, q, partial=p, wide_store=w, tma=t, lazy_rescale=z, q_prefetch=True)))
+                                    lambda q=q, p=partial, w=wide, t=tma, z=lazy:
+                                    get_partial_kernel_wgmma_seesaw_balanced(q, q, partial=p, wide_store=w, tma=t,
+                                                                             lazy_rescale=z, q_prefetch=True)))
                     if partial == "fp32":
                         t, z = (False, True) if q == "bf16" else (True, True)
                         out.append((f"seesaw_balanced {q} {tag}{' tma' if t else ''} lazy (qpf off arm)",

@@ -86,7 +86,9 @@ PROBE
   grep -E "passed|failed|FAILED|ERROR|Timeout" "$OUT/qpf_gpu_tests.log" | tail -12
   start=$(date +%s)
   shapes=""
-  for s_q in 1 2; do for B in 64 128 180; do for S in 800 1500 4096; do shapes="$shapes,${B}x128x${s_q}x${S}"; done; done; done
+  for s_q in 1 2; do for B in 64 128 180; do for S in 800 1500 4096; do
+    shapes="$shapes,${B}x128x${s_q}x${S}"
+  done; done; done
   timeout ${SPEED_TIMEOUT:-200} python benchmarks/wgmma_speed.py --shapes "${shapes#,},128x64x1x1024" \
     --ways ${WAYS:-balanced_tma_lazy,balanced_tma_lazy_qpf,fa3} --reps ${REPS:-50} \
     --json "$OUT/qpf_speed.json" > "$OUT/qpf_speed.txt" 2>&1

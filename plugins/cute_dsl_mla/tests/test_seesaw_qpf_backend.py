@@ -45,7 +45,8 @@ def test_on_reaches_only_the_balanced_16_bit_seesaw(monkeypatch, heads, kv, spli
     kw = getattr(planned.run_fn, "keywords", {})
     assert kw.get("q_prefetch", False) is want
     q = torch.zeros(4, 1, heads, 576, dtype=torch.bfloat16)
-    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16).to(torch.float8_e4m3fn if kv == "fp8_e4m3" else torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    cache = cache.to(torch.float8_e4m3fn) if kv == "fp8_e4m3" else cache
     planned.run(q, cache, torch.empty(4, 1, heads, 512, dtype=torch.bfloat16), torch.empty(4, 1, heads))
     kind, spec = keys[-1]
     assert ("qpf" in spec) is want

@@ -37,8 +37,8 @@ MAIN_BALANCED_PTX_SHA256 = {
 }
 
 _COUNTED = ("wgmma.mma_async.sync.aligned.m64n64k16", "wgmma.mma_async.sync.aligned.m64n256k16",
-            "cp.async.cg.shared.global", "cp.async.bulk.tensor", "mbarrier.arrive.expect_tx", "cp.async.mbarrier.arrive",
-            "mbarrier.init.shared.b64", "mbarrier.try_wait", "bar.sync", "bar.arrive", "fence.proxy.async.shared::cta",
+            "cp.async.cg.shared.global", "cp.async.bulk.tensor", "mbarrier.arrive.expect_tx",
+            "cp.async.mbarrier.arrive", "mbarrier.init.shared.b64", "mbarrier.try_wait", "bar.sync", "bar.arrive", "fence.proxy.async.shared::cta",
             "griddepcontrol.launch_dependents", "prefetch.tensormap", "cp.async.wait_group", "cp.async.commit_group",
             "elect.sync", "wgmma.wait_group")
 

@@ -1501,8 +1501,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         buffer 1, which the previous item's reads left before its epilogue barrier) the buffer-0 slot also issues the
         next tile 1.  Page-table entries and length were read at the item's start (seesaw_column_qpf)."""
         if qpf.nt > buf:
-            self.load_kv_part(kv_src, (qpf.pg0, qpf.pg1)[buf], qpf.n0 + buf, buf, SEESAW_LOAD_BLOCKS[wg][int(buf != wg)],
-                              blocks_per_page, qpf.nlen, mbar + 2 * buf + wg)
+            self.load_kv_part(kv_src, (qpf.pg0, qpf.pg1)[buf], qpf.n0 + buf, buf,
+                              SEESAW_LOAD_BLOCKS[wg][int(buf != wg)], blocks_per_page, qpf.nlen, mbar + 2 * buf + wg)
         if cutlass.const_expr(buf == 0):
             if T == 1:
                 if qpf.nt > 1:
