@@ -36,6 +36,14 @@ MAIN_BALANCED_PTX_SHA256 = {
     ("fp16", "fp32", False, False, True): "222f5bdff29e04b959dd8c1c391158d0f92972f31eb40781c9a6c58bb9c45902",
 }
 
+# ptx_sha256 of the q_prefetch kernel as written on branch q-prefetch (compile-only, NOT GPU-verified when pinned): (q,
+# partial dtype, wide stores, tma, lazy_rescale). A change to the kernel's code (a merge included) shows here: rerun
+# test_seesaw_qpf_gpu.py (benchmarks/device/seesaw_qpf_gpu.sh) before moving the pin
+QPF_PTX_SHA256 = {
+    ("bf16", "bf16", True, True, True): "a675ef687c209166598794e0699fa3150b49547c4697168a6c788f7d015b446e",
+    ("bf16", "fp32", False, False, False): "52f93e792cc9120959ced50fcf0ecd292bb3ab1dd98df8d30f90eddeb225e232",
+}
+
 _COUNTED = ("wgmma.mma_async.sync.aligned.m64n64k16", "wgmma.mma_async.sync.aligned.m64n256k16",
             "cp.async.cg.shared.global", "cp.async.bulk.tensor", "mbarrier.arrive.expect_tx",
             "cp.async.mbarrier.arrive", "mbarrier.init.shared.b64", "mbarrier.try_wait", "bar.sync", "bar.arrive", "fence.proxy.async.shared::cta",
@@ -77,6 +85,19 @@ def test_without_the_option_the_balanced_ptx_is_mains(spec, tmp_path):
     ptx, _, _ = _dump(_kernel(q, tma, lazy, wide).call_balanced, api._fake_args_partial_balanced(q, q, partial),
                       tmp_path)
     assert ptx_sha256(ptx) == MAIN_BALANCED_PTX_SHA256[spec]
+
+
+@needs_cutlass
+@pytest.mark.parametrize("spec", sorted(QPF_PTX_SHA256))
+def test_q_prefetch_ptx_is_the_pinned_one(spec, tmp_path):
+    from test_balanced_compile import _dump, ptx_sha256
+
+    from mla_cute_dsl.kernels import api
+
+    q, partial, wide, tma, lazy = spec
+    ptx, _, _ = _dump(_kernel(q, tma, lazy, wide, True).call_balanced, api._fake_args_partial_balanced(q, q, partial),
+                      tmp_path)
+    assert ptx_sha256(ptx) == QPF_PTX_SHA256[spec]
 
 
 @needs_cutlass
