@@ -4,7 +4,7 @@
 # by TMA on a fifth mbarrier and its KV tiles 0 / 1 during its own last pairs; backend option q_prefetch, off by
 # default). Carry a .kcache prebuilt from this kernels/ folder (every kernel's cache key hashes the kernels' source,
 # so main's prebuilt kernels do not match):
-#   ONLY="seesaw_balanced|combine" bash benchmarks/device/prebuild_kcache.sh
+#   ONLY="seesaw_balanced bf16|seesaw_balanced fp16|combine" bash benchmarks/device/prebuild_kcache.sh
 #   0. hang probe under timeout PT (default 90 s): the q_prefetch kernel (TMA and cp.async loads) on one 1-tile item,
 #      then 1-SM and 5-SM balanced schedules (columns of many items of 0..6 tiles, lengths 0 / 1 / partial tiles,
 #      s_q 1 to 3, H 16 / 64 / 126 / 128), then the all-SM plan of B128 H128 S1500, one case at a time, each
