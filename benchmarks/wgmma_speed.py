@@ -21,10 +21,15 @@
     balanced_fp8p / balanced_fp8p_lazy  the balanced fp8 seesaw (--kv fp8 only) with the producer warpgroup
                 (fp8_producer=True, branch fp8-balanced-producer: backend.FP8_BALANCED_PRODUCER), eager / lazy
                 rescale, fp32 partials: compare with balanced / balanced_lazy and seesaw_fp8p / seesaw_fp8p_lazy
+    balanced_tma_qpf / balanced_tma_lazy_qpf / balanced_qpf / balanced_lazy_qpf  the balanced seesaw (TMA or cp.async
+                loads, eager / lazy rescale, fp32 partials) with q_prefetch=True (branch q-prefetch: each item issues
+                the next item's Q and KV tiles 0/1 during its last pairs; 16-bit KV only): compare with
+                balanced_tma / balanced_tma_lazy / balanced / balanced_lazy
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
            one CTA per SM)
     ours   cute_dsl_mla through mlacore.MLADecoder with its default options (what an engine runs)
+    ours_qpf  the same with its option q_prefetch=true (the balanced 16-bit seesaw's q_prefetch kernel)
     fa3    FlashInfer fa3 through mlacore.MLADecoder (dispatcher forced to flashinfer_mla, variant fa3)
 
 Shapes with H * s_q >= 64, KV bf16 (or fp8 e4m3 with --kv fp8, kv_scale 1: wgmma, seesaw
@@ -67,7 +72,8 @@ QUICK_SHAPES = [0, 3]
 WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
         "seesaw_tma_fenced", "balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl", "balanced_tma_nocomb",
         "seesaw_lazy", "seesaw_fp8p", "seesaw_fp8p_lazy", "balanced", "balanced_lazy", "balanced_fp8p",
-        "balanced_fp8p_lazy", "mma", "wgmma_t", "ours", "fa3")
+        "balanced_fp8p_lazy", "balanced_tma_qpf", "balanced_tma_lazy_qpf", "balanced_qpf", "balanced_lazy_qpf", "mma",
+        "wgmma_t", "ours", "ours_qpf", "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
@@ -174,6 +180,16 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
             raise ValueError(f"{name}: needs --kv fp8 (the producer warpgroup converts an fp8 cache)")
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, lazy_rescale=name.endswith("_lazy"),
                                **({"fp8_producer": True} if name.startswith("balanced_fp8p") else {}))
+    elif name in ("balanced_tma_qpf", "balanced_tma_lazy_qpf", "balanced_qpf", "balanced_lazy_qpf"):
+        # the balanced seesaw with q_prefetch (16-bit KV): TMA or cp.async loads, eager or lazy rescale
+        import functools
+
+        from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
+
+        if KV["kv"] == "fp8":
+            raise ValueError(f"{name}: q_prefetch needs a 16-bit KV cache (no --kv fp8)")
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=name.startswith("balanced_tma"),
+                               lazy_rescale="_lazy" in name, q_prefetch=True)
     elif name == "balanced_tma_nocomb":
         fn = _partial_only_balanced_tma  # the same kernel without its combine launch (unsplit plans only)
     elif name == "wgmma_t":
@@ -196,12 +212,14 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
     return run, info, None
 
 
-def way_decoder(torch, sets, table, lens, lens_cpu, s_q, H, B, S, backend="flashinfer_mla"):
+def way_decoder(torch, sets, table, lens, lens_cpu, s_q, H, B, S, backend="flashinfer_mla", cute_options=None):
     """A way through mlacore.MLADecoder with the dispatcher forced to `backend`: FlashInfer fa3 ("fa3"),
-    or cute_dsl_mla with its default options ("ours")."""
+    or cute_dsl_mla with its default options ("ours") or these `cute_options` ("ours_qpf")."""
     from mlacore import Dispatcher, MLADecoder, parse_policy
 
     options = {"flashinfer_mla": {"options": {"variant": "fa3", "launch": "direct"}}} if backend == "flashinfer_mla" else {}
+    if cute_options:
+        options = {"cute_dsl_mla": {"options": dict(cute_options)}}
     policy = parse_policy({"mla": {"order": [backend], "fallback": "error"}, "backend": options})
     dec = MLADecoder(H, PAGE, kv_dtype=kv_torch_dtype(torch), device="cuda", sm_scale=SM_SCALE, kv_scale=1.0,
                      dispatcher=Dispatcher(policy=policy, env={}), cuda_graph=True, max_batch=B, max_kv_len=S)
@@ -272,9 +290,10 @@ def bench_shape(torch, shape, ways, reps, n_sets, l2_bytes):
         outs = [torch.full((B, s_q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
         lses = [torch.full((B, s_q, H), float("nan"), dtype=torch.float32, device="cuda") for _ in range(n)]
         try:
-            if name in ("fa3", "ours"):
+            if name in ("fa3", "ours", "ours_qpf"):
                 run, info, dec = way_decoder(torch, sets, table, lens, lens_cpu, s_q, H, B, S,
-                                         backend="flashinfer_mla" if name == "fa3" else "cute_dsl_mla")
+                                         backend="flashinfer_mla" if name == "fa3" else "cute_dsl_mla",
+                                         cute_options={"q_prefetch": True} if name == "ours_qpf" else None)
                 closers.append(dec)
             else:
                 run, info, _ = way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H)

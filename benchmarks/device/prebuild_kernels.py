@@ -67,6 +67,23 @@ def specs():
                         out.append((f"seesaw {q} {kv} {tag} lazy", lambda q=q, kv=kv, p=partial, w=wide:
                                     get_partial_kernel_wgmma_seesaw(q, kv, partial=p, wide_store=w,
                                                                     lazy_rescale=True)))
+                if kv == q:  # q_prefetch (branch q-prefetch; ONLY=qpf): the backend's arm (q partials, wide, TMA, lazy:
+                    # wgmma_speed.py's ours_qpf) and test_seesaw_qpf_gpu.py's fp32 narrow arms (bf16: TMA / cp.async x
+                    # eager / lazy; fp16: TMA lazy, cp.async eager; wgmma_speed.py's balanced_*_qpf ways) with the
+                    # q_prefetch=False arms the list lacks otherwise (bf16 cp.async lazy, fp16 TMA lazy)
+                    arms = (((True, True),) if partial == q else ((True, False), (False, False), (True, True),
+                                                                   (False, True)) if q == "bf16" else
+                            ((True, True), (False, False)))
+                    for tma, lazy in arms:
+                        out.append((f"seesaw_balanced {q} {tag}{' tma' if tma else ''}{' lazy' if lazy else ''} qpf",
+                                    lambda q=q, p=partial, w=wide, t=tma, z=lazy:
+                                    get_partial_kernel_wgmma_seesaw_balanced(q, q, partial=p, wide_store=w, tma=t,
+                                                                             lazy_rescale=z, q_prefetch=True)))
+                    if partial == "fp32":
+                        t, z = (False, True) if q == "bf16" else (True, True)
+                        out.append((f"seesaw_balanced {q} {tag}{' tma' if t else ''} lazy (qpf off arm)",
+                                    lambda q=q, t=t, z=z: get_partial_kernel_wgmma_seesaw_balanced(
+                                        q, q, partial="fp32", tma=t, lazy_rescale=z)))
                 if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
                     out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))

@@ -186,6 +186,13 @@ class CuteDslOptions(BackendOptions):
                     "s_q=2 and 4 from batch 32 (0.95x at s_q=2 B=16); the kernels alone, 0.92-0.96x there and "
                     "0.98-1.02x at s_q=1. With tma an eager step encodes the cache's tensor map on the host at "
                     "every launch (none under CUDA-graph replay). Other kernels and fp8 caches ignore it")
+    q_prefetch: bool = Field(
+        default=False,
+        description="the balanced seesaw kernel (sm_90, seesaw_split=balanced, bf16/fp16 cache): each work item of a "
+                    "CTA column issues the next item's Q (a TMA load) and its first two KV tiles during its own last "
+                    "pairs, so the next item does not start by waiting for them (kernel option q_prefetch, branch "
+                    "q-prefetch). Compile-checked, not yet run on a GPU: off (default) runs the kernels as before. "
+                    "The even seesaw, fp8 caches and the other kernels ignore it")
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(
         default="auto",
         description="sm_90 partial kernel: wgmma (s_q*num_heads > 32; 1.4-1.7x faster than mma_sync at H=64/128 on "
@@ -488,6 +495,14 @@ def seesaw_fp8_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
             and (FP8_BALANCED_PRODUCER or not balanced_split(shape, options)))
 
 
+def seesaw_q_prefetch(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether the balanced seesaw runs with its q_prefetch option (the next item's Q and KV tiles 0/1 issued during
+    the current item): option q_prefetch, a bf16/fp16 cache and the seesaw kernel in its balanced mode. A function of
+    the shape class and options only (one session's graphs keep one kernel)."""
+    return (bool(options.q_prefetch) and shape.kv_dtype != "fp8_e4m3"
+            and partial_kernel(shape, options) == SEESAW_BALANCED_KERNEL and balanced_split(shape, options))
+
+
 def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optional[int] = None) -> str:
     """Which sm_90 kernel runs a shape and how its KV is split, and why a split_kv the kernel cannot take
     is ignored (logged at plan; the answer to "which kernel runs" for a given option set). `kv_blocks` (the
@@ -529,6 +544,8 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
         if options.loads == "auto":
             text += f": TMA from {seesaw_tma_min_rows(shape, options)} rows"
         text += ")"
+        if seesaw_q_prefetch(shape, options):
+            text += ", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
     if _wgmma_t_auto(shape, options):
         rows = shape.seq_len_q * shape.num_heads
         least = WGMMA_T_AUTO_MIN_BLOCKS
@@ -774,7 +791,8 @@ class CuteDslPlanned(Planned):
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
                  kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1,
-                 tma: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False) -> None:
+                 tma: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
+                 q_prefetch: bool = False) -> None:
         run_fn = run_function(kernel, balanced)
         keywords: dict = {}
         if kernel == "fp8reg" and s_accs != 1:  # fp8reg_s_accs; the entry's default is 0.2.8's 1
@@ -786,6 +804,8 @@ class CuteDslPlanned(Planned):
         if kernel == "seesaw" and fp8_producer:  # option fp8_loader=producer (fp8 cache, the backend's default
             # since 0.2.17); the kernel entry's own default stays inline
             keywords["fp8_producer"] = True
+        if kernel == "seesaw" and balanced and q_prefetch:  # option q_prefetch (balanced seesaw, 16-bit cache)
+            keywords["q_prefetch"] = True
         if keywords:
             run_fn = functools.update_wrapper(functools.partial(run_fn, **keywords), run_fn)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
@@ -918,7 +938,8 @@ class CuteDslSession(Session):
                               self.config.kv_scale, kernel=kernel, balanced=balanced_split(problem, self.options),
                               s_accs=fp8reg_s_accs(problem, self.options), tma=seesaw_tma(problem, self.options),
                               lazy_rescale=self.options.rescale == "lazy",
-                              fp8_producer=seesaw_fp8_producer(problem, self.options))
+                              fp8_producer=seesaw_fp8_producer(problem, self.options),
+                              q_prefetch=seesaw_q_prefetch(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()

@@ -266,6 +266,15 @@ def _hb(a, b):
     return all(x <= y for x, y in zip(a, b))
 
 
+def _observers(landed: dict, phase) -> list:
+    """The clocks that observed an mbarrier phase: ``landed`` maps (mbar, phase) to one clock (one observer kept)
+    or to a list of clocks (every observer, as run_seesaw keeps them)."""
+    obs = landed.get(phase)
+    if not obs:
+        return []
+    return obs if isinstance(obs[0], list) else [obs]
+
+
 class SmemModel:
     """What every protocol model here checks on shared memory, for ``n`` programs with vector clocks ``vc``: the
     K / P blocks of the two buffers (``store``, ``read``, ``wait_reads``: WAR / WAW / RAW), the owner's P and the
@@ -297,14 +306,14 @@ class SmemModel:
 
     def read(self, w, buf, t, blocks, what, landed):
         """A WGMMA of program w reads ``what`` of tile t ("K" / "P") from ``blocks`` of buffer ``buf``: written
-        before, and for K its mbarrier phase observed (``landed``: (mbar, phase) -> clock of an observer)."""
+        before, and for K its mbarrier phase observed (``landed``: (mbar, phase) -> the observers, ``_observers``)."""
         vc = self.vc
         for blk in blocks:
             cell = self.mem.get((buf, blk))
             if cell is None or cell["tag"] != (what, t) or not _hb(cell["vc"], vc[w]):
                 self.errors.append(f"RAW: WG{w} reads {(what, t)} from buf {buf} block {blk}: "
                                    f"{None if cell is None else cell['tag']}")
-            elif what == "K" and not (cell["phase"] in landed and _hb(landed[cell["phase"]], vc[w])):
+            elif what == "K" and not any(_hb(x, vc[w]) for x in _observers(landed, cell["phase"])):
                 self.errors.append(f"RAW: WG{w} reads tile {t} buf {buf} block {blk}: landing not observed")
             self.inflight[w].append((buf, blk))
 
@@ -364,10 +373,10 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
     sm = SmemModel(2)
     vc, mem, inflight, errors = sm.vc, sm.mem, sm.inflight, sm.errors
     nxt = [next(progs[0], None), next(progs[1], None)]
-    phase_done = [0] * 4  # completed phases per mbarrier
+    phase_done = [0] * 5  # completed phases per mbarrier (4: the Q mbarrier of test_seesaw_qpf_protocol.py)
     phase_vc = {}  # (mbar, phase) -> clock of the load that completes it
-    landed = {}  # (mbar, phase) -> clock of a thread that observed it (after its wait)
-    waited = [[0] * 4, [0] * 4]  # phases each warpgroup has waited per mbarrier
+    landed = {}  # (mbar, phase) -> clocks of the threads that observed it (after their waits)
+    waited = [[0] * 5, [0] * 5]  # phases each warpgroup has waited per mbarrier
 
     for _ in range(200000):
         if nxt[0] is None and nxt[1] is None:
@@ -417,7 +426,7 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
             if ph % 2 != par:
                 errors.append(f"WG{w} waits mbarrier {mb} phase {ph} with parity {par}")
             sm.merge(w, phase_vc[(mb, ph)])
-            landed[(mb, ph)] = list(vc[w])
+            landed.setdefault((mb, ph), []).append(list(vc[w]))
             waited[w][mb] += 1
         elif kind == "zero":  # zero_v_tail: second wait on the part's phase, st.shared of zeros
             _, buf, t, blocks, mb, ph = ev
@@ -442,7 +451,7 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
                     if cell is None or cell["tag"] != want or not _hb(cell["vc"], vc[w]):
                         errors.append(f"RAW: WG{w} P V reads tile {t} buf {buf} block {blk}: "
                                       f"{None if cell is None else cell['tag']}, wants {want}")
-                    elif not (cell["phase"] in landed and _hb(landed[cell["phase"]], vc[w])):
+                    elif not (any(_hb(x, vc[w]) for x in landed.get(cell["phase"], ()))):
                         errors.append(f"RAW: WG{w} P V reads tile {t} buf {buf} block {blk}: landing not observed")
                     inflight[w].append((buf, blk))
                 nxt[w] = next(progs[w], None)

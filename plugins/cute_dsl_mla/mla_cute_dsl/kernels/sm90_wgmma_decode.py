@@ -65,6 +65,8 @@ Schedule (FlashMLA's first SM90 kernel, not yet the "seesaw" one):
 
 from __future__ import annotations
 
+import collections
+
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -768,6 +770,12 @@ SEESAW_LOAD_BLOCKS = (  # 64-column blocks of a K tile that WG w loads: [owner, 
 )
 BAR_TAIL_OF = (3, 4)  # seesaw tma=True: named barrier of WG w's 128 threads after zeroing V tail rows
 KV_BOX = 64  # tma=True: columns per TMA box (64 x 64 x 2 B = 8 KB: one SW128 K-major 64-column block of sK)
+# q_prefetch=True (balanced, 16-bit KV): what seesaw_item needs of the column loop (seesaw_column_qpf): the q TMA atom,
+# its (TMA, m-blocks, 9, B) / (TMA, 1, 9) partitions and mbarrier (index 4), the issuing warp, the parity of Q's latest
+# phase, whether the previous item issued this one's tiles 0 / 1 (pf, 0 / 1), and of the next row: the request whose
+# Q to issue (-1: none, or the same request), its first KV block, tiles 0 / 1 to issue (min(T', 2); 0: no next row),
+# its length (cp.async zero-fill) and the cache pages of its tiles 0 / 1
+QPrefetch = collections.namedtuple("QPrefetch", "atom tQgQ tQsQ mbar warp qpar pf q_next n0 nt nlen pg0 pg1")
 
 # fp8_producer=True (fp8 KV only; the backend's default since 0.2.17): 384 threads, WG0 / WG1 the math warpgroups, WG2 the producer that
 # ld.global's, converts and st.shared's every fp8 part. setmaxnreg draws from a per-CTA pool that holds only what
@@ -896,12 +904,23 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       releases every tile's parts, the producer's g-th tile of a buffer waits empty phase g - 1), Q reloaded by the
       math warpgroups on a request change after the previous epilogue's BAR_MATH; NOTES.md "Balanced fp8 seesaw
       with the producer warpgroup".
+    * ``q_prefetch=True`` (balanced, 16-bit KV, cp.async or TMA KV loads; branch q-prefetch, compile-only, not yet run
+      on a GPU): each item issues the next row's Q and KV tiles 0 / 1 during its own last pairs, so the next item does
+      not start by waiting for them (``seesaw_column_qpf``; Q by TMA on a fifth mbarrier, issued by warp 4 right after
+      warpgroup 1's pv_remote of the last pair, when both warpgroups' last S are known to be done; the tiles at the
+      slots of tiles a+2 / b+2 that the item does not have; tests/test_seesaw_qpf_protocol.py models it).
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
                  wide_store: bool = False, tma: bool = False, balanced: bool = False,
-                 reader_fences: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False):
+                 reader_fences: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
+                 q_prefetch: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
+        # q_prefetch (balanced, 16-bit KV; branch q-prefetch, compile-only): the next work item's Q (TMA, a fifth
+        # mbarrier) and its KV tiles 0 / 1 are issued during the current item's last pairs (seesaw_column_qpf)
+        self.q_prefetch = bool(q_prefetch)
+        if self.q_prefetch and not (balanced and not self.is_fp8):
+            raise ValueError("seesaw kernel: q_prefetch=True needs balanced=True and a 16-bit KV cache (bf16 / fp16)")
         # fp8_producer (fp8 KV only; the backend's default): a third warpgroup does every fp8 part's ld.global -> cvt -> st.shared
         # on full / empty mbarriers (kernel_fp8p); the math warpgroups run the 16-bit kernel's instruction stream
         self.fp8_producer = bool(fp8_producer)
@@ -966,6 +985,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     def _num_mbars(self) -> int:
         """4 mbarriers (buffer, part): "full"; fp8_producer adds 4 "empty" ones (the same parts, freed by the
         math warpgroup that reads them last)."""
+        if getattr(self, "q_prefetch", False):
+            return 5  # q_prefetch: + the Q mbarrier (TMA, index 4)
         return 8 if getattr(self, "fp8_producer", False) else 4
 
     def _mbar_count(self) -> int:
@@ -987,6 +1008,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         kv = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
         return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), kv, box_layout,
                                            (BLOCK_N, KV_BOX))
+
+    def _q_tma(self, mQ: cute.Tensor, box_layout: cute.ComposedLayout):
+        """q_prefetch: the TMA atom and coordinate tensor of q (host side, at launch), as ``_kv_tma``: mQ (B, R, 576)
+        viewed as (R, 576, B), boxes of 64 rows x 64 columns whose smem layout is one 64-column block of sQ (sQ is
+        one sK stage's layout).  Rows past R (the last m-block of a request when R % 64 != 0) are outside the tensor:
+        the TMA unit writes them as zeros, which is what ``load_q`` does for them, and still counts their bytes."""
+        q = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q, box_layout, (BLOCK_M, KV_BOX))
 
     def _wg_copy(self):
         """gmem -> smem cp.async for one warpgroup: 16 B per copy, 8 threads per 64-column block,
@@ -1165,13 +1194,17 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         tma_atom, mKV_tma = None, None
         if cutlass.const_expr(self.tma):
             tma_atom, mKV_tma = self._kv_tma(mKV, sP_layout)
+        # q_prefetch: the tensor map of q for its TMA loads (None otherwise: no parameter)
+        q_tma_atom, mQ_tma = None, None
+        if cutlass.const_expr(self.q_prefetch):
+            q_tma_atom, mQ_tma = self._q_tma(mQ, sP_layout)
         grid = (cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M), cols, 1)
         self.kernel_seesaw(
             mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp,
             scale_log2, scale_ln, v_scale, s_q, num_heads,
             sQ_layout, sK_layout, sP_layout, sV_layout,
             g2s, g2s_wg, r2s_P,
-            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, mRanges,
+            mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, mRanges, q_tma_atom, mQ_tma,
         ).launch(grid=grid, block=[FP8P_THREADS if self.fp8_producer else NUM_THREADS, 1, 1], stream=stream,
                   **({"min_blocks_per_mp": 1} if self.fp8_producer else {}))
 
@@ -1483,6 +1516,152 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if cutlass.const_expr(wait):
             warpgroup.wait_group(0)
 
+    # ---------------------------------------------------------------- q_prefetch=True (balanced, 16-bit KV)
+    @cute.jit
+    def qpf_load_q(self, qpf, b: cutlass.Int32, m_block: cutlass.Int32, warp: cutlass.Constexpr):
+        """q_prefetch: the Q rows of m-block ``m_block`` of request b -> sQ by TMA from warp ``warp`` (one lane arms
+        the Q mbarrier with the 73,728 bytes of its nine 64 x 64 boxes, then one box per 64-column block; rows past R
+        are zero-filled by the TMA unit).  The caller makes sure no S WGMMA still reads sQ (the prologue: after the
+        previous epilogue's CTA barrier; ``qpf_issue_q``: after both warpgroups' last S of the item)."""
+        if qpf.warp == warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(qpf.mbar, BLOCK_M * D_QK * (self.mma_dtype.width // 8))
+            for k in cutlass.range_constexpr(D_QK // KV_BOX):
+                cute.copy(qpf.atom, qpf.tQgQ[None, m_block, k, b], qpf.tQsQ[None, 0, k], tma_bar_ptr=qpf.mbar)
+
+    @cute.jit
+    def qpf_issue_q(self, qpf, m_block: cutlass.Int32):
+        """q_prefetch, warpgroup 1 in the item's last pair right after its pv_remote of tile a: the next item's Q
+        when the next row names another request (qpf.q_next >= 0).  Why here: every S WGMMA of the item reads all of
+        sQ; WG1's last S was waited in its qk (this pair's or, for an odd T, the previous pair's), WG0's last S (tile
+        a of this pair) before its arrive on the P_a barrier that pv_remote synced on, and what WG1 issued since
+        (P_a V_R) reads sP0 and V only.  The earliest point at which both are known to be done."""
+        if qpf.q_next >= 0:
+            self.qpf_load_q(qpf, qpf.q_next, m_block, 4)
+
+    @cute.jit
+    def qpf_load_next(self, qpf, kv_src: tuple, wg: cutlass.Constexpr, buf: cutlass.Constexpr, T: cutlass.Int32,
+                      blocks_per_page: cutlass.Int32, mbar):
+        """q_prefetch: warpgroup ``wg``'s part of the next item's tile ``buf`` (0 / 1, when it has one) into buffer
+        ``buf``, at the slot where the pair loop would load its part of tile a+2 (buf 0, the item's last pair) or
+        b+2 (buf 1, the pair with ta + 3 >= T): the same blocks and mbarrier as for an own tile, so each buffer still
+        completes one phase per tile in column order (seesaw_item_phases).  After a 1-tile item (no tile of it in
+        buffer 1, which the previous item's reads left before its epilogue barrier) the buffer-0 slot also issues the
+        next tile 1.  Page-table entries and length were read at the item's start (seesaw_column_qpf)."""
+        if qpf.nt > buf:
+            self.load_kv_part(kv_src, (qpf.pg0, qpf.pg1)[buf], qpf.n0 + buf, buf,
+                              SEESAW_LOAD_BLOCKS[wg][int(buf != wg)], blocks_per_page, qpf.nlen, mbar + 2 * buf + wg)
+        if cutlass.const_expr(buf == 0):
+            if T == 1:
+                if qpf.nt > 1:
+                    self.load_kv_part(kv_src, qpf.pg1, qpf.n0 + 1, 1, SEESAW_LOAD_BLOCKS[wg][int(wg != 1)],
+                                      blocks_per_page, qpf.nlen, mbar + 2 + wg)
+
+    @cute.jit
+    def seesaw_column_qpf(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        g2s: cute.TiledCopy, g2s_wg: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma, mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr, tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, mRanges: cute.Tensor,
+        q_tma_atom: cute.CopyAtom, mQ_tma: cute.Tensor,
+        tidx: cutlass.Int32, m_block: cutlass.Int32, wi: cutlass.Int32, wg: cutlass.Int32, wg_tidx: cutlass.Int32,
+        lane: cutlass.Int32,
+    ):
+        """The balanced column walk with q_prefetch (kernel_seesaw's balanced branch otherwise): the same items,
+        ``seesaw_item`` per row with b >= 0, plus the next row's Q and KV tiles 0 / 1 issued during the item's last
+        pairs (``QPrefetch``), so that the next item does not start by waiting for them.  Why: at full batches with
+        short and medium lengths the balanced seesaw's time per work item (~12 us fitted on the H200 against fa3's
+        ~6.6, NOTES.md "Where H=128's fixed cost goes") is largely Q (72 KB), tiles 0 / 1 and the epilogue in
+        sequence; the twentieth session's tile-only prefetch gained nothing because Q still loaded after the epilogue.
+
+        Per row: the next row (it + 1, if in the column; b < 0 counts as none: that row is skipped and the one after
+        loads its own) is read at the start (work entry, length, pages of its tiles 0 / 1), so the last pair's loads
+        do not wait on global reads.  Q: one TMA per load on mbarrier 4; nq counts the loads the CTA issued, so every
+        item waits parity (nq - 1) % 2 (its own load, the one issued for it by the previous item, or, when sQ already
+        holds its request, a completed phase: returns at once; the next Q phase is only issued after every thread
+        waited this one and passed the prologue barrier).  q_of: the request sQ holds or will hold.  pf: the previous
+        item issued this one's tiles 0 / 1 (and its Q if needed): whenever that item had a pair (T >= 1) and this
+        row was its next.  ph0 / ph1: as the balanced branch (a prefetched tile is counted by its own item)."""
+        R = mQ.shape[1]
+        blocks_per_page = mKV.shape[1] // BLOCK_N
+        smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
+        mbar = smem[8]
+        if tidx == 0:
+            for i in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(mbar + i, self._mbar_count())
+            cute.arch.mbarrier_init(mbar + 4, 1)  # Q: one arrive.expect_tx; its boxes' bytes complete the phase
+            cpasync.prefetch_descriptor(q_tma_atom)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        # q boxes: the smem side is sQ's 64-column blocks (TMA, 1, 9), the gmem side (TMA, m-blocks, 9, B)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            q_tma_atom, 0, cute.make_layout(1),
+            cute.group_modes(cute.flat_divide(smem[0], (BLOCK_M, KV_BOX)), 0, 2),
+            cute.group_modes(cute.flat_divide(mQ_tma, (BLOCK_M, KV_BOX)), 0, 2))
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        ph0 = cutlass.Int32(0)
+        ph1 = cutlass.Int32(0)
+        q_of = cutlass.Int32(-1)
+        nq = cutlass.Int32(0)
+        pf = cutlass.Int32(0)
+        end = mRanges[wi + 1]
+        for it in cutlass.range(mRanges[wi], end, 1):
+            b = mWork[it, 0]
+            if b >= 0:
+                slot = mWork[it, 3]
+                kv_len = mLens[b]
+                n_start = mWork[it, 1] // BLOCK_N
+                T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start
+                nb = cutlass.Int32(-1)
+                if it + 1 < end:
+                    nb = mWork[it + 1, 0]
+                n0 = cutlass.Int32(0)
+                nt = cutlass.Int32(0)
+                nlen = cutlass.Int32(0)
+                npg0 = cutlass.Int32(0)
+                npg1 = cutlass.Int32(0)
+                if nb >= 0:
+                    n0 = mWork[it + 1, 1] // BLOCK_N
+                    nt = (mWork[it + 1, 2] + BLOCK_N - 1) // BLOCK_N - n0
+                    nlen = mLens[nb]
+                    if nt > 0:
+                        npg0 = mPT[nb, n0 // blocks_per_page]
+                    if nt > 1:
+                        npg1 = mPT[nb, (n0 + 1) // blocks_per_page]
+                        nt = cutlass.Int32(2)
+                q_next = nb if nb != b else -1
+                q_load = b != q_of
+                if q_load:
+                    nq = nq + 1
+                qpar = (nq + 1) % 2
+                self.seesaw_item(
+                    mQ, mKV, mPT, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                    g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, tma_atom, mKV_tma, smem,
+                    tidx, m_block, wg, wg_tidx, lane, b, slot, kv_len, R, blocks_per_page, n_start, T,
+                    q_load, ph0, ph1,
+                    qpf=QPrefetch(q_tma_atom, tQgQ, tQsQ, mbar + 4, warp, qpar, pf, q_next, n0, nt, nlen, npg0,
+                                  npg1),
+                )
+                # what the item issued for the next row: its tiles 0 / 1 and, for another request, its Q (only an
+                # item with a pair has the slots: T >= 1)
+                q_of = b
+                pf = cutlass.Int32(0)
+                if T > 0:
+                    if nb >= 0:
+                        pf = cutlass.Int32(1)
+                        q_of = nb
+                        if q_next >= 0:
+                            nq = nq + 1
+                # seesaw_item_phases: buffer 0 holds local tiles 0, 2, ..., buffer 1 tiles 1, 3, ...
+                ph0 = ph0 + (T + 1) // 2
+                ph1 = ph1 + T // 2
+
     def seesaw_smem(self, SharedStorage, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                     sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout):
         """The CTA's shared memory (plain Python, traced inline where the kernel calls it): (sQ, sK, sV, sP0,
@@ -1522,6 +1701,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         SharedStorage: cutlass.Constexpr,
         tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor,  # tma=True only (else None: no parameter)
         mRanges: cute.Tensor,  # balanced=True only (else None: no parameter): column c's work rows
+        q_tma_atom: cute.CopyAtom, mQ_tma: cute.Tensor,  # q_prefetch=True only (else None: no parameter)
     ):
         """One work item per CTA (grid (m-blocks, work rows)), or with ``balanced`` CTA (m_block, column c) walks
         work rows mRanges[c] .. mRanges[c + 1] - 1 (rows with b < 0 skipped): the shared memory and mbarriers
@@ -1540,6 +1720,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
                 sQ_layout, sK_layout, sP_layout, sV_layout, g2s, g2s_wg, r2s_P,
                 mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, mRanges, tidx, m_block, wi, wg, wg_tidx, lane,
+            )
+        elif cutlass.const_expr(self.balanced and self.q_prefetch):
+            self.seesaw_column_qpf(
+                mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                sQ_layout, sK_layout, sP_layout, sV_layout, g2s, g2s_wg, r2s_P,
+                mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, mRanges, q_tma_atom, mQ_tma,
+                tidx, m_block, wi, wg, wg_tidx, lane,
             )
         elif cutlass.const_expr(self.balanced):
             R = mQ.shape[1]
@@ -1646,7 +1833,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         tidx: cutlass.Int32, m_block: cutlass.Int32, wg: cutlass.Int32, wg_tidx: cutlass.Int32,
         lane: cutlass.Int32, b: cutlass.Int32, slot: cutlass.Int32, kv_len: cutlass.Int32, R: cutlass.Int32,
         blocks_per_page: cutlass.Int32, n_start: cutlass.Int32, T: cutlass.Int32,
-        q_load, ph0, ph1,
+        q_load, ph0, ph1, qpf=None,
     ):
         """One work item (request b, local tiles 0 .. T - 1 = KV blocks n_start .., partial slot or -1): Q,
         the prologue loads of tiles 0 and 1, the pairs, the epilogue.  The shared memory and initialised
@@ -1661,7 +1848,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         the 16-bit ones, and the CTA barriers by BAR_MATH over the 256 math threads (``item_barrier``).  Q as in
         the other kernels (bf16 q: ld.global -> cvt -> st.shared; fp16 q: cp.async), complete and fenced before
         the BAR_MATH that precedes the first S.  In balanced, sQ is rewritten (``q_load``) only after the
-        previous item's epilogue BAR_MATH, by which every S WGMMA of both math warpgroups was waited."""
+        previous item's epilogue BAR_MATH, by which every S WGMMA of both math warpgroups was waited.
+
+        ``qpf`` (q_prefetch only, ``QPrefetch``; None: nothing of it is compiled): Q by TMA on its own mbarrier, no
+        cp.async commit groups, the prologue's tiles 0 / 1 skipped when the previous item issued them, and this
+        item issuing the next one's Q and tiles 0 / 1 in its last pairs (``seesaw_column_qpf``)."""
         mt = self.mma_dtype
         sQ, sK, sV, sP0, sP1, sScale, sMax, sL, mbar = smem
         if cutlass.const_expr(self.fp8_producer):
@@ -1674,10 +1865,15 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         _, _, r2s_q, g2r_q = self._fp8_copies()
         if cutlass.const_expr(q_load is None):
             self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
+        elif cutlass.const_expr(qpf is not None):
+            # q_prefetch: Q by TMA from warp 0 (q_load is False when the previous item issued it or sQ holds it)
+            if q_load:
+                self.qpf_load_q(qpf, b, m_block, 0)
         else:
             if q_load:  # balanced: sQ still holds this request's rows when the column's previous item had them
                 self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
-        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(qpf is None):
+            cute.arch.cp_async_commit_group()
 
         # ---------------- KV tiles 0 and 1: each warpgroup loads its parts ----------------
         if cutlass.const_expr(self.fp8_producer):
@@ -1711,8 +1907,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     (cute.size(tKcK.shape[0]), cute.size(tKcK.shape[1]), 5), cutlass.Float8E4M3FN)
             # WG w loads blocks SEESAW_LOAD_BLOCKS[w][0] of the tile it owns (w) and
             # SEESAW_LOAD_BLOCKS[w][1] of the other one; mbarrier 2 * buffer + w
+            T_pro = T  # tiles the prologue loads; q_prefetch: none when the previous item issued them (qpf.pf)
+            if cutlass.const_expr(qpf is not None):
+                T_pro = T * (1 - qpf.pf)
             for t in cutlass.range_constexpr(2):
-                if T > t:
+                if T_pro > t:
                     pg = mPT[b, (n_start + t) // blocks_per_page]
                     if cutlass.const_expr(self.is_fp8):
                         if wg == 0:
@@ -1734,11 +1933,17 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         else:
                             self.load_kv_part(kv_src, pg, n_start + t, t, SEESAW_LOAD_BLOCKS[1][1 - t],
                                               blocks_per_page, kv_len, mbar + 2 * t + 1)
-            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(qpf is None):
+                cute.arch.cp_async_commit_group()
             in_flight = 1  # the KV group
-        # Q landed (the KV group may still fly), visible to the async proxy and to all threads
-        cute.arch.cp_async_wait_group(in_flight)
-        cute.arch.fence_view_async_shared()
+        if cutlass.const_expr(qpf is None):
+            # Q landed (the KV group may still fly), visible to the async proxy and to all threads
+            cute.arch.cp_async_wait_group(in_flight)
+            cute.arch.fence_view_async_shared()
+        else:
+            # q_prefetch: Q's latest phase (loaded above or by the previous item; a second wait on a completed
+            # phase returns at once) has landed: TMA writes, visible to the WGMMAs after the wait
+            cute.arch.mbarrier_wait(qpf.mbar, qpf.qpar)
         self.item_barrier()
 
         # ---------------- per-warpgroup MMA partitions ----------------
@@ -1899,6 +2104,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
                     self.refill_part(kv_src, pg2, n_start, ta, 2, T, 0, SEESAW_LOAD_BLOCKS[0][0], blocks_per_page,
                                      kv_len, refill_bars, 0, every_tile)
+                    if cutlass.const_expr(qpf is not None):
+                        # q_prefetch, the item's last pair: the next item's tile 0 there instead
+                        if ta + 2 >= T:
+                            self.qpf_load_next(qpf, kv_src, 0, 0, T, blocks_per_page, mbar)
                     if ta + 1 < T:
                         # P_b from WG1: O_L = O_L * scale_b + sP_b V_bL (SS); tma=True: its V_L
                         # tail rows zeroed after the P_b barrier (S_b is done) if it is the last
@@ -1909,6 +2118,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         # columns 0..255 and P's block of buffer 1 are free: tile b+2's
                         self.refill_part(kv_src, pg3, n_start, ta, 3, T, 1, SEESAW_LOAD_BLOCKS[0][1],
                                          blocks_per_page, kv_len, refill_bars, 2, every_tile)
+                        if cutlass.const_expr(qpf is not None):
+                            # q_prefetch: the item's last tile of buffer 1: the next item's tile 1 there instead
+                            if ta + 3 >= T:
+                                self.qpf_load_next(qpf, kv_src, 0, 1, T, blocks_per_page, mbar)
                 else:
                     if ta + 1 < T:
                         # S_b (runs while WG0 does softmax_a)
@@ -1920,6 +2133,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                    row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False,
                                    (tKcK, tKsK, n_start + ta, 0, 1, kv_len, mbar + 1, par0)
                                    if self.tma else None)
+                    if cutlass.const_expr(qpf is not None):
+                        # q_prefetch, the item's last pair: WG0's last S (tile a) was waited before its P_a arrive
+                        # (synced on in pv_remote), WG1's own last S in its qk: sQ is free, the next item's Q
+                        if ta + 2 >= T:
+                            self.qpf_issue_q(qpf, m_block)
                     if ta + 1 < T:
                         # softmax_b under the P_a V WGMMAs; O_R *= scale_b needs them done
                         self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP1, sScale, sMax,
@@ -1930,6 +2148,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     # columns 256..575 of buffer 0 are free: tile a+2's
                     self.refill_part(kv_src, pg2, n_start, ta, 2, T, 0, SEESAW_LOAD_BLOCKS[1][1], blocks_per_page,
                                      kv_len, refill_bars, 1, every_tile)
+                    if cutlass.const_expr(qpf is not None):
+                        # q_prefetch, the item's last pair: the next item's tile 0 there instead
+                        if ta + 2 >= T:
+                            self.qpf_load_next(qpf, kv_src, 1, 0, T, blocks_per_page, mbar)
                     if ta + 1 < T:
                         # tma=True, request's last tile: zero its V_R tail rows (S_b is done)
                         if cutlass.const_expr(self.tma):
@@ -1941,7 +2163,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         self.refill_part(kv_src, pg3, n_start, ta, 3, T, 1, SEESAW_LOAD_BLOCKS[1][0],
                                          blocks_per_page, kv_len, refill_bars, 3, every_tile)
 
-        if cutlass.const_expr(not self.fp8_producer):  # fp8_producer: Q, the only group, was waited
+                        if cutlass.const_expr(qpf is not None):
+                            # q_prefetch: the item's last tile of buffer 1: the next item's tile 1 there instead
+                            if ta + 3 >= T:
+                                self.qpf_load_next(qpf, kv_src, 1, 1, T, blocks_per_page, mbar)
+
+        # fp8_producer: Q, the only group, was waited; q_prefetch: no commit group (KV parts observed by mbarriers)
+        if cutlass.const_expr(not self.fp8_producer and qpf is None):
             cute.arch.cp_async_wait_group(0)
 
         # ---------------- epilogue ----------------
@@ -2217,7 +2445,7 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
 
 
 # kernel-cache key flags after (q, kv, block_m): see seesaw_spec
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p")
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p", "qpf")
 #: MLADecodePartialWGMMASeesaw(lazy_rescale=True): a row's reference max moves only when a tile's max exceeds it by
 #: more than this (exp2 units), so P <= 2^8
 LAZY_RESCALE_LOG2 = 8.0
@@ -2233,7 +2461,8 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
                                     tma="tma" in flags, reader_fences="rfence" in flags,
-                                    lazy_rescale="lazy" in flags, fp8_producer="fp8p" in flags)
+                                    lazy_rescale="lazy" in flags, fp8_producer="fp8p" in flags,
+                                    q_prefetch="qpf" in flags)  # balanced only: the constructor refuses it
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -2252,20 +2481,23 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
                 wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                lazy_rescale: bool = False, fp8_producer: bool = False) -> tuple[str | int, ...]:
+                lazy_rescale: bool = False, fp8_producer: bool = False,
+                q_prefetch: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
     every existing key is unchanged), then "rfence" for a TMA or fp8 kernel that keeps the reader-side fences
     (the A/B arm; see MLADecodePartialWGMMASeesaw.reader_fences; never for the 16-bit cp.async kernel, which
     runs them anyway), then "lazy" for ``lazy_rescale`` (only when set), then "fp8p" for ``fp8_producer`` (fp8 KV
-    with a producer warpgroup; only when set)."""
+    with a producer warpgroup; only when set), then "qpf" for ``q_prefetch`` (the balanced kernel's next-item Q and
+    tiles 0 / 1 issued in the current item; only when set)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
             + api.store_spec(wide_store) + (("tma",) if tma else ())
             + (("rfence",) if reader_fences and (tma or kv_name == "fp8_e4m3") else ())
-            + (("lazy",) if lazy_rescale else ()) + (("fp8p",) if fp8_producer else ()))
+            + (("lazy",) if lazy_rescale else ()) + (("fp8p",) if fp8_producer else ())
+            + (("qpf",) if q_prefetch else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
@@ -2349,14 +2581,15 @@ def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
                                     tma="tma" in flags, balanced=True, lazy_rescale="lazy" in flags,
-                                    fp8_producer="fp8p" in flags)
+                                    fp8_producer="fp8p" in flags, q_prefetch="qpf" in flags)
     return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
 
 
 def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = None, *,
                                              l2_prefetch: bool | None = None, partial: str = "fp32",
                                              wide_store: bool = False, tma: bool = False,
-                                             lazy_rescale: bool = False, fp8_producer: bool = False):
+                                             lazy_rescale: bool = False, fp8_producer: bool = False,
+                                             q_prefetch: bool = False):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
     KV in the q dtype (default) or ``"fp8_e4m3"`` (branch fp8-balanced: the even fp8 seesaw's loads under the
     item loop; GPU-verified in the twenty-second session); kernel cache kind ``partial_wgmma_seesaw_balanced`` with
@@ -2365,7 +2598,9 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     ``partial``, ``wide_store``, ``tma`` (16-bit caches only), ``lazy_rescale``: as
     ``get_partial_kernel_wgmma_seesaw``.  ``fp8_producer`` (fp8 cache only, ValueError otherwise; branch
     fp8-balanced-producer, GPU-verified in the twenty-second session): the producer-warpgroup kernel on the balanced
-    schedule (``kernel_fp8p_balanced``), key flag "fp8p" as the even getter's."""
+    schedule (``kernel_fp8p_balanced``), key flag "fp8p" as the even getter's.  ``q_prefetch`` (16-bit cache only,
+    ValueError otherwise; branch q-prefetch, compile-only): each item issues the next item's Q (a TMA load) and KV
+    tiles 0 / 1 during its last pairs (``seesaw_column_qpf``), key flag "qpf"."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2375,26 +2610,30 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
         raise ValueError("balanced seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if fp8_producer and kv_name != "fp8_e4m3":
         raise ValueError(f"balanced seesaw kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
+    if q_prefetch and kv_name == "fp8_e4m3":
+        raise ValueError("balanced seesaw kernel: q_prefetch=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 lazy_rescale=lazy_rescale, fp8_producer=fp8_producer),
+                                                 lazy_rescale=lazy_rescale, fp8_producer=fp8_producer,
+                                                 q_prefetch=q_prefetch),
                                      _build_partial_wgmma_seesaw_balanced)
 
 
 def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                           out, lse, schedule, workspace, *, check: bool = True,
                                           l2_prefetch: bool | None = None, tma: bool = False,
-                                          lazy_rescale: bool = False, fp8_producer: bool = False):
+                                          lazy_rescale: bool = False, fp8_producer: bool = False,
+                                          q_prefetch: bool = False):
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
     and wgmma_t balanced entries' launch).  Needs s_q * H > 32 (the 64-row tile: schedule.block_m 64) and a
     bf16/fp16 or fp8 e4m3 cache (ValueError otherwise, also with check=False; fp8: k = kv * kv_scale as in the
     even entry; GPU-verified in the twenty-second session).  ``l2_prefetch``, ``tma``: see
-    ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified): see
-    ``get_partial_kernel_wgmma_seesaw_balanced``."""
+    ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``q_prefetch`` (16-bit cache
+    only; compile-only so far): see ``get_partial_kernel_wgmma_seesaw_balanced``."""
     from . import api
 
     api.check_balanced(schedule, kv_cache, fp8_ok=True)
@@ -2405,6 +2644,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
     partial = get_partial_kernel_wgmma_seesaw_balanced(
         api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype], l2_prefetch=l2_prefetch,
         partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma, lazy_rescale=lazy_rescale,
-        **({"fp8_producer": True} if fp8_producer else {}))  # opt-in only
+        **({"fp8_producer": True} if fp8_producer else {}),  # opt-in only
+        **({"q_prefetch": True} if q_prefetch else {}))
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
