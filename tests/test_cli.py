@@ -52,14 +52,14 @@ def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
     assert "capability=10.0 not in ['9.0']" in reasons[1, 16, "10.0"]
 
 
-def test_default_policy_routes_tp4_tp2_bf16_by_batch_and_length(capsys):
-    """The built-in rules for a bf16 cache at H=32 and 64 (s_q 1-4, capability 9.0, twenty-third session): ours up
-    to batch 55 at any length and from 56 when the longest request has >= 1600 tokens; fa3 from batch 56 below that
-    length, except at H=64 s_q 3 and 4 (ours at every batch); a B200 keeps FlashInfer."""
-    cases = {(32, 1, 55, 700, "9.0"): "cute_dsl_mla", (32, 1, 56, 1599, "9.0"): "flashinfer_mla",
-             (32, 4, 56, 1600, "9.0"): "cute_dsl_mla", (64, 2, 160, 700, "9.0"): "flashinfer_mla",
-             (64, 1, 500, 7000, "9.0"): "cute_dsl_mla", (64, 3, 160, 700, "9.0"): "cute_dsl_mla",
-             (64, 4, 128, 1024, "9.0"): "cute_dsl_mla", (32, 2, 16, 4096, "10.0"): "flashinfer_mla"}
+def test_default_policy_routes_tp_head_counts_bf16_to_ours_on_sm90(capsys):
+    """The built-in rules for a bf16 cache at H=16 s_q 3/4, H=32 and H=64 (s_q 1-4; twenty-third session: ours at
+    every batch and length on capability 9.0, where three H200 grids found fa3 ahead only at the batches that fill
+    its slots); a B200 keeps FlashInfer, and H=16 s_q=5 has no rule for ours."""
+    cases = {(32, 1, 55, 700, "9.0"): "cute_dsl_mla", (32, 1, 160, 700, "9.0"): "cute_dsl_mla",
+             (64, 2, 140, 1200, "9.0"): "cute_dsl_mla", (64, 4, 500, 7000, "9.0"): "cute_dsl_mla",
+             (16, 3, 140, 5000, "9.0"): "cute_dsl_mla", (16, 4, 1, 64, "9.0"): "cute_dsl_mla",
+             (32, 2, 16, 4096, "10.0"): "flashinfer_mla", (16, 5, 16, 4096, "9.0"): "flashinfer_mla"}
     chosen = {}
     for heads, s_q, batch, kv_len, cap in cases:
         code = main(["backends", "explain", "--num-heads", str(heads), "--seq-len-q", str(s_q), "--batch", str(batch),
