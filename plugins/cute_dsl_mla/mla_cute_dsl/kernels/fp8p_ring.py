@@ -46,12 +46,13 @@ PAIR_CHUNKS = 36
 #: ring sizes the kernel takes, each with its setmaxnreg split (math warpgroups, producer): 2 x 128 x math + 128 x
 #: producer <= 168 x 384 (the CTA's launch pool, fp8p_register_split_fits).  Only sizes whose code ptxas (13.0,
 #: -O3) assembles without a spill for every fp8p kernel (bf16 / fp16 q, eager / lazy, one item / balanced, fp32 and
-#: 16-bit partials) are listed (tests/test_seesaw_fp8p_ring_compile.py): 4 slots (16 registers) within the one-part
-#: producer's 72; 7 (28) with 88, which leaves the math warpgroups 208 (no spills there at 208; at 200 they spill
-#: and ptxas serializes the WGMMAs, C7518; 88 is thus the producer's maximum).  At 88, 6 and 8 slots spilled one or
-#: two values in the balanced kernel, 9 to 12 three to five in every kernel (ptxas hoists the conversions of
-#: several chunks ahead of their stores, holding their outputs)
-RING_REGS = {4: (216, 72), 7: (208, 88)}
+#: 16-bit partials) are listed (tests/test_seesaw_fp8p_ring_compile.py).  Both need 88 producer registers, which
+#: leaves the math warpgroups 208: no spills there and the same instruction mix as at 216 (SASS: 3,473 against
+#: 3,484 instructions before the producer's setmaxnreg.dec); at 200 the math warpgroups spill and ptxas serializes
+#: the WGMMAs (C7518), so 88 is the producer's maximum.  Measured on the CPU with ptxas 13.0 at 88: 4 to 7 slots
+#: clean, 8 to 12 spill 2-7 values (ptxas hoists the conversions of several chunks ahead of their stores and holds
+#: their outputs); at the one-part producer's 72, 4 slots spill one value in the balanced kernel, 5 and more several
+RING_REGS = {5: (208, 88), 7: (208, 88)}
 RING_SIZES = tuple(sorted(RING_REGS))
 #: the ring size of fp8_loader=ring and of the benchmark's ring ways: 6 chunks ahead, so a 4-block part (8 chunks;
 #: WG1's next S waits on one right after releasing its buffer) is three quarters in registers when its empty
@@ -123,8 +124,8 @@ def ring_schedule(ring: int, load_blocks) -> tuple[tuple[Issue, ...], tuple[Step
     then converts chunk j from slot j % ring.  ``rotation[s]``: the slot whose content slot s takes at the end of a
     pair that has a successor (so chunk c of every pair sits in slot c % ring); the identity when 36 % ring == 0,
     else a rotation by 36 % ring (register moves at the loop's back edge, ~4 x ring per pair)."""
-    if ring not in RING_SIZES:
-        raise ValueError(f"fp8p_ring must be one of {RING_SIZES}, got {ring}")
+    if ring not in RING_REGS:
+        raise ValueError(f"fp8p_ring must be one of {tuple(sorted(RING_REGS))}, got {ring}")
     chunks = pair_chunks(load_blocks)
     ahead = ring - 1
     prologue = tuple(Issue(chunks[c].off, chunks[c].m, chunks[c].blk, c % ring) for c in range(ahead))

@@ -901,7 +901,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       keeps a ring of R register slots of one 16-fp8 chunk (one 32-row pass of one 64-column block) and issues each
       chunk's ld.global R - 1 chunks ahead of its conversion, across part, tile and pair boundaries, instead of
       loading one part, waiting for it and converting it (``fp8p_producer_ring``, schedule ``fp8p_ring.py``); the
-      full / empty protocol is unchanged.  setmaxnreg split per size ``fp8p_ring.RING_REGS`` (R = 7: 208 / 88).
+      full / empty protocol is unchanged.  setmaxnreg split per size ``fp8p_ring.RING_REGS`` (208 / 88).
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
@@ -917,12 +917,12 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         # fp8p_ring (fp8_producer only; 0: the one-part producer): the producer keeps fp8p_ring register slots of one
         # 16-fp8 chunk each and issues every chunk's ld.global fp8p_ring - 1 chunks before converting it, across part,
         # tile and pair boundaries (fp8p_producer_ring, schedule in fp8p_ring.py); the setmaxnreg split per ring size
-        # is fp8p_ring.RING_REGS (208 / 88 for 12 slots)
+        # is fp8p_ring.RING_REGS (208 / 88)
         self.fp8p_ring = int(fp8p_ring)
         if self.fp8p_ring and not self.fp8_producer:
             raise ValueError(f"seesaw kernel: fp8p_ring={fp8p_ring} needs fp8_producer=True")
-        if self.fp8p_ring and self.fp8p_ring not in _ring.RING_SIZES:
-            raise ValueError(f"seesaw kernel: fp8p_ring must be one of {_ring.RING_SIZES}, got {fp8p_ring}")
+        if self.fp8p_ring and self.fp8p_ring not in _ring.RING_REGS:
+            raise ValueError(f"seesaw kernel: fp8p_ring must be one of {tuple(sorted(_ring.RING_REGS))}, got {fp8p_ring}")
         self.fp8p_regs = _ring.RING_REGS[self.fp8p_ring] if self.fp8p_ring else (FP8P_MATH_REGS, FP8P_PRODUCER_REGS)
         assert fp8p_register_split_fits(*self.fp8p_regs), self.fp8p_regs
         # fp8_producer with balanced=True (branch fp8-balanced-producer, GPU-verified in the twenty-second
@@ -2119,13 +2119,21 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         else:
             self.fp8p_producer(mKV, mPT, g2s_wg, sK, mbar, ptid, b, kv_len, blocks_per_page, n_start, T, ph0, ph1)
 
-    def fp8p_ring_src(self, tKgK0: cute.Tensor, mKV: cute.Tensor, page, n, blocks_per_page):
-        """The producer thread's gmem partition (CPY, passes, 9) of KV block n in cache page ``page`` (plain Python,
-        traced inline): ``tKgK0`` (the thread's partition of page 0's first block, built once per item) moved by the
-        block's element offset, so the per-thread part of the address is not recomputed per tile (it kept a
-        register busy at every pair's start, where the ring is fullest)."""
-        off = cute.crd2idx((page, (n % blocks_per_page) * BLOCK_N, 0), mKV.layout)
+    def fp8p_ring_src(self, tKgK0: cute.Tensor, mKV: cute.Tensor, page, blk):
+        """The producer thread's gmem partition (CPY, passes, 9) of the 64-token block ``blk`` of cache page ``page``
+        (plain Python, traced inline): ``tKgK0`` (the thread's partition of page 0's first block, built once per
+        item) moved by the block's element offset, so the per-thread part of the address is not recomputed per
+        tile (it kept a register busy at every pair's start, where the ring is fullest)."""
+        off = cute.crd2idx((page, blk * BLOCK_N, 0), mKV.layout)
         return cute.make_tensor(tKgK0.iterator + off, tKgK0.layout)
+
+    @cute.jit
+    def fp8p_ring_prefetch(self, mKV: cute.Tensor, page: cutlass.Int32, blk: cutlass.Int32):
+        """``prefetch_tile_l2`` of the 64-token block ``blk`` of cache page ``page`` (no division by the blocks per
+        page: the ring producer tracks (page-table column, block in page) per tile)."""
+        if cutlass.const_expr(_nvw is not None):
+            gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (blk, 0))
+            _nvw.cp_async_bulk_prefetch(gK.iterator, BLOCK_N * D_QK * (self.kv_dtype.width // 8))
 
     @cute.jit
     def fp8p_ring_issue(
@@ -2177,16 +2185,23 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         # the L2 prefetch: one elected lane of the producer's first warp (a warp-uniform test: the thread-index test
         # of fp8p_producer kept a vector register busy at each pair's start, where the ring is fullest)
         pf_warp = cute.arch.make_warp_uniform(ptid // 32) == 0
+        # tiles by (page-table column q, 64-token block r in its page), advanced one tile at a time without a
+        # division (one divmod per item); pages read one pair ahead, only for tiles of the item
+        bpp = blocks_per_page
+        q_a = n_start // bpp
+        r_a = n_start % bpp
+        q_b = q_a + 1 if r_a + 1 == bpp else q_a
+        r_b = 0 if r_a + 1 == bpp else r_a + 1
         pg_a = cutlass.Int32(0)
         pg_b = cutlass.Int32(0)
         if T > 0:
-            pg_a = mPT[b, n_start // blocks_per_page]
-            src0 = self.fp8p_ring_src(tKgK0, mKV, pg_a, n_start, blocks_per_page)
+            pg_a = mPT[b, q_a]
+            src0 = self.fp8p_ring_src(tKgK0, mKV, pg_a, r_a)
             valid0 = kv_len - n_start * BLOCK_N
             for c in cutlass.range_constexpr(len(prologue)):  # chunks 0 .. R - 2 of tile 0 (issue offset 0)
                 self.fp8p_ring_issue(g2r, src0, tKcK, valid0, prologue[c].m, prologue[c].blk, rRing, prologue[c].slot)
         if T > 1:
-            pg_b = mPT[b, (n_start + 1) // blocks_per_page]
+            pg_b = mPT[b, q_b]
         for p in cutlass.range(0, (T + 1) // 2, 1):
             ta = 2 * p
             par0 = (p + 1) % 2  # phase p - 1 of the empty barriers: tile ta - 2 / tb - 2 released
@@ -2199,23 +2214,32 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 par1 = (ph1 + p + 1) % 2
                 wait0 = ph0 + p > 0
                 wait1 = ph1 + p > 0
-            pn2 = mPT[b, (n_start + (ta + 2 if ta + 2 < T else T - 1)) // blocks_per_page]
-            pn3 = mPT[b, (n_start + (ta + 3 if ta + 3 < T else T - 1)) // blocks_per_page]
+            # the next pair's tiles a + 2, a + 3 (pages stay those of a / b past the item: never loaded from)
+            q2 = q_b + 1 if r_b + 1 == bpp else q_b
+            r2 = 0 if r_b + 1 == bpp else r_b + 1
+            q3 = q2 + 1 if r2 + 1 == bpp else q2
+            r3 = 0 if r2 + 1 == bpp else r2 + 1
+            pn2 = pg_a
+            pn3 = pg_b
+            if ta + 2 < T:
+                pn2 = mPT[b, q2]
+            if ta + 3 < T:
+                pn3 = mPT[b, q3]
             if cutlass.const_expr(self.l2_prefetch):
                 if pf_warp:
                     with cute.arch.elect_one():
                         if ta + 2 < T:
-                            self.prefetch_tile_l2(mKV, pn2, n_start + ta + 2, blocks_per_page)
+                            self.fp8p_ring_prefetch(mKV, pn2, r2)
                         if ta + 3 < T:
-                            self.prefetch_tile_l2(mKV, pn3, n_start + ta + 3, blocks_per_page)
+                            self.fp8p_ring_prefetch(mKV, pn3, r3)
             # issue sources by tile offset (0: a, 1: b, 2: a + 2) and their row limits (0 for a missing tile); each
             # half of the pair issues into two tiles only (a / b, then b / a + 2), so only two are built at a time
-            src_b = self.fp8p_ring_src(tKgK0, mKV, pg_b, n_start + ta + 1, blocks_per_page)
+            src_b = self.fp8p_ring_src(tKgK0, mKV, pg_b, r_b)
             valid_b = kv_len - (n_start + ta + 1) * BLOCK_N if ta + 1 < T else 0
             waits = (wait0, wait1)
             pars = (par0, par1)
             # tile a's 18 chunks (their look-ahead issues reach into tile b)
-            srcs = {0: self.fp8p_ring_src(tKgK0, mKV, pg_a, n_start + ta, blocks_per_page), 1: src_b}
+            srcs = {0: self.fp8p_ring_src(tKgK0, mKV, pg_a, r_a), 1: src_b}
             valids = {0: kv_len - (n_start + ta) * BLOCK_N, 1: valid_b}
             for j in cutlass.range_constexpr(_ring.PAIR_CHUNKS // 2):
                 st = steps[j]
@@ -2223,7 +2247,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                     waits[st.chunk.stage], pars[st.chunk.stage], empty, full)
             if ta + 1 < T:
                 # tile b's 18 chunks (their look-ahead issues reach into the next pair's tile a + 2)
-                srcs_b = {1: src_b, 2: self.fp8p_ring_src(tKgK0, mKV, pn2, n_start + ta + 2, blocks_per_page)}
+                srcs_b = {1: src_b, 2: self.fp8p_ring_src(tKgK0, mKV, pn2, r2)}
                 valids_b = {1: valid_b, 2: kv_len - (n_start + ta + 2) * BLOCK_N if ta + 2 < T else 0}
                 for j in cutlass.range_constexpr(_ring.PAIR_CHUNKS // 2, _ring.PAIR_CHUNKS):
                     st = steps[j]
@@ -2236,6 +2260,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         rRing[None, s].store(held[s])
             pg_a = pn2
             pg_b = pn3
+            r_a = r2
+            q_b = q3
+            r_b = r3
 
     @cute.jit
     def fp8p_ring_step(
@@ -2514,8 +2541,8 @@ def _check_fp8p_ring(fp8p_ring: int, fp8_producer: bool) -> None:
     does not take (fp8p_ring.RING_SIZES: those ptxas assembles without spills)."""
     if fp8p_ring and not fp8_producer:
         raise ValueError(f"seesaw WGMMA kernel: fp8p_ring={fp8p_ring} needs fp8_producer=True")
-    if fp8p_ring and fp8p_ring not in _ring.RING_SIZES:
-        raise ValueError(f"seesaw WGMMA kernel: fp8p_ring must be one of {_ring.RING_SIZES}, got {fp8p_ring}")
+    if fp8p_ring and fp8p_ring not in _ring.RING_REGS:
+        raise ValueError(f"seesaw WGMMA kernel: fp8p_ring must be one of {tuple(sorted(_ring.RING_REGS))}, got {fp8p_ring}")
 
 
 def seesaw_l2_prefetch_default(kv_name: str) -> bool:
