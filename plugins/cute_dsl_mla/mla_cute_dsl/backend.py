@@ -160,7 +160,7 @@ class CuteDslOptions(BackendOptions):
                     "bench, both arms interleaved, H=128 S=4096, 24 cells): 0.92-0.99x eager's time from batch 16 "
                     "(bf16 B=128 s_q=1 294.8 -> 288.9 us, s_q=2 549.5 -> 539.6; fp8 B=128 s_q=1 327.2 -> 324.0), "
                     "equal at batch 1. eager: every tile rescales (0.2.15's kernels). Other kernels ignore it")
-    fp8_loader: Literal["inline", "producer"] = Field(
+    fp8_loader: Literal["inline", "producer", "ring"] = Field(
         default="producer",
         description="how the seesaw kernel (sm_90; under mma=auto from 33 packed rows with an fp8 cache) turns the "
                     "fp8 e4m3 cache into its fp16 K tiles. producer (default since 0.2.17): a third warpgroup "
@@ -170,7 +170,11 @@ class CuteDslOptions(BackendOptions):
                     "inline's time with lazy rescale at H=128 B=16/64/128 and H=64 B=128, S=4096 (B=128 H=128 "
                     "s_q=1 292.5 against 330.4 us, fa3 928.5). inline (0.2.16's kernel): the two math warpgroups "
                     "ld.global their part of each tile, convert it (cvt e4m3x2 -> f16x2) and st.shared it between "
-                    "their WGMMAs. bf16/fp16 caches and other kernels ignore it")
+                    "their WGMMAs. ring (branch fp8p-inflight, compile-checked, not yet run on a GPU): the "
+                    "producer warpgroup with a register ring (setmaxnreg 208 math / 88 producer) that issues each "
+                    "16-byte chunk's ld.global several chunks ahead of its conversion, so the loads stay in flight "
+                    "across the producer's empty waits and conversions instead of one part at a time. bf16/fp16 "
+                    "caches and other kernels ignore it")
     loads: Literal["auto", "cp_async", "tma"] = Field(
         default="auto",
         description="how the seesaw kernel (sm_90, s_q*num_heads >= 33 under mma=auto) brings KV tiles into shared "
@@ -481,11 +485,22 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
 
 def seesaw_fp8_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether the fp8 seesaw runs with its producer warpgroup: option fp8_loader=producer (the default since
-    0.2.17), an fp8 cache, the seesaw kernel, and its even mode, or its balanced mode (FP8_SEESAW_BALANCED) only
-    with FP8_BALANCED_PRODUCER (on since 0.2.17; off: the balanced seesaw converts inline)."""
-    return (shape.kv_dtype == "fp8_e4m3" and options.fp8_loader == "producer"
+    0.2.17) or ring, an fp8 cache, the seesaw kernel, and its even mode, or its balanced mode (FP8_SEESAW_BALANCED)
+    only with FP8_BALANCED_PRODUCER (on since 0.2.17; off: the balanced seesaw converts inline)."""
+    return (shape.kv_dtype == "fp8_e4m3" and options.fp8_loader in ("producer", "ring")
             and partial_kernel(shape, options) == "seesaw"
             and (FP8_BALANCED_PRODUCER or not balanced_split(shape, options)))
+
+
+def seesaw_fp8p_ring(shape: DecodeShape, options: CuteDslOptions) -> int:
+    """The producer's register ring size (kernel option fp8p_ring) for this shape: fp8p_ring.RING_DEFAULT with
+    fp8_loader=ring wherever the producer warpgroup runs (seesaw_fp8_producer), else 0 (the one-part producer or
+    none)."""
+    if options.fp8_loader != "ring" or not seesaw_fp8_producer(shape, options):
+        return 0
+    from .kernels.fp8p_ring import RING_DEFAULT
+
+    return RING_DEFAULT
 
 
 def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optional[int] = None) -> str:
@@ -517,11 +532,15 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
     if kernel == "seesaw":
         text += f", {options.rescale} softmax rescale (rescale={options.rescale})"
     if kernel == "seesaw" and shape.kv_dtype == "fp8_e4m3":
-        if seesaw_fp8_producer(shape, options):
+        if seesaw_fp8_producer(shape, options) and seesaw_fp8p_ring(shape, options):
+            text += (f", a producer warpgroup with a {seesaw_fp8p_ring(shape, options)}-chunk register ring converts "
+                     "the fp8 cache (fp8_loader=ring)")
+        elif seesaw_fp8_producer(shape, options):
             text += ", a producer warpgroup converts the fp8 cache (fp8_loader=producer)"
-        elif options.fp8_loader == "producer":
-            text += (", the math warpgroups convert the fp8 cache (fp8_loader=producer ignored: the balanced seesaw "
-                     "takes the producer warpgroup only with backend.FP8_BALANCED_PRODUCER, set off here)")
+        elif options.fp8_loader in ("producer", "ring"):
+            text += (f", the math warpgroups convert the fp8 cache (fp8_loader={options.fp8_loader} ignored: the "
+                     "balanced seesaw takes the producer warpgroup only with backend.FP8_BALANCED_PRODUCER, set off "
+                     "here)")
         else:
             text += ", the math warpgroups convert the fp8 cache (fp8_loader=inline)"
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
@@ -774,7 +793,8 @@ class CuteDslPlanned(Planned):
     def __init__(self, kv_lens: torch.Tensor, page_table: torch.Tensor, schedule: Any, workspace: Any,
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
                  kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1,
-                 tma: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False) -> None:
+                 tma: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
+                 fp8p_ring: int = 0) -> None:
         run_fn = run_function(kernel, balanced)
         keywords: dict = {}
         if kernel == "fp8reg" and s_accs != 1:  # fp8reg_s_accs; the entry's default is 0.2.8's 1
@@ -786,6 +806,8 @@ class CuteDslPlanned(Planned):
         if kernel == "seesaw" and fp8_producer:  # option fp8_loader=producer (fp8 cache, the backend's default
             # since 0.2.17); the kernel entry's own default stays inline
             keywords["fp8_producer"] = True
+            if fp8p_ring:  # option fp8_loader=ring: the producer's register ring (seesaw_fp8p_ring)
+                keywords["fp8p_ring"] = fp8p_ring
         if keywords:
             run_fn = functools.update_wrapper(functools.partial(run_fn, **keywords), run_fn)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
@@ -918,7 +940,8 @@ class CuteDslSession(Session):
                               self.config.kv_scale, kernel=kernel, balanced=balanced_split(problem, self.options),
                               s_accs=fp8reg_s_accs(problem, self.options), tma=seesaw_tma(problem, self.options),
                               lazy_rescale=self.options.rescale == "lazy",
-                              fp8_producer=seesaw_fp8_producer(problem, self.options))
+                              fp8_producer=seesaw_fp8_producer(problem, self.options),
+                              fp8p_ring=seesaw_fp8p_ring(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()
