@@ -22,7 +22,7 @@ def specs():
     """(label, thunk) for every kernel the backend's defaults (16-bit partials in q's dtype, wide stores) and the
     device scripts' option arms (partials=fp32, stores=narrow, combine=fused) pick."""
     from mla_cute_dsl.kernels import api
-    from mla_cute_dsl.kernels.fp8p_ring import RING_DEFAULT, RING_SIZES
+    from mla_cute_dsl.kernels.fp8p_ring import RING_SIZES
     from mla_cute_dsl.kernels.sm90_decode_fp8 import get_partial_kernel_fp8
     from mla_cute_dsl.kernels.sm90_wgmma_decode import (get_partial_kernel_wgmma, get_partial_kernel_wgmma_seesaw,
                                                         get_partial_kernel_wgmma_seesaw_balanced)
@@ -98,11 +98,9 @@ def specs():
                 if kv == "fp8_e4m3":  # the producer's register ring (fp8p_ring, branch fp8p-inflight): the default
                     # size (the backend's fp8_loader=ring: lazy in the default arm) one item and balanced, fp32 narrow
                     # eager / lazy (test_seesaw_fp8p_ring_gpu.py, wgmma_speed.py's *_fp8p_ring* ways, fp8_ring_gpu.sh);
-                    # the other size for the A/B (bf16 q, fp32 lazy): ONLY=seesaw_fp8p_ring
+                    # every ring size (RING_SIZES): ONLY=seesaw_fp8p_ring
                     for ring in RING_SIZES:
-                        if ring != RING_DEFAULT and not (q == "bf16" and partial == "fp32"):
-                            continue
-                        for lazy in ((False, True) if partial == "fp32" and ring == RING_DEFAULT else (True,)):
+                        for lazy in ((False, True) if partial == "fp32" else (True,)):
                             z = " lazy" if lazy else ""
                             out.append((f"seesaw_fp8p_ring {q} {tag} r{ring}{z}",
                                         lambda q=q, p=partial, w=wide, z=lazy, r=ring: get_partial_kernel_wgmma_seesaw(
