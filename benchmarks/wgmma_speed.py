@@ -24,7 +24,9 @@
     seesaw_fp8p_ring / seesaw_fp8p_ring_lazy / balanced_fp8p_ring / balanced_fp8p_ring_lazy  the producer kernels
                 above (--kv fp8 only) with the producer's register ring (fp8p_ring, branch fp8p-inflight: every
                 chunk's ld.global issued R - 1 chunks ahead of its conversion; setmaxnreg 208 / 88); R = --fp8p-ring
-                (default fp8p_ring.RING_DEFAULT), or per way with the size in the name: seesaw_fp8p_ring5_lazy
+                (default fp8p_ring.RING_DEFAULT), or per way with the size in the name: seesaw_fp8p_ring5_lazy;
+                _staged (seesaw_fp8p_ring_staged_lazy, balanced_fp8p_ring7_staged_lazy, ...): with the ring's
+                shared-memory staging (fp8p_stage = fp8p_ring.STAGE_SLOTS: every third chunk by cp.async)
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
            one CTA per SM)
@@ -73,12 +75,13 @@ WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_t
         "seesaw_tma_fenced", "balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl", "balanced_tma_nocomb",
         "seesaw_lazy", "seesaw_fp8p", "seesaw_fp8p_lazy", "balanced", "balanced_lazy", "balanced_fp8p",
         "balanced_fp8p_lazy", "seesaw_fp8p_ring", "seesaw_fp8p_ring_lazy", "balanced_fp8p_ring",
-        "balanced_fp8p_ring_lazy", "mma", "wgmma_t", "ours", "fa3")
+        "balanced_fp8p_ring_lazy", "seesaw_fp8p_ring_staged_lazy", "balanced_fp8p_ring_staged_lazy", "mma", "wgmma_t",
+        "ours", "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
 FP8P_RING = {"ring": None}  # set by --fp8p-ring: the ring ways' size (None: fp8p_ring.RING_DEFAULT)
-RING_WAY = re.compile(r"^(seesaw|balanced)_fp8p_ring(\d*)(_lazy)?$")
+RING_WAY = re.compile(r"^(seesaw|balanced)_fp8p_ring(\d*)(_staged)?(_lazy)?$")
 
 
 def ring_of(name):
@@ -93,6 +96,16 @@ def ring_of(name):
     from mla_cute_dsl.kernels.fp8p_ring import RING_DEFAULT
 
     return RING_DEFAULT
+
+
+def stage_of(name):
+    """The fp8p_stage of a ring way: fp8p_ring.STAGE_SLOTS for a *_staged* way, else 0."""
+    m = RING_WAY.match(name)
+    if not m or not m.group(3):
+        return 0
+    from mla_cute_dsl.kernels.fp8p_ring import STAGE_SLOTS
+
+    return STAGE_SLOTS
 
 
 def known_way(name):
@@ -184,7 +197,8 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch, tma=name.startswith("seesaw_tma"),
                                reader_fences=name.endswith("_fenced"), lazy_rescale=name.endswith("_lazy"),
                                fp8_producer=name.startswith("seesaw_fp8p"),
-                               **({"fp8p_ring": ring_of(name)} if ring_of(name) else {}))
+                               **({"fp8p_ring": ring_of(name)} if ring_of(name) else {}),
+                               **({"fp8p_stage": stage_of(name)} if stage_of(name) else {}))
     elif name in ("balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl"):
         # the balanced TMA seesaw; _lazy: with lazy_rescale; _pdl: its combine launched with programmatic dependent
         # launch (the schedule's pdl_combine, set below)
@@ -205,7 +219,8 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
             raise ValueError(f"{name}: needs --kv fp8 (the producer warpgroup converts an fp8 cache)")
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, lazy_rescale=name.endswith("_lazy"),
                                **({"fp8_producer": True} if name.startswith("balanced_fp8p") else {}),
-                               **({"fp8p_ring": ring_of(name)} if ring_of(name) else {}))
+                               **({"fp8p_ring": ring_of(name)} if ring_of(name) else {}),
+                               **({"fp8p_stage": stage_of(name)} if stage_of(name) else {}))
     elif name == "balanced_tma_nocomb":
         fn = _partial_only_balanced_tma  # the same kernel without its combine launch (unsplit plans only)
     elif name == "wgmma_t":

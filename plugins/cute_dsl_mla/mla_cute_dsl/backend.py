@@ -160,7 +160,7 @@ class CuteDslOptions(BackendOptions):
                     "bench, both arms interleaved, H=128 S=4096, 24 cells): 0.92-0.99x eager's time from batch 16 "
                     "(bf16 B=128 s_q=1 294.8 -> 288.9 us, s_q=2 549.5 -> 539.6; fp8 B=128 s_q=1 327.2 -> 324.0), "
                     "equal at batch 1. eager: every tile rescales (0.2.15's kernels). Other kernels ignore it")
-    fp8_loader: Literal["inline", "producer", "ring"] = Field(
+    fp8_loader: Literal["inline", "producer", "ring", "ring_staged"] = Field(
         default="producer",
         description="how the seesaw kernel (sm_90; under mma=auto from 33 packed rows with an fp8 cache) turns the "
                     "fp8 e4m3 cache into its fp16 K tiles. producer (default since 0.2.17): a third warpgroup "
@@ -173,8 +173,10 @@ class CuteDslOptions(BackendOptions):
                     "their WGMMAs. ring (branch fp8p-inflight, compile-checked, not yet run on a GPU): the "
                     "producer warpgroup with a register ring (setmaxnreg 208 math / 88 producer) that issues each "
                     "16-byte chunk's ld.global several chunks ahead of its conversion, so the loads stay in flight "
-                    "across the producer's empty waits and conversions instead of one part at a time. bf16/fp16 "
-                    "caches and other kernels ignore it")
+                    "across the producer's empty waits and conversions instead of one part at a time. ring_staged "
+                    "(compile-checked): the ring with every third chunk staged through 8 KB of shared memory by "
+                    "cp.async, more loads in flight at no register cost. bf16/fp16 caches and other kernels ignore "
+                    "it")
     loads: Literal["auto", "cp_async", "tma"] = Field(
         default="auto",
         description="how the seesaw kernel (sm_90, s_q*num_heads >= 33 under mma=auto) brings KV tiles into shared "
@@ -487,7 +489,7 @@ def seesaw_fp8_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether the fp8 seesaw runs with its producer warpgroup: option fp8_loader=producer (the default since
     0.2.17) or ring, an fp8 cache, the seesaw kernel, and its even mode, or its balanced mode (FP8_SEESAW_BALANCED)
     only with FP8_BALANCED_PRODUCER (on since 0.2.17; off: the balanced seesaw converts inline)."""
-    return (shape.kv_dtype == "fp8_e4m3" and options.fp8_loader in ("producer", "ring")
+    return (shape.kv_dtype == "fp8_e4m3" and options.fp8_loader in ("producer", "ring", "ring_staged")
             and partial_kernel(shape, options) == "seesaw"
             and (FP8_BALANCED_PRODUCER or not balanced_split(shape, options)))
 
@@ -496,11 +498,21 @@ def seesaw_fp8p_ring(shape: DecodeShape, options: CuteDslOptions) -> int:
     """The producer's register ring size (kernel option fp8p_ring) for this shape: fp8p_ring.RING_DEFAULT with
     fp8_loader=ring wherever the producer warpgroup runs (seesaw_fp8_producer), else 0 (the one-part producer or
     none)."""
-    if options.fp8_loader != "ring" or not seesaw_fp8_producer(shape, options):
+    if options.fp8_loader not in ("ring", "ring_staged") or not seesaw_fp8_producer(shape, options):
         return 0
     from .kernels.fp8p_ring import RING_DEFAULT
 
     return RING_DEFAULT
+
+
+def seesaw_fp8p_stage(shape: DecodeShape, options: CuteDslOptions) -> int:
+    """The ring's shared-memory staging slots (kernel option fp8p_stage): fp8p_ring.STAGE_SLOTS with
+    fp8_loader=ring_staged wherever the ring runs (seesaw_fp8p_ring), else 0."""
+    if options.fp8_loader != "ring_staged" or not seesaw_fp8p_ring(shape, options):
+        return 0
+    from .kernels.fp8p_ring import STAGE_SLOTS
+
+    return STAGE_SLOTS
 
 
 def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optional[int] = None) -> str:
@@ -533,11 +545,12 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
         text += f", {options.rescale} softmax rescale (rescale={options.rescale})"
     if kernel == "seesaw" and shape.kv_dtype == "fp8_e4m3":
         if seesaw_fp8_producer(shape, options) and seesaw_fp8p_ring(shape, options):
-            text += (f", a producer warpgroup with a {seesaw_fp8p_ring(shape, options)}-chunk register ring converts "
-                     "the fp8 cache (fp8_loader=ring)")
+            staged = " and shared-memory staging" if seesaw_fp8p_stage(shape, options) else ""
+            text += (f", a producer warpgroup with a {seesaw_fp8p_ring(shape, options)}-chunk register ring{staged} "
+                     f"converts the fp8 cache (fp8_loader={options.fp8_loader})")
         elif seesaw_fp8_producer(shape, options):
             text += ", a producer warpgroup converts the fp8 cache (fp8_loader=producer)"
-        elif options.fp8_loader in ("producer", "ring"):
+        elif options.fp8_loader in ("producer", "ring", "ring_staged"):
             text += (f", the math warpgroups convert the fp8 cache (fp8_loader={options.fp8_loader} ignored: the "
                      "balanced seesaw takes the producer warpgroup only with backend.FP8_BALANCED_PRODUCER, set off "
                      "here)")
@@ -794,7 +807,7 @@ class CuteDslPlanned(Planned):
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
                  kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1,
                  tma: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
-                 fp8p_ring: int = 0) -> None:
+                 fp8p_ring: int = 0, fp8p_stage: int = 0) -> None:
         run_fn = run_function(kernel, balanced)
         keywords: dict = {}
         if kernel == "fp8reg" and s_accs != 1:  # fp8reg_s_accs; the entry's default is 0.2.8's 1
@@ -806,8 +819,10 @@ class CuteDslPlanned(Planned):
         if kernel == "seesaw" and fp8_producer:  # option fp8_loader=producer (fp8 cache, the backend's default
             # since 0.2.17); the kernel entry's own default stays inline
             keywords["fp8_producer"] = True
-            if fp8p_ring:  # option fp8_loader=ring: the producer's register ring (seesaw_fp8p_ring)
+            if fp8p_ring:  # option fp8_loader=ring / ring_staged: the producer's register ring (seesaw_fp8p_ring)
                 keywords["fp8p_ring"] = fp8p_ring
+            if fp8p_stage:  # fp8_loader=ring_staged: its shared-memory staging (seesaw_fp8p_stage)
+                keywords["fp8p_stage"] = fp8p_stage
         if keywords:
             run_fn = functools.update_wrapper(functools.partial(run_fn, **keywords), run_fn)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
@@ -941,7 +956,8 @@ class CuteDslSession(Session):
                               s_accs=fp8reg_s_accs(problem, self.options), tma=seesaw_tma(problem, self.options),
                               lazy_rescale=self.options.rescale == "lazy",
                               fp8_producer=seesaw_fp8_producer(problem, self.options),
-                              fp8p_ring=seesaw_fp8p_ring(problem, self.options))
+                              fp8p_ring=seesaw_fp8p_ring(problem, self.options),
+                              fp8p_stage=seesaw_fp8p_stage(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()

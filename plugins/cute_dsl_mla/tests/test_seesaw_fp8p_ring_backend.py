@@ -1,6 +1,6 @@
-"""Host tests (CPU) of the backend option fp8_loader=ring (branch fp8p-inflight): wherever the producer warpgroup runs
-(an fp8 cache on the seesaw, even or balanced with FP8_BALANCED_PRODUCER) the plan's entry gets fp8_producer=True and
-fp8p_ring=fp8p_ring.RING_DEFAULT; producer / inline plans are unchanged (no fp8p_ring keyword); a bf16 cache and
+"""Host tests (CPU) of the backend option fp8_loader=ring / ring_staged (branch fp8p-inflight): wherever the producer
+warpgroup runs (an fp8 cache on the seesaw, even or balanced with FP8_BALANCED_PRODUCER) the plan's entry gets
+fp8_producer=True and fp8p_ring=fp8p_ring.RING_DEFAULT (ring_staged also fp8p_stage=fp8p_ring.STAGE_SLOTS); producer / inline plans are unchanged (no fp8p_ring keyword); a bf16 cache and
 other kernels ignore it; the plan's log line names the ring; with FP8_BALANCED_PRODUCER off the balanced seesaw
 converts inline and says that fp8_loader=ring is ignored."""
 
@@ -13,7 +13,7 @@ from test_backend_host import _cpu_session, prob  # noqa: E402  (same directory)
 
 from mla_cute_dsl import backend as be
 from mla_cute_dsl.backend import CuteDslOptions
-from mla_cute_dsl.kernels.fp8p_ring import RING_DEFAULT
+from mla_cute_dsl.kernels.fp8p_ring import RING_DEFAULT, STAGE_SLOTS
 from mlacore import StepInputs
 
 
@@ -34,7 +34,7 @@ def _plan(monkeypatch, loader, kv, heads=128, balanced_producer=True):
     return planned, problem, opts
 
 
-@pytest.mark.parametrize("loader", ["inline", "producer", "ring"])
+@pytest.mark.parametrize("loader", ["inline", "producer", "ring", "ring_staged"])
 def test_fp8_loader_ring_reaches_the_balanced_seesaw_entry(monkeypatch, loader):
     planned, problem, opts = _plan(monkeypatch, loader, "fp8_e4m3")
     assert planned.kernel == "seesaw"
@@ -42,12 +42,17 @@ def test_fp8_loader_ring_reaches_the_balanced_seesaw_entry(monkeypatch, loader):
     want = {"lazy_rescale": True}
     if loader != "inline":
         want["fp8_producer"] = True
-    if loader == "ring":
+    if loader.startswith("ring"):
         want["fp8p_ring"] = RING_DEFAULT
+    if loader == "ring_staged":
+        want["fp8p_stage"] = STAGE_SLOTS
     assert planned.run_fn.keywords == want
-    assert be.seesaw_fp8p_ring(problem, opts) == (RING_DEFAULT if loader == "ring" else 0)
+    assert be.seesaw_fp8p_ring(problem, opts) == (RING_DEFAULT if loader.startswith("ring") else 0)
+    assert be.seesaw_fp8p_stage(problem, opts) == (STAGE_SLOTS if loader == "ring_staged" else 0)
     summary = be.kernel_summary(problem, opts)
-    assert (f"{RING_DEFAULT}-chunk register ring" in summary and "(fp8_loader=ring)" in summary) is (loader == "ring")
+    assert (f"{RING_DEFAULT}-chunk register ring" in summary
+            and f"(fp8_loader={loader})" in summary) is loader.startswith("ring")
+    assert ("shared-memory staging" in summary) is (loader == "ring_staged")
     assert ("(fp8_loader=producer)" in summary) is (loader == "producer")
 
 
@@ -64,12 +69,13 @@ def test_fp8_loader_ring_reaches_the_even_seesaw_entry(monkeypatch):
     assert planned.run_fn.keywords == {"lazy_rescale": True, "fp8_producer": True, "fp8p_ring": RING_DEFAULT}
 
 
-def test_fp8_loader_ring_ignored_without_the_producer_or_an_fp8_cache(monkeypatch):
-    planned, problem, opts = _plan(monkeypatch, "ring", "fp8_e4m3", balanced_producer=False)
-    assert "fp8p_ring" not in planned.run_fn.keywords and "fp8_producer" not in planned.run_fn.keywords
-    assert "fp8_loader=ring ignored" in be.kernel_summary(problem, opts)
-    planned, problem, opts = _plan(monkeypatch, "ring", "bf16")
+@pytest.mark.parametrize("loader", ["ring", "ring_staged"])
+def test_fp8_loader_ring_ignored_without_the_producer_or_an_fp8_cache(monkeypatch, loader):
+    planned, problem, opts = _plan(monkeypatch, loader, "fp8_e4m3", balanced_producer=False)
+    assert not {"fp8p_ring", "fp8p_stage", "fp8_producer"} & set(planned.run_fn.keywords)
+    assert f"fp8_loader={loader} ignored" in be.kernel_summary(problem, opts)
+    planned, problem, opts = _plan(monkeypatch, loader, "bf16")
     assert "fp8p_ring" not in getattr(planned.run_fn, "keywords", {})
     assert "fp8_loader" not in be.kernel_summary(problem, opts)
-    planned, problem, opts = _plan(monkeypatch, "ring", "fp8_e4m3", heads=16)
+    planned, problem, opts = _plan(monkeypatch, loader, "fp8_e4m3", heads=16)
     assert planned.kernel != "seesaw" and "fp8p_ring" not in getattr(planned.run_fn, "keywords", {})

@@ -11,7 +11,9 @@ separately from the fp64-reference check, so that a failure says which), one ite
   its rotation at every pair boundary), graph replay equal to eager;
 * balanced: test_seesaw_fp8p_balanced_gpu.py's 1 / 5-SM columns of many items of 0..6 tiles (the ring restarted
   per item while the producer runs into the next item) and the H=128 auto plans;
-* both ring sizes the kernel takes (fp8p_ring.RING_SIZES); the backend's fp8_loader=ring through MLADecoder.
+* both ring sizes the kernel takes (fp8p_ring.RING_SIZES) and the default size with shared-memory staging
+  (fp8p_stage: every third chunk by cp.async through shared memory, read back by the same thread); the backend's
+  fp8_loader=ring / ring_staged through MLADecoder.
 Skipped without an sm_90 GPU.  A hang is a protocol bug: run it under ``timeout`` after
 benchmarks/device/fp8_ring_gpu.sh's hang probe.
 
@@ -32,17 +34,18 @@ from test_kernel_gpu import check, make_case, run_kernel  # same directory (pyte
 from test_seesaw_balanced_fp8_gpu import QT, _schedule, make_case_fp8
 from test_wgmma_t_balanced_gpu import _lengths, _outs, needs_sm90
 
-from mla_cute_dsl.kernels.fp8p_ring import RING_DEFAULT, RING_SIZES
+from mla_cute_dsl.kernels.fp8p_ring import RING_DEFAULT, RING_SIZES, STAGE_SLOTS
 
 pytestmark = pytest.mark.gpu
 
 
-def _decode(ring, lazy):
-    """The even seesaw entry with the producer warpgroup, with the ring (ring > 0) or the one-part producer."""
+def _decode(ring, lazy, stage=0):
+    """The even seesaw entry with the producer warpgroup, with the ring (ring > 0; ``stage``: its shared-memory
+    staging) or the one-part producer."""
     from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
 
     return functools.partial(mla_decode_sm90_wgmma_seesaw, fp8_producer=True, lazy_rescale=lazy,
-                             **({"fp8p_ring": ring} if ring else {}))
+                             **({"fp8p_ring": ring} if ring else {}), **({"fp8p_stage": stage} if stage else {}))
 
 
 def _case(B, s_q, H, S, varlen, page=64, q_dtype="bf16", q_std=1.0):
@@ -80,16 +83,23 @@ CASES = [  # (B, s_q, S, H, varlen, page, q dtype)
 ]
 
 
-# (ring, lazy): the default size eager and lazy, every other size lazy (the backend's rescale)
-RING_ARMS = [(RING_DEFAULT, False)] + [(r, True) for r in RING_SIZES]
+# (ring, staging, lazy): the default size eager and lazy, every other size lazy (the backend's rescale), the default
+# size with shared-memory staging eager and lazy
+RING_ARMS = ([(RING_DEFAULT, 0, False)] + [(r, 0, True) for r in RING_SIZES]
+             + [(RING_DEFAULT, STAGE_SLOTS, False), (RING_DEFAULT, STAGE_SLOTS, True)])
+ARM_IDS = [f"r{r}{f's{st}' if st else ''}-{'lazy' if z else 'eager'}" for r, st, z in RING_ARMS]
+# (ring, staging) for the tests that run one rescale mode
+RINGS = [(r, 0) for r in RING_SIZES] + [(RING_DEFAULT, STAGE_SLOTS)]
+RING_IDS = [f"r{r}{f's{st}' if st else ''}" for r, st in RINGS]
 
 
 @needs_sm90
-@pytest.mark.parametrize("ring,lazy", RING_ARMS, ids=[f"r{r}-{'lazy' if z else 'eager'}" for r, z in RING_ARMS])
+@pytest.mark.parametrize("ring,stage,lazy", RING_ARMS, ids=ARM_IDS)
 @pytest.mark.parametrize("B,s_q,S,H,varlen,page,q_dtype", CASES)
-def test_ring_against_fp64_reference_and_the_one_part_producer(B, s_q, S, H, varlen, page, q_dtype, lazy, ring):
+def test_ring_against_fp64_reference_and_the_one_part_producer(B, s_q, S, H, varlen, page, q_dtype, lazy, ring,
+                                                               stage):
     case = _case(B, s_q, H, S, varlen, page, q_dtype)
-    got = _run(case, _decode(ring, lazy))
+    got = _run(case, _decode(ring, lazy, stage))
     check(case, *got)
     ref = _run(case, _decode(0, lazy))
     d = (got[0].double() - ref[0].double()).norm() / ref[0].double().norm().clamp_min(1e-30)
@@ -98,10 +108,10 @@ def test_ring_against_fp64_reference_and_the_one_part_producer(B, s_q, S, H, var
 
 
 @needs_sm90
-@pytest.mark.parametrize("ring", RING_SIZES)
+@pytest.mark.parametrize("ring,stage", RINGS, ids=RING_IDS)
 @pytest.mark.parametrize("s_q,H,q_dtype,page", [(1, 128, "bf16", 64), (2, 64, "fp16", 64), (2, 126, "bf16", 256),
                                                 (1, 128, "fp16", 128)])
-def test_ring_whole_requests_every_tile_count(s_q, H, q_dtype, page, ring):
+def test_ring_whole_requests_every_tile_count(s_q, H, q_dtype, page, ring, stage):
     """One item per request (a 1-SM schedule): items of 0..10 tiles in one CTA, odd and even (the last pair
     without a buffer-1 tile), the ring's rotation at every pair boundary, partial last tiles with NaN tails."""
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
@@ -109,7 +119,7 @@ def test_ring_whole_requests_every_tile_count(s_q, H, q_dtype, page, ring):
     case = _case(14, s_q, H, 640, True, page, q_dtype)
     sched = make_schedule(case["lens_cpu"], s_q, H, 1)
     ws = alloc_workspace(sched)
-    got = _run(case, _decode(ring, True), sched, ws)
+    got = _run(case, _decode(ring, True, stage), sched, ws)
     check(case, *got)
     assert _bitwise(got, _run(case, _decode(0, True), sched, ws))
 
@@ -119,12 +129,14 @@ def test_ring_whole_requests_every_tile_count(s_q, H, q_dtype, page, ring):
 def test_ring_large_magnitude_q(q_dtype):
     case = _case(4, 1, 128, 2000, varlen=False, q_dtype=q_dtype, q_std=100.0)
     for lazy in (False, True):
-        check(case, *_run(case, _decode(RING_DEFAULT, lazy)), tol=2e-2)
+        for stage in (0, STAGE_SLOTS):
+            check(case, *_run(case, _decode(RING_DEFAULT, lazy, stage)), tol=2e-2)
 
 
 @needs_sm90
+@pytest.mark.parametrize("stage", [0, STAGE_SLOTS])
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_ring_graph_replay_equals_eager(lazy):
+def test_ring_graph_replay_equals_eager(lazy, stage):
     from mla_cute_dsl.kernels import alloc_workspace, make_schedule
 
     case = _case(6, 2, 64, 1000, varlen=True)
@@ -133,7 +145,7 @@ def test_ring_graph_replay_equals_eager(lazy):
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     sched = make_schedule(case["lens_cpu"], 2, 64, n_sm)
     ws = alloc_workspace(sched)
-    decode = _decode(RING_DEFAULT, lazy)
+    decode = _decode(RING_DEFAULT, lazy, stage)
 
     def call():
         decode(q, case["kv"], case["page_table"], case["lens"], case["sm_scale"], case["kv_scale"], out, lse, sched,
@@ -147,7 +159,7 @@ def test_ring_graph_replay_equals_eager(lazy):
 # ---- balanced (kernel_fp8p_balanced with the ring) -----------------------------------------------------------
 
 
-def _run_bal(case, sched, ws, lazy, ring):
+def _run_bal(case, sched, ws, lazy, ring, stage=0):
     from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
 
     for part in ws:
@@ -155,17 +167,18 @@ def _run_bal(case, sched, ws, lazy, ring):
     out, lse = _outs(case)
     mla_decode_sm90_wgmma_seesaw_balanced(case["q"], case["kv"], case["page_table"], case["lens"], case["sm_scale"],
                                           case["kv_scale"], out, lse, sched, ws, lazy_rescale=lazy,
-                                          fp8_producer=True, **({"fp8p_ring": ring} if ring else {}))
+                                          fp8_producer=True, **({"fp8p_ring": ring} if ring else {}),
+                                          **({"fp8p_stage": stage} if stage else {}))
     torch.cuda.synchronize()
     return out, lse
 
 
 @needs_sm90
-@pytest.mark.parametrize("ring", RING_SIZES)
+@pytest.mark.parametrize("ring,stage", RINGS, ids=RING_IDS)
 @pytest.mark.parametrize("qd,page", [("bf16", 64), ("fp16", 256)])
 @pytest.mark.parametrize("num_sms", [1, 5])
 @pytest.mark.parametrize("s_q", [1, 2])
-def test_ring_balanced_few_columns_walk_many_items(num_sms, s_q, qd, page, ring):
+def test_ring_balanced_few_columns_walk_many_items(num_sms, s_q, qd, page, ring, stage):
     """Columns of many items of 0..6 tiles: the ring restarts per item while the phases continue; bitwise equal to
     the balanced one-part producer on the same schedule."""
     rng = random.Random()
@@ -173,12 +186,13 @@ def test_ring_balanced_few_columns_walk_many_items(num_sms, s_q, qd, page, ring)
     case = make_case_fp8(lens, s_q, 64, QT[qd], page, seed=rng.randrange(1 << 30))
     for form in ("even", "balanced"):
         sched, ws = _schedule(case, form, num_sms=num_sms)
-        got = _run_bal(case, sched, ws, True, ring)
+        got = _run_bal(case, sched, ws, True, ring, stage)
         check(case, *got)
         assert _bitwise(got, _run_bal(case, sched, ws, True, 0)), f"{form}: not bitwise equal to the producer"
 
 
 @needs_sm90
+@pytest.mark.parametrize("stage", [0, STAGE_SLOTS])
 @pytest.mark.parametrize("lazy", [False, True])
 @pytest.mark.parametrize("B,s_q,H,kind,S,page,qd,form", [
     (24, 1, 128, "uniform", 4096, 64, "bf16", "auto"),
@@ -187,19 +201,20 @@ def test_ring_balanced_few_columns_walk_many_items(num_sms, s_q, qd, page, ring)
     (16, 2, 126, "skewed", 1500, 256, "fp16", "balanced"),
     (100, 2, 64, "short", 64, 64, "bf16", "auto"),
 ])
-def test_ring_balanced_against_fp64_reference(B, s_q, H, kind, S, page, qd, form, lazy):
+def test_ring_balanced_against_fp64_reference(B, s_q, H, kind, S, page, qd, form, lazy, stage):
     rng = random.Random()
     case = make_case_fp8(_lengths(kind, B, S, s_q, rng), s_q, H, QT[qd], page, seed=rng.randrange(1 << 30))
     sched, ws = _schedule(case, form)
-    got = _run_bal(case, sched, ws, lazy, RING_DEFAULT)
+    got = _run_bal(case, sched, ws, lazy, RING_DEFAULT, stage)
     check(case, *got)
     assert _bitwise(got, _run_bal(case, sched, ws, lazy, 0))
 
 
 @needs_sm90
-def test_backend_fp8_loader_ring(monkeypatch):
-    """MLADecoder (cute_dsl_mla only) with fp8_loader=ring at H=128 fp8: the plan's entry gets fp8p_ring; the result
-    matches the reference."""
+@pytest.mark.parametrize("loader", ["ring", "ring_staged"])
+def test_backend_fp8_loader_ring(monkeypatch, loader):
+    """MLADecoder (cute_dsl_mla only) with fp8_loader=ring / ring_staged at H=128 fp8: the plan's entry gets
+    fp8p_ring (and fp8p_stage); the result matches the reference."""
     from mla_cute_dsl import backend as be
     from mlacore import MLADecoder
     from mlacore.problem import DecodeProblem, DeviceSpec
@@ -215,9 +230,10 @@ def test_backend_fp8_loader_ring(monkeypatch):
     inputs = make_inputs(problem, "cuda", seed=random.randrange(1 << 20), kv_lens=torch.tensor(lens, dtype=torch.int32))
     with MLADecoder(128, 64, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, device="cuda",
                     sm_scale=inputs.sm_scale, kv_scale=inputs.kv_scale,
-                    dispatcher=only_backend_dispatcher("cute_dsl_mla", options={"fp8_loader": "ring"})) as dec:
+                    dispatcher=only_backend_dispatcher("cute_dsl_mla", options={"fp8_loader": loader})) as dec:
         plan = dec.plan(inputs.kv_lens, inputs.page_table, 1)
         assert plan.planned.run_fn.keywords.get("fp8p_ring") == RING_DEFAULT
+        assert plan.planned.run_fn.keywords.get("fp8p_stage", 0) == (STAGE_SLOTS if loader == "ring_staged" else 0)
         out = torch.full((len(lens), 1, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((len(lens), 1, 128), float("nan"), dtype=torch.float32, device="cuda")
         dec.run(inputs.q, inputs.kv_cache, plan, out=out, lse=lse)

@@ -34,19 +34,24 @@ from mla_cute_dsl.kernels import fp8p_ring
 from mla_cute_dsl.kernels.sm90_wgmma_decode import SEESAW_LOAD_BLOCKS, seesaw_item_phases
 
 
-def ring_events(T, ring, ph=None, g=0, mutate=None):
+def ring_events(T, ring, ph=None, g=0, mutate=None, stage=0):
     """``fp8p_producer_ring``'s events for one item of T tiles (column tiles g .. g + T - 1; ``ph`` = [ph0, ph1]
-    for balanced, None for one item per CTA): ("issue", tile, m, blk, slot, real), ("ewait", mbar, parity),
-    ("cvt", tile, m, blk, slot, stage, mbar), ("arrive", mbar), ("rotate", rotation), ("end",)."""
-    prologue, steps, rotation = fp8p_ring.ring_schedule(ring, SEESAW_LOAD_BLOCKS)
-    if mutate == "ahead_plus_one":  # every issue one chunk further: into the slot of a chunk not yet converted
-        steps = tuple(type(st)(type(st.issue)(st.issue.off, st.issue.m, st.issue.blk, (st.issue.slot + 1) % ring),
-                               st.chunk, st.slot) for st in steps)
+    for balanced, None for one item per CTA; ``stage``: shared-memory staging slots): ("issue", tile, m, blk, slot,
+    real, smem), ("ewait", mbar, parity), ("cvt", tile, m, blk, slot, stage, mbar, smem, wait), ("arrive", mbar),
+    ("rotate", rotation), ("end",)."""
+    prologue, steps, rotation = fp8p_ring.ring_schedule(ring, SEESAW_LOAD_BLOCKS, stage)
+    if mutate == "ahead_plus_one":  # every register issue one slot further: into a chunk not yet converted
+        steps = tuple(type(st)(type(st.issue)(st.issue.off, st.issue.m, st.issue.blk,
+                                              st.issue.slot if st.issue.smem else (st.issue.slot + 1) % ring,
+                                              st.issue.smem),
+                               st.chunk, st.slot, st.smem, st.wait) for st in steps)
+    if mutate == "wait_short":  # a staged chunk read while the cp.async that filled it may still be in flight
+        steps = tuple(type(st)(st.issue, st.chunk, st.slot, st.smem, st.wait + 1 if st.smem else 0) for st in steps)
     ev = []
 
     def issue(t, iss):
         real = t < T or mutate == "load_past_item"
-        ev.append(("issue", g + t, iss.m, iss.blk, iss.slot, real))
+        ev.append(("issue", g + t, iss.m, iss.blk, iss.slot, real, iss.smem))
 
     if T > 0:
         for iss in prologue:
@@ -64,7 +69,7 @@ def ring_events(T, ring, ph=None, g=0, mutate=None):
             c = st.chunk
             if c.first and waits[c.stage] and mutate != "wait_late":
                 ev.append(("ewait", c.mbar, pars[c.stage]))
-            ev.append(("cvt", g + ta + c.off, c.m, c.blk, st.slot, c.stage, c.mbar))
+            ev.append(("cvt", g + ta + c.off, c.m, c.blk, st.slot, c.stage, c.mbar, st.smem, st.wait))
             if c.first and waits[c.stage] and mutate == "wait_late":
                 ev.append(("ewait", c.mbar, pars[c.stage]))
             if c.last:
@@ -81,52 +86,64 @@ def ring_events(T, ring, ph=None, g=0, mutate=None):
     return ev
 
 
-def check_registers(ev, ring, items):
-    """Register-level violations of a producer event list (one or more items): ``items`` = [(g, T), ...]."""
+def check_registers(ev, ring, items, stage=0):
+    """Register- and staging-level violations of a producer event list (one or more items): ``items`` = [(g, T),
+    ...].  Staged chunks: each issue commits one cp.async group (an empty one when nothing is loaded); a conversion
+    after cp.async.wait_group(w) may read a staged chunk only if at least w groups were committed after its own."""
     errors = []
-    slots = [None] * ring  # (tile, m, blk, real)
-    live = [False] * ring
+    slots = {False: [None] * ring, True: [None] * max(stage, 1)}  # smem? -> slot -> (tile, m, blk, real, group)
+    live = {False: [False] * ring, True: [False] * max(stage, 1)}
+    groups = 0  # cp.async groups committed so far
     issued_at = {}  # (tile, m, blk) -> conversions done when it was issued
     converted = []
     dist = {}
     for e in ev:
         kind = e[0]
         if kind == "issue":
-            _, t, m, blk, s, real = e
-            if live[s]:
-                errors.append(f"issue of {(t, m, blk)} overwrites slot {s} holding unconverted {slots[s][:3]}")
+            _, t, m, blk, s, real, sm = e
+            if live[sm][s]:
+                errors.append(f"issue of {(t, m, blk)} overwrites {'staging' if sm else 'ring'} slot {s} holding "
+                              f"unconverted {slots[sm][s][:3]}")
             if real and not any(g0 <= t < g0 + T for g0, T in items):
                 errors.append(f"real load of tile {t}, past its item")
-            slots[s] = (t, m, blk, real)
-            live[s] = real
+            if sm:
+                groups += 1
+            slots[sm][s] = (t, m, blk, real, groups)
+            live[sm][s] = real
             issued_at[(t, m, blk)] = len(converted)
         elif kind == "cvt":
-            _, t, m, blk, s, stage, mb = e
-            if slots[s] is None or slots[s][:3] != (t, m, blk) or not slots[s][3]:
-                errors.append(f"cvt of {(t, m, blk)} reads slot {s} holding {slots[s]}")
-            live[s] = False
+            _, t, m, blk, s, stage_, mb, sm, wait = e
+            cur = slots[sm][s]
+            if cur is None or cur[:3] != (t, m, blk) or not cur[3]:
+                errors.append(f"cvt of {(t, m, blk)} reads {'staging' if sm else 'ring'} slot {s} holding {cur}")
+            elif sm and groups - cur[4] < wait:
+                errors.append(f"cvt of staged {(t, m, blk)}: wait_group({wait}) with {groups - cur[4]} groups "
+                              "after its own: its cp.async may be in flight")
+            live[sm][s] = False
             dist[(t, m, blk)] = len(converted) - issued_at.get((t, m, blk), -10**9)
             converted.append((t, m, blk))
         elif kind == "rotate":
             rot = e[1]
-            slots = [slots[r] for r in rot]
-            live = [live[r] for r in rot]
+            slots[False] = [slots[False][r] for r in rot]
+            live[False] = [live[False][r] for r in rot]
         elif kind == "end":
-            if any(live):
-                errors.append(f"loads in flight at an item's end: {[slots[s] for s in range(ring) if live[s]]}")
+            left = [slots[sm][s] for sm in (False, True) for s in range(len(live[sm])) if live[sm][s]]
+            if left:
+                errors.append(f"loads in flight at an item's end: {left}")
     want = [(g0 + t, m, blk) for g0, T in items for t in range(T) for m in range(fp8p_ring.PASSES)
             for blk in range(9)]
     if sorted(converted) != sorted(want):
         errors.append("chunks not converted exactly once")
-    # the look-ahead: every chunk but an item's prologue chunks is issued exactly R - 1 conversions before its own
+    # the look-ahead: every chunk but an item's prologue chunks is issued exactly D conversions before its own
+    ahead = fp8p_ring.lookahead(ring, stage)
     first = set()
     for g0, T in items:
         if T > 0:
             chunks = fp8p_ring.pair_chunks(SEESAW_LOAD_BLOCKS)
-            first |= {(g0 + c.off, c.m, c.blk) for c in chunks[:ring - 1]}
-    bad = {k: d for k, d in dist.items() if k not in first and d != ring - 1}
+            first |= {(g0 + c.off, c.m, c.blk) for c in chunks[:ahead]}
+    bad = {k: d for k, d in dist.items() if k not in first and d != ahead}
     if bad:
-        errors.append(f"look-ahead distance != {ring - 1}: {sorted(bad.items())[:3]}")
+        errors.append(f"look-ahead distance != {ahead}: {sorted(bad.items())[:3]}")
     return errors
 
 
@@ -142,7 +159,7 @@ def project(ev):
                 errors.append(f"empty[{e[1]}] waited after the part's first store")
             out.append(e)
         elif e[0] == "cvt":
-            _, t, m, blk, s, stage, mb = e
+            _, t, m, blk, s, stage, mb = e[:7]
             open_parts.setdefault(mb, []).append((t, m, blk, stage))
         elif e[0] == "arrive":
             mb = e[1]
@@ -160,23 +177,28 @@ def project(ev):
     return out, errors
 
 
+STAGES = (0, fp8p_ring.STAGE_SLOTS)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("ring", fp8p_ring.RING_SIZES)
 @pytest.mark.parametrize("T", range(14))
-def test_ring_producer_is_the_one_part_producer_with_loads_ahead(ring, T):
-    ev = ring_events(T, ring)
-    assert check_registers(ev, ring, [(0, T)]) == []
+def test_ring_producer_is_the_one_part_producer_with_loads_ahead(ring, T, stage):
+    ev = ring_events(T, ring, stage=stage)
+    assert check_registers(ev, ring, [(0, T)], stage) == []
     parts, errors = project(ev)
     assert errors == []
     assert parts == producer_program(T)
     assert (T == 0) == (ev == [("end",)])
 
 
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("ring", fp8p_ring.RING_SIZES)
-def test_ring_producer_runs_with_the_math_warpgroups(ring):
+def test_ring_producer_runs_with_the_math_warpgroups(ring, stage):
     """The projected ring producer interleaved with the math warpgroups (the fp8p protocol model): no deadlock or
     hazard."""
     for T in (1, 2, 3, 6, 7):
-        parts, _ = project(ring_events(T, ring))
+        parts, _ = project(ring_events(T, ring, stage=stage))
         for seed in range(40):
             assert run(T, seed, programs=[math_program(0, T), math_program(1, T), parts]) == [], (T, seed)
 
@@ -185,22 +207,23 @@ COLUMNS = [[(3, 0), (2, 1)], [(1, 0), (1, 0), (4, 1)], [(0, 0), (5, 1), (0, 1), 
            [(2, 0), (3, 0), (1, 1), (4, 2), (5, 3)], [(7, 0), (1, 1)]]
 
 
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("ring", fp8p_ring.RING_SIZES)
 @pytest.mark.parametrize("items", COLUMNS)
-def test_ring_producer_on_balanced_columns(ring, items):
+def test_ring_producer_on_balanced_columns(ring, items, stage):
     """``kernel_fp8p_balanced`` with the ring: per item the ring's events with the column's phases; registers as
     above (nothing in flight at an item boundary), the projection equal to the balanced producer's program, and the
     whole column interleaved with the balanced math programs."""
     ev, spans, parts_ref = [], [], []
     g, ph = 0, [0, 0]
     for T, _ in items:
-        ev += ring_events(T, ring, ph=list(ph), g=g)
+        ev += ring_events(T, ring, ph=list(ph), g=g, stage=stage)
         parts_ref += producer_item(T, g, ph)
         spans.append((g, T))
         d0, d1 = seesaw_item_phases(T)
         ph = [ph[0] + d0, ph[1] + d1]
         g += T
-    assert check_registers(ev, ring, spans) == []
+    assert check_registers(ev, ring, spans, stage) == []
     parts, errors = project(ev)
     assert errors == [] and parts == parts_ref
     progs, counts = column(items)
@@ -208,19 +231,25 @@ def test_ring_producer_on_balanced_columns(ring, items):
         assert run(0, seed, programs=[progs[0], progs[1], parts], counts=counts) == [], seed
 
 
-@pytest.mark.parametrize("mutate", ["no_rotation", "ahead_plus_one", "wait_late", "load_past_item"])
-def test_the_model_catches_broken_rings(mutate):
-    """Each broken variant of the ring is reported by the register check or the projection."""
-    hits = 0
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("mutate", ["no_rotation", "ahead_plus_one", "wait_late", "load_past_item", "wait_short"])
+def test_the_model_catches_broken_rings(mutate, stage):
+    """Each broken variant of the ring is reported by the register check or the projection, for every ring size
+    (a size without a rotation to leave out excepted); a staged chunk read before its cp.async group is waited
+    (wait_group one too high), with staging."""
+    if mutate == "wait_short" and not stage:
+        pytest.skip("no staged chunks")
     for ring in fp8p_ring.RING_SIZES:
-        if mutate == "no_rotation" and fp8p_ring.PAIR_CHUNKS % ring == 0:
+        _, _, rotation = fp8p_ring.ring_schedule(ring, SEESAW_LOAD_BLOCKS, stage)
+        if mutate == "no_rotation" and rotation == tuple(range(ring)):
             continue  # no rotation to leave out
+        hits = 0
         for T in range(1, 8):
-            ev = ring_events(T, ring, mutate=mutate)
+            ev = ring_events(T, ring, mutate=mutate, stage=stage)
             parts, errors = project(ev)
-            if check_registers(ev, ring, [(0, T)]) or errors or parts != producer_program(T):
+            if check_registers(ev, ring, [(0, T)], stage) or errors or parts != producer_program(T):
                 hits += 1
-    assert hits > 0
+        assert hits > 0, (ring, mutate)
 
 
 def test_schedule_shape():
@@ -240,5 +269,10 @@ def test_schedule_shape():
         assert [st.slot for st in steps] == [j % ring for j in range(36)]
         assert sorted(rotation) == list(range(ring))
         assert W.fp8p_register_split_fits(*fp8p_ring.RING_REGS[ring])
+        # staging: 12 of 36 chunks through shared memory, at least 2 more chunks of look-ahead
+        prologue, steps, rotation = fp8p_ring.ring_schedule(ring, SEESAW_LOAD_BLOCKS, fp8p_ring.STAGE_SLOTS)
+        assert sum(st.smem for st in steps) == 12 and fp8p_ring.lookahead(ring, 4) >= ring + 1
+        assert len(prologue) == fp8p_ring.lookahead(ring, 4) and sorted(rotation) == list(range(ring))
+        assert all(st.wait <= fp8p_ring.STAGE_SLOTS - 1 for st in steps)
     with pytest.raises(ValueError, match="fp8p_ring"):
         fp8p_ring.ring_schedule(36, SEESAW_LOAD_BLOCKS)

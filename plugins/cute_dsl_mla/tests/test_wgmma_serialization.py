@@ -64,8 +64,9 @@ def _seesaw(kind: str):
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     lazy = kind.endswith("_lazy")
-    ring = re.search(r"_ring(\d+)", kind)  # the producer's register ring (fp8p_ring, branch fp8p-inflight)
-    ring = {"fp8p_ring": int(ring.group(1))} if ring else {}
+    ring = re.search(r"_ring(\d+)(?:s(\d+))?", kind)  # the producer's register ring (fp8p_ring, branch fp8p-inflight)
+    ring = ({"fp8p_ring": int(ring.group(1))} | ({"fp8p_stage": int(ring.group(2))} if ring.group(2) else {})
+            if ring else {})
     if kind.startswith("fp8p_balanced"):  # producer warpgroup on the balanced schedule (branch fp8-balanced-producer)
         q = "fp16" if "_fp16" in kind else "bf16"
         wide = "_wide" in kind  # the backend's default arm: 16-bit partials in q's dtype, wide stores
@@ -97,7 +98,7 @@ def _seesaw(kind: str):
                                   # the producer's register ring (fp8p_ring; the full matrix of ring sizes and
                                   # kernels: test_seesaw_fp8p_ring_compile.py)
                                   "fp8p_ring7_lazy", "fp8p_ring5_fp16", "fp8p_balanced_ring7_wide_lazy",
-                                  "fp8p_balanced_ring5_lazy"])
+                                  "fp8p_balanced_ring5_lazy", "fp8p_ring7s4_lazy", "fp8p_balanced_ring7s4_fp16_lazy"])
 def test_ptxas_keeps_the_seesaw_wgmmas_asynchronous(kind, tmp_path):
     ptxas = _ptxas()
     if ptxas is None:

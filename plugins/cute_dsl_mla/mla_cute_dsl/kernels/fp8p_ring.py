@@ -58,6 +58,15 @@ RING_SIZES = tuple(sorted(RING_REGS))
 #: WG1's next S waits on one right after releasing its buffer) is three quarters in registers when its empty
 #: barrier opens
 RING_DEFAULT = 7
+#: shared-memory staging (``fp8p_stage``, optional, with a ring): every STAGE_EVERY-th chunk of the pair stream
+#: (c % 3 == 2: 12 of 36) goes global -> shared (cp.async, 16 B per thread, in the 9.5 KB the fp8p kernel leaves free
+#: below the 227 KB limit) instead of into a register slot, and is read back (ld.shared) by the same thread right
+#: before its conversion (cp.async.wait_group: per thread, no barrier).  STAGE_SLOTS slots of 2 KB (16 B x 128
+#: threads); 12 staged chunks per pair, so a staged chunk's slot is the same every pair.  With 7 register slots the
+#: look-ahead grows from 6 chunks to 9 (``lookahead``) at no register cost
+STAGE_EVERY = 3
+STAGE_SLOTS = 4
+STAGE_SLOT_BYTES = 16 * 128
 
 
 @dataclass(frozen=True)
@@ -77,23 +86,28 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Issue:
-    """An ld.global into ring slot ``slot`` of pass ``m``, block ``blk`` of tile ``off`` relative to the current
-    pair's tile a (0: a, 1: b = a + 1, 2: a + 2, the next pair's tile a)."""
+    """An ld.global into ring slot ``slot`` (or, ``smem``, a cp.async into staging slot ``slot``) of pass ``m``,
+    block ``blk`` of tile ``off`` relative to the current pair's tile a (0: a, 1: b = a + 1, 2: a + 2, the next
+    pair's tile a)."""
 
     off: int
     m: int
     blk: int
     slot: int
+    smem: bool = False
 
 
 @dataclass(frozen=True)
 class Step:
-    """Step j of a pair: the look-ahead ``issue`` (chunk j + R - 1), then the conversion of ``chunk`` (chunk j)
-    from ring slot ``slot``."""
+    """Step j of a pair: the look-ahead ``issue`` (chunk j + lookahead), then the conversion of ``chunk`` (chunk j)
+    from ring slot ``slot`` (or, ``smem``, from staging slot ``slot`` after cp.async.wait_group(``wait``): the
+    staged chunks issued after it may stay in flight)."""
 
     issue: Issue
     chunk: Chunk
     slot: int
+    smem: bool = False
+    wait: int = 0
 
 
 def pair_parts(load_blocks) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
@@ -117,24 +131,62 @@ def pair_chunks(load_blocks) -> tuple[Chunk, ...]:
     return tuple(out)
 
 
-def ring_schedule(ring: int, load_blocks) -> tuple[tuple[Issue, ...], tuple[Step, ...], tuple[int, ...]]:
-    """(prologue, steps, rotation) of a ring of ``ring`` slots: the prologue issues chunks 0 .. ring - 2 of the
-    item's first pair (tile 0) before the pair loop; step j (0..35) of every pair issues chunk j + ring - 1 (of this
-    pair, or of the next pair's tile a when past 35) into slot (j + ring - 1) % ring, the one chunk j - 1 vacated,
-    then converts chunk j from slot j % ring.  ``rotation[s]``: the slot whose content slot s takes at the end of a
-    pair that has a successor (so chunk c of every pair sits in slot c % ring); the identity when 36 % ring == 0,
-    else a rotation by 36 % ring (register moves at the loop's back edge, ~4 x ring per pair)."""
+def staged(c: int, stage: int) -> bool:
+    """Whether chunk c (index in the periodic pair stream) goes through shared-memory staging."""
+    return bool(stage) and c % STAGE_EVERY == STAGE_EVERY - 1
+
+
+def lookahead(ring: int, stage: int = 0) -> int:
+    """Chunks issued ahead of the one converted: the largest D such that every window of D + 1 consecutive chunks
+    (the converted one and the D issued after it) holds at most ``ring`` register chunks and ``stage`` staged ones,
+    so the slot each issue fills (round robin per kind) was vacated by a conversion.  ring - 1 without staging."""
+    best = 0
+    for d in range(1, PAIR_CHUNKS):
+        ok = all(sum(not staged(c, stage) for c in range(j, j + d + 1)) <= ring
+                 and sum(staged(c, stage) for c in range(j, j + d + 1)) <= stage
+                 for j in range(2 * PAIR_CHUNKS))
+        if not ok:
+            break
+        best = d
+    return best
+
+
+def _slot(c: int, ring: int, stage: int) -> int:
+    """Slot of chunk c of the stream (c may exceed 35: the next pair's, numbered on): staged chunks round robin
+    over the staging slots, the others round robin over the ring, each in stream order."""
+    if staged(c, stage):
+        return (c // STAGE_EVERY) % stage
+    return (c - (c // STAGE_EVERY if stage else 0)) % ring
+
+
+def ring_schedule(ring: int, load_blocks, stage: int = 0) -> tuple[tuple[Issue, ...], tuple[Step, ...],
+                                                                   tuple[int, ...]]:
+    """(prologue, steps, rotation) of a ring of ``ring`` register slots (and ``stage`` shared-memory staging slots):
+    the prologue issues chunks 0 .. D - 1 of the item's first pair (tile 0) before the pair loop (D = ``lookahead``);
+    step j (0..35) of every pair issues chunk j + D (of this pair, or of the next pair's tile a when past 35) into
+    the slot of its kind that a conversion vacated, then converts chunk j.  ``rotation[s]``: the register slot whose
+    content slot s takes at the end of a pair that has a successor, so that chunk c of every pair sits in the same
+    slot (register moves at the loop's back edge when the pair's register chunks, 36 or 24, are not a multiple of
+    the ring; staged chunks: 12 per pair, a multiple of the staging slots, no renaming)."""
     if ring not in RING_REGS:
         raise ValueError(f"fp8p_ring must be one of {tuple(sorted(RING_REGS))}, got {ring}")
+    if stage not in (0, STAGE_SLOTS):
+        raise ValueError(f"fp8p_stage must be 0 or {STAGE_SLOTS}, got {stage}")
     chunks = pair_chunks(load_blocks)
-    ahead = ring - 1
-    prologue = tuple(Issue(chunks[c].off, chunks[c].m, chunks[c].blk, c % ring) for c in range(ahead))
-    steps = []
-    for j in range(PAIR_CHUNKS):
-        c = j + ahead
+    ahead = lookahead(ring, stage)
+
+    def issue(c):
         nxt = chunks[c % PAIR_CHUNKS]
         off = nxt.off + (2 if c >= PAIR_CHUNKS else 0)
-        steps.append(Step(Issue(off, nxt.m, nxt.blk, c % ring), chunks[j], j % ring))
-    # next-pair chunk c' was issued into slot (36 + c') % ring; the next pair reads it from c' % ring
-    rotation = tuple((s + PAIR_CHUNKS) % ring for s in range(ring))
+        return Issue(off, nxt.m, nxt.blk, _slot(c, ring, stage), staged(c, stage))
+
+    prologue = tuple(issue(c) for c in range(ahead))
+    steps = []
+    for j in range(PAIR_CHUNKS):
+        # staged chunks issued after chunk j and before its conversion: their cp.async groups may stay pending
+        wait = sum(staged(c, stage) for c in range(j + 1, j + ahead + 1)) if staged(j, stage) else 0
+        steps.append(Step(issue(j + ahead), chunks[j], _slot(j, ring, stage), staged(j, stage), wait))
+    per_pair = sum(not staged(c, stage) for c in range(PAIR_CHUNKS))
+    # next-pair register chunk k (k-th of its pair) was issued into slot (per_pair + k) % ring; read from k % ring
+    rotation = tuple((s + per_pair) % ring for s in range(ring))
     return prologue, tuple(steps), rotation

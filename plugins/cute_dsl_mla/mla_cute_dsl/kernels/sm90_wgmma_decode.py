@@ -902,12 +902,15 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       chunk's ld.global R - 1 chunks ahead of its conversion, across part, tile and pair boundaries, instead of
       loading one part, waiting for it and converting it (``fp8p_producer_ring``, schedule ``fp8p_ring.py``); the
       full / empty protocol is unchanged.  setmaxnreg split per size ``fp8p_ring.RING_REGS`` (208 / 88).
+      ``fp8p_stage=4`` (with a ring): every third chunk goes global -> shared memory by cp.async (4 x 2 KB staging
+      after the mbarriers, within the 227 KB) and is read back by the same thread before its conversion, so 9 chunks
+      are in flight instead of 6 at no register cost (smem 230,976 B).
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
                  wide_store: bool = False, tma: bool = False, balanced: bool = False,
                  reader_fences: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
-                 fp8p_ring: int = 0):
+                 fp8p_ring: int = 0, fp8p_stage: int = 0):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
         # fp8_producer (fp8 KV only; the backend's default): a third warpgroup does every fp8 part's ld.global -> cvt -> st.shared
         # on full / empty mbarriers (kernel_fp8p); the math warpgroups run the 16-bit kernel's instruction stream
@@ -924,6 +927,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if self.fp8p_ring and self.fp8p_ring not in _ring.RING_REGS:
             raise ValueError(f"seesaw kernel: fp8p_ring must be one of {tuple(sorted(_ring.RING_REGS))}, got {fp8p_ring}")
         self.fp8p_regs = _ring.RING_REGS[self.fp8p_ring] if self.fp8p_ring else (FP8P_MATH_REGS, FP8P_PRODUCER_REGS)
+        # fp8p_stage (with fp8p_ring; 0 or fp8p_ring.STAGE_SLOTS): every third chunk goes global -> shared memory
+        # (cp.async into 4 x 2 KB of staging after the mbarriers: the 9.5 KB the kernel leaves free) instead of into a
+        # register slot, so more chunks are in flight at no register cost (fp8p_ring.lookahead: 9 instead of 6)
+        self.fp8p_stage = int(fp8p_stage)
+        if self.fp8p_stage and not self.fp8p_ring:
+            raise ValueError(f"seesaw kernel: fp8p_stage={fp8p_stage} needs fp8p_ring")
+        if self.fp8p_stage not in (0, _ring.STAGE_SLOTS):
+            raise ValueError(f"seesaw kernel: fp8p_stage must be 0 or {_ring.STAGE_SLOTS}, got {fp8p_stage}")
         assert fp8p_register_split_fits(*self.fp8p_regs), self.fp8p_regs
         # fp8_producer with balanced=True (branch fp8-balanced-producer, GPU-verified in the twenty-second
         # session): both sides walk the column's items; the full and empty mbarriers count one phase per tile of their
@@ -974,7 +985,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             (2 * BLOCK_M * 4, 16),  # sScale (row, buffer)
             (2 * BLOCK_M * 4, 16),  # sMax (row, buffer)
             (2 * BLOCK_M * 4, 16),  # sL (row, warpgroup): row sums for the epilogue
-            (self._num_mbars() * 8, 8),  # mbarriers (buffer, loading warpgroup); fp8_producer: + 4 "empty"
+            # mbarriers (buffer, loading warpgroup); fp8_producer: + 4 "empty"; fp8p_stage: + the staging slots
+            (self._mbar_words() * 8, 16 if self._stage_words() else 8),
         ]
         off = 0
         for size, align in parts:
@@ -985,6 +997,15 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         """4 mbarriers (buffer, part): "full"; fp8_producer adds 4 "empty" ones (the same parts, freed by the
         math warpgroup that reads them last)."""
         return 8 if getattr(self, "fp8_producer", False) else 4
+
+    def _stage_words(self) -> int:
+        """fp8p_stage: the producer's shared-memory staging slots, in 8-byte words appended to the mbarrier array
+        (the struct's last field: its start is 16-byte aligned with them, as cp.async's 16-byte copies need)."""
+        return getattr(self, "fp8p_stage", 0) * _ring.STAGE_SLOT_BYTES // 8
+
+    def _mbar_words(self) -> int:
+        """Length of the struct's mbarrier field in 8-byte words: the mbarriers, then any staging slots."""
+        return self._num_mbars() + self._stage_words()
 
     def _mbar_count(self) -> int:
         """Arrivals that complete one phase of a part's mbarrier: the cp.async path (16-bit KV)
@@ -1165,7 +1186,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             "sScale": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
             "sMax": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
             "sL": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
-            "mbar": Align[MemRange[cutlass.Int64, self._num_mbars()], 8],
+            "mbar": Align[MemRange[cutlass.Int64, self._mbar_words()], 16 if self._stage_words() else 8],
         }}))
 
         g2s = cute.make_tiled_copy_tv(
@@ -2138,27 +2159,50 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     @cute.jit
     def fp8p_ring_issue(
         self, g2r: cute.TiledCopy, tKgK: cute.Tensor, tKcK: cute.Tensor, valid: cutlass.Int32,
-        m: cutlass.Constexpr, blk: cutlass.Constexpr, rRing: cute.Tensor, slot: cutlass.Constexpr,
+        iss: cutlass.Constexpr, rRing: cute.Tensor, sStage, cpa,
     ):
-        """One chunk's ld.global (16 fp8, 128 bit) into ring slot ``slot``, or, for a row >= ``valid`` (past kv_len,
-        or any row of a tile that does not exist: valid 0), zeros in the slot (e4m3 +0: the conversion then needs
-        no select; page tails may hold NaN).  Touches no shared memory: runs ahead of the empty waits."""
+        """One chunk (``fp8p_ring.Issue``): its ld.global (16 fp8, 128 bit) into ring slot ``iss.slot``, or, for a
+        row >= ``valid`` (past kv_len, or any row of a tile that does not exist: valid 0), zeros in the slot (e4m3
+        +0: the conversion then needs no select; page tails may hold NaN).  Touches no shared memory: runs ahead of
+        the empty waits.  A staged chunk (``iss.smem``, fp8p_stage): a 16-byte cp.async into this thread's staging
+        slot ``iss.slot`` of ``sStage`` instead (zeros by st.shared for rows >= valid), then one commit group per
+        staged issue (empty when nothing was copied), which ``fp8p_ring_convert`` counts on."""
+        m = iss.m
         # row of pass m = row of pass 0 + 32 m: one per-thread row register, the limit uniform
-        if tKcK[0, 0, 0][0] < valid - (tKcK[0, m, 0][0] - tKcK[0, 0, 0][0]):
-            cute.copy(g2r, tKgK[None, m, blk], rRing[None, slot])
+        row_ok = tKcK[0, 0, 0][0] < valid - (tKcK[0, m, 0][0] - tKcK[0, 0, 0][0])
+        if cutlass.const_expr(iss.smem):
+            if row_ok:
+                # the partition's (16, 1) value mode as the 16 contiguous bytes it is (the cp.async atom's shape)
+                src = tKgK[None, m, iss.blk]
+                cute.copy(cpa, cute.make_tensor(src.iterator, cute.make_layout(cute.size(src))),
+                          sStage[None, iss.slot])
+            else:
+                sStage[None, iss.slot].fill(0)
+            cute.arch.cp_async_commit_group()
         else:
-            rRing[None, slot].fill(0)
+            if row_ok:
+                cute.copy(g2r, tKgK[None, m, iss.blk], rRing[None, iss.slot])
+            else:
+                rRing[None, iss.slot].fill(0)
 
     @cute.jit
     def fp8p_ring_convert(
-        self, r2s: cute.TiledCopy, tKsK: cute.Tensor, rRing: cute.Tensor, slot: cutlass.Constexpr,
-        m: cutlass.Constexpr, blk: cutlass.Constexpr, stage: cutlass.Constexpr,
+        self, r2s: cute.TiledCopy, tKsK: cute.Tensor, rRing: cute.Tensor, sStage, st: cutlass.Constexpr,
     ):
-        """Ring slot ``slot`` -> fp16 (8 x cvt.rn.f16x2.e4m3x2) -> sK[:, :, stage] pass m, block blk (two 128-bit
-        st.shared, each one 16-byte swizzle unit)."""
-        rH = cute.make_rmem_tensor_like(tKsK[None, m, blk, stage], self.mma_dtype)
-        rH.store(rRing[None, slot].load().to(self.mma_dtype))
-        cute.copy(r2s, rH, tKsK[None, m, blk, stage])
+        """The chunk of step ``st`` (``fp8p_ring.Step``): ring slot ``st.slot`` (or, staged, this thread's staging
+        slot after cp.async.wait_group(``st.wait``): the staged chunks issued after it may stay in flight; the
+        thread reads back only bytes it copied itself, so no barrier) -> fp16 (8 x cvt.rn.f16x2.e4m3x2) ->
+        sK[:, :, stage] pass m, block blk (two 128-bit st.shared, each one 16-byte swizzle unit)."""
+        c = st.chunk
+        rH = cute.make_rmem_tensor_like(tKsK[None, c.m, c.blk, c.stage], self.mma_dtype)
+        if cutlass.const_expr(st.smem):
+            cute.arch.cp_async_wait_group(st.wait)
+            rRaw = cute.make_rmem_tensor_like(sStage[None, st.slot])
+            rRaw.store(sStage[None, st.slot].load())
+            rH.store(rRaw.load().to(self.mma_dtype))
+        else:
+            rH.store(rRing[None, st.slot].load().to(self.mma_dtype))
+        cute.copy(r2s, rH, tKsK[None, c.m, c.blk, c.stage])
 
     @cute.jit
     def fp8p_producer_ring(
@@ -2179,9 +2223,21 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         tKgK0 = thr_g2r.partition_S(cute.local_tile(mKV[0, None, None], (BLOCK_N, D_QK), (0, 0)))
         tKsK = r2s.get_slice(ptid).partition_D(sK)  # (CPY, passes, 9, STAGES)
         rRing = cute.make_rmem_tensor((cute.size(tKcK.shape[0]), self.fp8p_ring), cutlass.Float8E4M3FN)
-        prologue, steps, rotation = _ring.ring_schedule(self.fp8p_ring, SEESAW_LOAD_BLOCKS)
+        prologue, steps, rotation = _ring.ring_schedule(self.fp8p_ring, SEESAW_LOAD_BLOCKS, self.fp8p_stage)
         full = mbar
         empty = mbar + 4
+        sStage = None  # fp8p_stage: this thread's 16 bytes of each staging slot (after the 8 mbarriers)
+        cpa = None
+        if cutlass.const_expr(self.fp8p_stage):
+            e = FP8P_ELEMS_PER_COPY
+            base = cute.recast_ptr(mbar + self._num_mbars(), dtype=cutlass.Float8E4M3FN)
+            # (16 bytes, thread, slot), sliced at this thread: its offset ptid * 16 keeps the field's 16-byte
+            # alignment, which cp.async's 128-bit copies need
+            sAll = cute.make_tensor(base, cute.make_layout((e, WG_THREADS, self.fp8p_stage),
+                                                           stride=(1, e, _ring.STAGE_SLOT_BYTES)))
+            sStage = sAll[None, ptid, None]
+            cpa = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                      cutlass.Float8E4M3FN, num_bits_per_copy=8 * e)
         # the L2 prefetch: one elected lane of the producer's first warp (a warp-uniform test: the thread-index test
         # of fp8p_producer kept a vector register busy at each pair's start, where the ring is fullest)
         pf_warp = cute.arch.make_warp_uniform(ptid // 32) == 0
@@ -2199,7 +2255,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             src0 = self.fp8p_ring_src(tKgK0, mKV, pg_a, r_a)
             valid0 = kv_len - n_start * BLOCK_N
             for c in cutlass.range_constexpr(len(prologue)):  # chunks 0 .. R - 2 of tile 0 (issue offset 0)
-                self.fp8p_ring_issue(g2r, src0, tKcK, valid0, prologue[c].m, prologue[c].blk, rRing, prologue[c].slot)
+                self.fp8p_ring_issue(g2r, src0, tKcK, valid0, prologue[c], rRing, sStage, cpa)
         if T > 1:
             pg_b = mPT[b, q_b]
         for p in cutlass.range(0, (T + 1) // 2, 1):
@@ -2243,8 +2299,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             valids = {0: kv_len - (n_start + ta) * BLOCK_N, 1: valid_b}
             for j in cutlass.range_constexpr(_ring.PAIR_CHUNKS // 2):
                 st = steps[j]
-                self.fp8p_ring_step(g2r, r2s, srcs[st.issue.off], valids[st.issue.off], tKcK, tKsK, rRing, st,
-                                    waits[st.chunk.stage], pars[st.chunk.stage], empty, full)
+                self.fp8p_ring_step(g2r, r2s, srcs[st.issue.off], valids[st.issue.off], tKcK, tKsK, rRing, sStage,
+                                    cpa, st, waits[st.chunk.stage], pars[st.chunk.stage], empty, full)
             if ta + 1 < T:
                 # tile b's 18 chunks (their look-ahead issues reach into the next pair's tile a + 2)
                 srcs_b = {1: src_b, 2: self.fp8p_ring_src(tKgK0, mKV, pn2, r2)}
@@ -2252,7 +2308,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 for j in cutlass.range_constexpr(_ring.PAIR_CHUNKS // 2, _ring.PAIR_CHUNKS):
                     st = steps[j]
                     self.fp8p_ring_step(g2r, r2s, srcs_b[st.issue.off], valids_b[st.issue.off], tKcK, tKsK, rRing,
-                                        st, waits[st.chunk.stage], pars[st.chunk.stage], empty, full)
+                                        sStage, cpa, st, waits[st.chunk.stage], pars[st.chunk.stage], empty, full)
                 if cutlass.const_expr(any(r != s for s, r in enumerate(rotation))):
                     # the next pair's chunk c sits in slot (36 + c) % R: rename to c % R (fp8p_ring.ring_schedule)
                     held = [rRing[None, r].load() for r in rotation]
@@ -2267,16 +2323,16 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     @cute.jit
     def fp8p_ring_step(
         self, g2r: cute.TiledCopy, r2s: cute.TiledCopy, src: cute.Tensor, valid: cutlass.Int32, tKcK: cute.Tensor,
-        tKsK: cute.Tensor, rRing: cute.Tensor, st: cutlass.Constexpr, wait_empty, parity, empty, full,
+        tKsK: cute.Tensor, rRing: cute.Tensor, sStage, cpa, st: cutlass.Constexpr, wait_empty, parity, empty, full,
     ):
         """One step of the ring (``fp8p_ring.Step``): issue the look-ahead chunk, then, for a part's first chunk,
         wait for the part's empty barrier (``wait_empty``: not for a buffer's first tile), convert + store the
         chunk, and after a part's last chunk fence.proxy.async + arrive on its full barrier (count 128)."""
-        self.fp8p_ring_issue(g2r, src, tKcK, valid, st.issue.m, st.issue.blk, rRing, st.issue.slot)
+        self.fp8p_ring_issue(g2r, src, tKcK, valid, st.issue, rRing, sStage, cpa)
         if cutlass.const_expr(st.chunk.first):
             if wait_empty:
                 cute.arch.mbarrier_wait(empty + st.chunk.mbar, parity)
-        self.fp8p_ring_convert(r2s, tKsK, rRing, st.slot, st.chunk.m, st.chunk.blk, st.chunk.stage)
+        self.fp8p_ring_convert(r2s, tKsK, rRing, sStage, st)
         if cutlass.const_expr(st.chunk.last):
             cute.arch.fence_view_async_shared()
             cute.arch.mbarrier_arrive(full + st.chunk.mbar)
@@ -2504,18 +2560,28 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
 SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p")
 #: key flag prefix of the fp8 producer's register ring (``fp8p_ring``): "fp8pr7" for 7 slots
 SEESAW_RING_FLAG = "fp8pr"
+#: key flag prefix of the ring's shared-memory staging (``fp8p_stage``): "fp8ps4" for 4 slots
+SEESAW_STAGE_FLAG = "fp8ps"
+
+
+def _numbered_flag(flags, prefix: str) -> int:
+    vals = [int(f[len(prefix):]) for f in flags if f.startswith(prefix) and f[len(prefix):].isdigit()]
+    return vals[0] if vals else 0
 
 
 def seesaw_flag_ring(flags) -> int:
     """The ``fp8p_ring`` a seesaw kernel key's flags ask for (0: none), from its "fp8pr<R>" flag."""
-    rings = [int(f[len(SEESAW_RING_FLAG):]) for f in flags
-             if f.startswith(SEESAW_RING_FLAG) and f[len(SEESAW_RING_FLAG):].isdigit()]
-    return rings[0] if rings else 0
+    return _numbered_flag(flags, SEESAW_RING_FLAG)
+
+
+def seesaw_flag_stage(flags) -> int:
+    """The ``fp8p_stage`` a seesaw kernel key's flags ask for (0: none), from its "fp8ps<S>" flag."""
+    return _numbered_flag(flags, SEESAW_STAGE_FLAG)
 
 
 def _seesaw_unknown_flags(flags) -> list:
     return [f for f in flags if f not in SEESAW_FLAGS and not f.startswith("partial_")
-            and not (f.startswith(SEESAW_RING_FLAG) and f[len(SEESAW_RING_FLAG):].isdigit())]
+            and not any(f.startswith(p) and f[len(p):].isdigit() for p in (SEESAW_RING_FLAG, SEESAW_STAGE_FLAG))]
 #: MLADecodePartialWGMMASeesaw(lazy_rescale=True): a row's reference max moves only when a tile's max exceeds it by
 #: more than this (exp2 units), so P <= 2^8
 LAZY_RESCALE_LOG2 = 8.0
@@ -2532,17 +2598,22 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
                                     tma="tma" in flags, reader_fences="rfence" in flags,
                                     lazy_rescale="lazy" in flags, fp8_producer="fp8p" in flags,
-                                    fp8p_ring=seesaw_flag_ring(flags))
+                                    fp8p_ring=seesaw_flag_ring(flags), fp8p_stage=seesaw_flag_stage(flags))
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
-def _check_fp8p_ring(fp8p_ring: int, fp8_producer: bool) -> None:
+def _check_fp8p_ring(fp8p_ring: int, fp8_producer: bool, fp8p_stage: int = 0) -> None:
     """Getter-side refusal (before any compile) of a register ring without the producer or of a size the kernel
-    does not take (fp8p_ring.RING_SIZES: those ptxas assembles without spills)."""
+    does not take (fp8p_ring.RING_SIZES: those ptxas assembles without spills), and of staging without a ring or
+    with another slot count than fp8p_ring.STAGE_SLOTS."""
     if fp8p_ring and not fp8_producer:
         raise ValueError(f"seesaw WGMMA kernel: fp8p_ring={fp8p_ring} needs fp8_producer=True")
     if fp8p_ring and fp8p_ring not in _ring.RING_REGS:
         raise ValueError(f"seesaw WGMMA kernel: fp8p_ring must be one of {tuple(sorted(_ring.RING_REGS))}, got {fp8p_ring}")
+    if fp8p_stage and not fp8p_ring:
+        raise ValueError(f"seesaw WGMMA kernel: fp8p_stage={fp8p_stage} needs fp8p_ring")
+    if fp8p_stage not in (0, _ring.STAGE_SLOTS):
+        raise ValueError(f"seesaw WGMMA kernel: fp8p_stage must be 0 or {_ring.STAGE_SLOTS}, got {fp8p_stage}")
 
 
 def seesaw_l2_prefetch_default(kv_name: str) -> bool:
@@ -2560,7 +2631,8 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
                 wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0) -> tuple[str | int, ...]:
+                lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
+                fp8p_stage: int = 0) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
@@ -2568,20 +2640,23 @@ def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: s
     (the A/B arm; see MLADecodePartialWGMMASeesaw.reader_fences; never for the 16-bit cp.async kernel, which
     runs them anyway), then "lazy" for ``lazy_rescale`` (only when set), then "fp8p" for ``fp8_producer`` (fp8 KV
     with a producer warpgroup; only when set), then "fp8pr<R>" for the producer's register ring ``fp8p_ring`` = R
-    (only when set; every existing key is unchanged)."""
+    and "fp8ps<S>" for its shared-memory staging ``fp8p_stage`` = S (only when set; every existing key is
+    unchanged)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
             + api.store_spec(wide_store) + (("tma",) if tma else ())
             + (("rfence",) if reader_fences and (tma or kv_name == "fp8_e4m3") else ())
             + (("lazy",) if lazy_rescale else ()) + (("fp8p",) if fp8_producer else ())
-            + ((f"{SEESAW_RING_FLAG}{int(fp8p_ring)}",) if fp8p_ring else ()))
+            + ((f"{SEESAW_RING_FLAG}{int(fp8p_ring)}",) if fp8p_ring else ())
+            + ((f"{SEESAW_STAGE_FLAG}{int(fp8p_stage)}",) if fp8p_stage else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
                                     wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                                    lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0):
+                                    lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
+                                    fp8p_stage: int = 0):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
@@ -2593,7 +2668,8 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     producer warpgroup (384 threads) that does all fp8 loading and conversion (``kernel_fp8p``).  ``fp8p_ring``
     (with fp8_producer only; one of ``fp8p_ring.RING_SIZES``, 0: the one-part producer): the producer's register
     ring of that many 16-fp8 chunks, loads issued ring - 1 chunks ahead (``fp8p_producer_ring``; key flag
-    "fp8pr<R>")."""
+    "fp8pr<R>"); ``fp8p_stage`` (with a ring; 0 or fp8p_ring.STAGE_SLOTS): every third chunk staged through
+    shared memory by cp.async, loads issued ``fp8p_ring.lookahead`` chunks ahead (key flag "fp8ps<S>")."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2603,23 +2679,24 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         raise ValueError("seesaw WGMMA kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if fp8_producer and kv_name != "fp8_e4m3":
         raise ValueError(f"seesaw WGMMA kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
-    _check_fp8p_ring(fp8p_ring, fp8_producer)
+    _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage)
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 reader_fences, lazy_rescale, fp8_producer, fp8p_ring),
+                                                 reader_fences, lazy_rescale, fp8_producer, fp8p_ring, fp8p_stage),
                                      _build_partial_wgmma_seesaw)
 
 
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True,
                                  l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False,
-                                 lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0):
+                                 lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
+                                 fp8p_stage: int = 0):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
     ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``, ``fp8_producer`` (fp8 cache only), ``fp8p_ring``
-    (with fp8_producer): see ``get_partial_kernel_wgmma_seesaw``."""
+    (with fp8_producer), ``fp8p_stage`` (with a ring): see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
@@ -2629,7 +2706,8 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
                                               wide_store=schedule.wide_store, tma=tma, reader_fences=reader_fences,
                                               lazy_rescale=lazy_rescale,
                                               **({"fp8_producer": True} if fp8_producer else {}),  # opt-in only
-                                              **({"fp8p_ring": fp8p_ring} if fp8p_ring else {}))
+                                              **({"fp8p_ring": fp8p_ring} if fp8p_ring else {}),
+                                              **({"fp8p_stage": fp8p_stage} if fp8p_stage else {}))
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
@@ -2664,7 +2742,8 @@ def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
                                     tma="tma" in flags, balanced=True, lazy_rescale="lazy" in flags,
-                                    fp8_producer="fp8p" in flags, fp8p_ring=seesaw_flag_ring(flags))
+                                    fp8_producer="fp8p" in flags, fp8p_ring=seesaw_flag_ring(flags),
+                                    fp8p_stage=seesaw_flag_stage(flags))
     return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
 
 
@@ -2672,7 +2751,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
                                              l2_prefetch: bool | None = None, partial: str = "fp32",
                                              wide_store: bool = False, tma: bool = False,
                                              lazy_rescale: bool = False, fp8_producer: bool = False,
-                                             fp8p_ring: int = 0):
+                                             fp8p_ring: int = 0, fp8p_stage: int = 0):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
     KV in the q dtype (default) or ``"fp8_e4m3"`` (branch fp8-balanced: the even fp8 seesaw's loads under the
     item loop; GPU-verified in the twenty-second session); kernel cache kind ``partial_wgmma_seesaw_balanced`` with
@@ -2681,8 +2760,9 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     ``partial``, ``wide_store``, ``tma`` (16-bit caches only), ``lazy_rescale``: as
     ``get_partial_kernel_wgmma_seesaw``.  ``fp8_producer`` (fp8 cache only, ValueError otherwise; branch
     fp8-balanced-producer, GPU-verified in the twenty-second session): the producer-warpgroup kernel on the balanced
-    schedule (``kernel_fp8p_balanced``), key flag "fp8p" as the even getter's.  ``fp8p_ring``: the producer's
-    register ring, as the even getter's (key flag "fp8pr<R>")."""
+    schedule (``kernel_fp8p_balanced``), key flag "fp8p" as the even getter's.  ``fp8p_ring``, ``fp8p_stage``: the
+    producer's register ring and its shared-memory staging, as the even getter's (key flags "fp8pr<R>",
+    "fp8ps<S>")."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2692,13 +2772,13 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
         raise ValueError("balanced seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if fp8_producer and kv_name != "fp8_e4m3":
         raise ValueError(f"balanced seesaw kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
-    _check_fp8p_ring(fp8p_ring, fp8_producer)
+    _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage)
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
                                                  lazy_rescale=lazy_rescale, fp8_producer=fp8_producer,
-                                                 fp8p_ring=fp8p_ring),
+                                                 fp8p_ring=fp8p_ring, fp8p_stage=fp8p_stage),
                                      _build_partial_wgmma_seesaw_balanced)
 
 
@@ -2706,15 +2786,15 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
                                           out, lse, schedule, workspace, *, check: bool = True,
                                           l2_prefetch: bool | None = None, tma: bool = False,
                                           lazy_rescale: bool = False, fp8_producer: bool = False,
-                                          fp8p_ring: int = 0):
+                                          fp8p_ring: int = 0, fp8p_stage: int = 0):
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
     and wgmma_t balanced entries' launch).  Needs s_q * H > 32 (the 64-row tile: schedule.block_m 64) and a
     bf16/fp16 or fp8 e4m3 cache (ValueError otherwise, also with check=False; fp8: k = kv * kv_scale as in the
     even entry; GPU-verified in the twenty-second session).  ``l2_prefetch``, ``tma``: see
-    ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``fp8p_ring``: see
-    ``get_partial_kernel_wgmma_seesaw_balanced``."""
+    ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``fp8p_ring``,
+    ``fp8p_stage``: see ``get_partial_kernel_wgmma_seesaw_balanced``."""
     from . import api
 
     api.check_balanced(schedule, kv_cache, fp8_ok=True)
@@ -2726,6 +2806,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
         api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype], l2_prefetch=l2_prefetch,
         partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma, lazy_rescale=lazy_rescale,
         **({"fp8_producer": True} if fp8_producer else {}),  # opt-in only
-        **({"fp8p_ring": fp8p_ring} if fp8p_ring else {}))
+        **({"fp8p_ring": fp8p_ring} if fp8p_ring else {}),
+        **({"fp8p_stage": fp8p_stage} if fp8p_stage else {}))
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
