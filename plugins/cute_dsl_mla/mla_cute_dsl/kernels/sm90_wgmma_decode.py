@@ -2064,72 +2064,6 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             cute.arch.mbarrier_wait(empty_ptr, parity)
         self.store_part_fp8(r2s, n, stage, blocks, kv_len, tKcK, tKsK, rRaw, full_ptr)
 
-    @cute.jit
-    def fp8p_producer(
-        self, mKV: cute.Tensor, mPT: cute.Tensor, g2s_wg: cute.TiledCopy, sK: cute.Tensor, mbar,
-        ptid: cutlass.Int32, b: cutlass.Int32, kv_len: cutlass.Int32, blocks_per_page: cutlass.Int32,
-        n_start: cutlass.Int32, T: cutlass.Int32, ph0=None, ph1=None,
-    ):
-        """Warpgroup 2 (``ptid`` 0..127): every part of local tiles 0 .. T - 1 in the math side's wait order,
-        tile a = 2p: full[0] (blocks 0-3) then full[1] (blocks 4-8); tile b = 2p + 1: full[3] (blocks 4-7) then
-        full[2] (blocks 0-3 + RoPE).  Pair p >= 1 first waits on the matching empty barrier (parity (p - 1) % 2:
-        its tile - 2 released).  The page table is read one pair ahead; with l2_prefetch ptid 0 prefetches the
-        next pair's tiles into L2 before this pair's loads.  ``ph0``, ``ph1`` (balanced only; None: one item per
-        CTA): the phases the column's earlier items completed on buffer 0's / buffer 1's full and empty mbarriers
-        (``seesaw_item_phases``); the g-th tile of a buffer in the column (g = ph + p) waits on empty phase
-        g - 1 (parity (g - 1) % 2) unless g = 0 (the buffer's first use in the column: nobody released it)."""
-        g2r_wg, r2s_wg = self._fp8p_copies()
-        thr_g2r_wg = g2r_wg.get_slice(ptid)
-        cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
-        tKcK = thr_g2r_wg.partition_S(cKV)  # (CPY, passes, 9): the (row, col) of g2r's / r2s's elements
-        tKsK = r2s_wg.get_slice(ptid).partition_D(sK)  # (CPY, passes, 9, STAGES)
-        rRaw = cute.make_rmem_tensor((cute.size(tKcK.shape[0]), cute.size(tKcK.shape[1]), 5), cutlass.Float8E4M3FN)
-        full = mbar
-        empty = mbar + 4
-        pg_a = cutlass.Int32(0)
-        pg_b = cutlass.Int32(0)
-        if T > 0:
-            pg_a = mPT[b, n_start // blocks_per_page]
-        if T > 1:
-            pg_b = mPT[b, (n_start + 1) // blocks_per_page]
-        for p in cutlass.range(0, (T + 1) // 2, 1):
-            ta = 2 * p
-            par = (p + 1) % 2  # phase p - 1 of the empty barriers: tile ta - 2 / tb - 2 released
-            par0 = par
-            par1 = par
-            wait0 = p > 0
-            wait1 = p > 0
-            if cutlass.const_expr(ph0 is not None):
-                # balanced: the buffer's (ph + p)-th tile of the column waits on empty phase ph + p - 1
-                par0 = (ph0 + p + 1) % 2
-                par1 = (ph1 + p + 1) % 2
-                wait0 = ph0 + p > 0
-                wait1 = ph1 + p > 0
-            # the next pair's pages (clamped to a valid entry of this request; unused past T)
-            pn2 = mPT[b, (n_start + (ta + 2 if ta + 2 < T else T - 1)) // blocks_per_page]
-            pn3 = mPT[b, (n_start + (ta + 3 if ta + 3 < T else T - 1)) // blocks_per_page]
-            if cutlass.const_expr(self.l2_prefetch):
-                if ptid == 0:
-                    if ta + 2 < T:
-                        self.prefetch_tile_l2(mKV, pn2, n_start + ta + 2, blocks_per_page)
-                    if ta + 3 < T:
-                        self.prefetch_tile_l2(mKV, pn3, n_start + ta + 3, blocks_per_page)
-            # tile a (buffer 0): WG0's S waits full[0] then full[1]
-            self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[0][0],
-                                   blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 0, full + 0, wait0, par0)
-            self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[1][1],
-                                   blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 1, full + 1, wait0, par0)
-            if ta + 1 < T:
-                # tile b (buffer 1): WG1's S waits full[3] then full[2]
-                self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_b, n_start + ta + 1, 1,
-                                       SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len, tKcK, tKsK, rRaw,
-                                       empty + 3, full + 3, wait1, par1)
-                self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_b, n_start + ta + 1, 1,
-                                       SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len, tKcK, tKsK, rRaw,
-                                       empty + 2, full + 2, wait1, par1)
-            pg_a = pn2
-            pg_b = pn3
-
     def fp8p_produce_item(self, mKV, mPT, g2s_wg, sK, mbar, ptid, b, kv_len, blocks_per_page, n_start, T,
                           ph0=None, ph1=None):
         """The producer's side of one work item (a plain Python dispatcher, traced inline from ``kernel_fp8p`` /
@@ -2336,6 +2270,72 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if cutlass.const_expr(st.chunk.last):
             cute.arch.fence_view_async_shared()
             cute.arch.mbarrier_arrive(full + st.chunk.mbar)
+
+    @cute.jit
+    def fp8p_producer(
+        self, mKV: cute.Tensor, mPT: cute.Tensor, g2s_wg: cute.TiledCopy, sK: cute.Tensor, mbar,
+        ptid: cutlass.Int32, b: cutlass.Int32, kv_len: cutlass.Int32, blocks_per_page: cutlass.Int32,
+        n_start: cutlass.Int32, T: cutlass.Int32, ph0=None, ph1=None,
+    ):
+        """Warpgroup 2 (``ptid`` 0..127): every part of local tiles 0 .. T - 1 in the math side's wait order,
+        tile a = 2p: full[0] (blocks 0-3) then full[1] (blocks 4-8); tile b = 2p + 1: full[3] (blocks 4-7) then
+        full[2] (blocks 0-3 + RoPE).  Pair p >= 1 first waits on the matching empty barrier (parity (p - 1) % 2:
+        its tile - 2 released).  The page table is read one pair ahead; with l2_prefetch ptid 0 prefetches the
+        next pair's tiles into L2 before this pair's loads.  ``ph0``, ``ph1`` (balanced only; None: one item per
+        CTA): the phases the column's earlier items completed on buffer 0's / buffer 1's full and empty mbarriers
+        (``seesaw_item_phases``); the g-th tile of a buffer in the column (g = ph + p) waits on empty phase
+        g - 1 (parity (g - 1) % 2) unless g = 0 (the buffer's first use in the column: nobody released it)."""
+        g2r_wg, r2s_wg = self._fp8p_copies()
+        thr_g2r_wg = g2r_wg.get_slice(ptid)
+        cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
+        tKcK = thr_g2r_wg.partition_S(cKV)  # (CPY, passes, 9): the (row, col) of g2r's / r2s's elements
+        tKsK = r2s_wg.get_slice(ptid).partition_D(sK)  # (CPY, passes, 9, STAGES)
+        rRaw = cute.make_rmem_tensor((cute.size(tKcK.shape[0]), cute.size(tKcK.shape[1]), 5), cutlass.Float8E4M3FN)
+        full = mbar
+        empty = mbar + 4
+        pg_a = cutlass.Int32(0)
+        pg_b = cutlass.Int32(0)
+        if T > 0:
+            pg_a = mPT[b, n_start // blocks_per_page]
+        if T > 1:
+            pg_b = mPT[b, (n_start + 1) // blocks_per_page]
+        for p in cutlass.range(0, (T + 1) // 2, 1):
+            ta = 2 * p
+            par = (p + 1) % 2  # phase p - 1 of the empty barriers: tile ta - 2 / tb - 2 released
+            par0 = par
+            par1 = par
+            wait0 = p > 0
+            wait1 = p > 0
+            if cutlass.const_expr(ph0 is not None):
+                # balanced: the buffer's (ph + p)-th tile of the column waits on empty phase ph + p - 1
+                par0 = (ph0 + p + 1) % 2
+                par1 = (ph1 + p + 1) % 2
+                wait0 = ph0 + p > 0
+                wait1 = ph1 + p > 0
+            # the next pair's pages (clamped to a valid entry of this request; unused past T)
+            pn2 = mPT[b, (n_start + (ta + 2 if ta + 2 < T else T - 1)) // blocks_per_page]
+            pn3 = mPT[b, (n_start + (ta + 3 if ta + 3 < T else T - 1)) // blocks_per_page]
+            if cutlass.const_expr(self.l2_prefetch):
+                if ptid == 0:
+                    if ta + 2 < T:
+                        self.prefetch_tile_l2(mKV, pn2, n_start + ta + 2, blocks_per_page)
+                    if ta + 3 < T:
+                        self.prefetch_tile_l2(mKV, pn3, n_start + ta + 3, blocks_per_page)
+            # tile a (buffer 0): WG0's S waits full[0] then full[1]
+            self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[0][0],
+                                   blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 0, full + 0, wait0, par0)
+            self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[1][1],
+                                   blocks_per_page, kv_len, tKcK, tKsK, rRaw, empty + 1, full + 1, wait0, par0)
+            if ta + 1 < T:
+                # tile b (buffer 1): WG1's S waits full[3] then full[2]
+                self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_b, n_start + ta + 1, 1,
+                                       SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, kv_len, tKcK, tKsK, rRaw,
+                                       empty + 3, full + 3, wait1, par1)
+                self.fp8p_produce_part(g2r_wg, thr_g2r_wg, r2s_wg, mKV, pg_b, n_start + ta + 1, 1,
+                                       SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, kv_len, tKcK, tKsK, rRaw,
+                                       empty + 2, full + 2, wait1, par1)
+            pg_a = pn2
+            pg_b = pn3
 
     @cute.jit
     def fp8p_math(
