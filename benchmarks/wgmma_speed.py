@@ -25,6 +25,12 @@
                 loads, eager / lazy rescale, fp32 partials) with q_prefetch=True (branch q-prefetch: each item issues
                 the next item's Q and KV tiles 0/1 during its last pairs; 16-bit KV only): compare with
                 balanced_tma / balanced_tma_lazy / balanced / balanced_lazy
+    seesaw_fp8p_ring / seesaw_fp8p_ring_lazy / balanced_fp8p_ring / balanced_fp8p_ring_lazy  the producer kernels
+                above (--kv fp8 only) with the producer's register ring (fp8p_ring, branch fp8p-inflight: every
+                chunk's ld.global issued R - 1 chunks ahead of its conversion; setmaxnreg 208 / 88); R = --fp8p-ring
+                (default fp8p_ring.RING_DEFAULT), or per way with the size in the name: seesaw_fp8p_ring5_lazy;
+                _staged (seesaw_fp8p_ring_staged_lazy, balanced_fp8p_ring7_staged_lazy, ...): with the ring's
+                shared-memory staging (fp8p_stage = fp8p_ring.STAGE_SLOTS: every third chunk by cp.async)
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
            one CTA per SM)
@@ -54,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 
@@ -72,11 +79,43 @@ QUICK_SHAPES = [0, 3]
 WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
         "seesaw_tma_fenced", "balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl", "balanced_tma_nocomb",
         "seesaw_lazy", "seesaw_fp8p", "seesaw_fp8p_lazy", "balanced", "balanced_lazy", "balanced_fp8p",
-        "balanced_fp8p_lazy", "balanced_tma_qpf", "balanced_tma_lazy_qpf", "balanced_qpf", "balanced_lazy_qpf", "mma",
-        "wgmma_t", "ours", "ours_qpf", "fa3")
+        "balanced_fp8p_lazy", "balanced_tma_qpf", "balanced_tma_lazy_qpf", "balanced_qpf", "balanced_lazy_qpf",
+        "seesaw_fp8p_ring", "seesaw_fp8p_ring_lazy", "balanced_fp8p_ring", "balanced_fp8p_ring_lazy",
+        "seesaw_fp8p_ring_staged_lazy", "balanced_fp8p_ring_staged_lazy", "mma", "wgmma_t", "ours", "ours_qpf",
+        "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
+FP8P_RING = {"ring": None}  # set by --fp8p-ring: the ring ways' size (None: fp8p_ring.RING_DEFAULT)
+RING_WAY = re.compile(r"^(seesaw|balanced)_fp8p_ring(\d*)(_staged)?(_lazy)?$")
+
+
+def ring_of(name):
+    """The fp8p_ring size of a ring way (its name's digits, else --fp8p-ring, else the default); 0 otherwise."""
+    m = RING_WAY.match(name)
+    if not m:
+        return 0
+    if m.group(2):
+        return int(m.group(2))
+    if FP8P_RING["ring"]:
+        return FP8P_RING["ring"]
+    from mla_cute_dsl.kernels.fp8p_ring import RING_DEFAULT
+
+    return RING_DEFAULT
+
+
+def stage_of(name):
+    """The fp8p_stage of a ring way: fp8p_ring.STAGE_SLOTS for a *_staged* way, else 0."""
+    m = RING_WAY.match(name)
+    if not m or not m.group(3):
+        return 0
+    from mla_cute_dsl.kernels.fp8p_ring import STAGE_SLOTS
+
+    return STAGE_SLOTS
+
+
+def known_way(name):
+    return name in WAYS or RING_WAY.match(name) is not None
 
 
 def kv_torch_dtype(torch):
@@ -152,15 +191,20 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
     if name == "wgmma":
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma as fn
     elif name in ("seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_tma_l2pf", "seesaw_fenced",
-                  "seesaw_tma_fenced", "seesaw_lazy", "seesaw_fp8p", "seesaw_fp8p_lazy"):
+                  "seesaw_tma_fenced", "seesaw_lazy", "seesaw_fp8p", "seesaw_fp8p_lazy") or (
+                      name.startswith("seesaw_fp8p_ring") and RING_WAY.match(name)):
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw
 
+        if ring_of(name) and KV["kv"] != "fp8":
+            raise ValueError(f"{name}: needs --kv fp8 (the producer warpgroup converts an fp8 cache)")
         prefetch = {"seesaw_l2pf": True, "seesaw_nopf": False, "seesaw_tma_l2pf": True}.get(name)  # None: default
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw, l2_prefetch=prefetch, tma=name.startswith("seesaw_tma"),
                                reader_fences=name.endswith("_fenced"), lazy_rescale=name.endswith("_lazy"),
-                               fp8_producer=name.startswith("seesaw_fp8p"))
+                               fp8_producer=name.startswith("seesaw_fp8p"),
+                               **({"fp8p_ring": ring_of(name)} if ring_of(name) else {}),
+                               **({"fp8p_stage": stage_of(name)} if stage_of(name) else {}))
     elif name in ("balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl"):
         # the balanced TMA seesaw; _lazy: with lazy_rescale; _pdl: its combine launched with programmatic dependent
         # launch (the schedule's pdl_combine, set below)
@@ -169,7 +213,8 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
 
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True, lazy_rescale=name.endswith("_lazy"))
-    elif name in ("balanced", "balanced_lazy", "balanced_fp8p", "balanced_fp8p_lazy"):
+    elif name in ("balanced", "balanced_lazy", "balanced_fp8p", "balanced_fp8p_lazy") or (
+            name.startswith("balanced_fp8p_ring") and RING_WAY.match(name)):
         # the balanced seesaw without TMA: cp.async with a 16-bit cache, the fp8 loads with --kv fp8 (inline, or
         # _fp8p: the producer warpgroup, fp8 only)
         import functools
@@ -179,7 +224,9 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
         if name.startswith("balanced_fp8p") and KV["kv"] != "fp8":
             raise ValueError(f"{name}: needs --kv fp8 (the producer warpgroup converts an fp8 cache)")
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, lazy_rescale=name.endswith("_lazy"),
-                               **({"fp8_producer": True} if name.startswith("balanced_fp8p") else {}))
+                               **({"fp8_producer": True} if name.startswith("balanced_fp8p") else {}),
+                               **({"fp8p_ring": ring_of(name)} if ring_of(name) else {}),
+                               **({"fp8p_stage": stage_of(name)} if stage_of(name) else {}))
     elif name in ("balanced_tma_qpf", "balanced_tma_lazy_qpf", "balanced_qpf", "balanced_lazy_qpf"):
         # the balanced seesaw with q_prefetch (16-bit KV): TMA or cp.async loads, eager or lazy rescale
         import functools
@@ -398,14 +445,18 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, help="graph replays per way and shape (default 200, --quick 100)")
     ap.add_argument("--sets", type=int, help=f"input sets (default: enough for 4x L2, at most {MAX_SETS})")
     ap.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="KV cache dtype (q is bf16)")
+    ap.add_argument("--fp8p-ring", type=int, metavar="R",
+                    help="ring size of the *_fp8p_ring* ways without a size in their name (default: "
+                         "mla_cute_dsl.kernels.fp8p_ring.RING_DEFAULT)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     args = ap.parse_args(argv)
     KV["kv"] = args.kv
+    FP8P_RING["ring"] = args.fp8p_ring
     shapes = parse_shapes(args.shapes) if args.shapes else (
         [SHAPES[i] for i in QUICK_SHAPES] if args.quick else list(SHAPES))
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
-    if not ways or any(w not in WAYS for w in ways):
-        ap.error(f"--ways: choose from {','.join(WAYS)}")
+    if not ways or any(not known_way(w) for w in ways):
+        ap.error(f"--ways: choose from {','.join(WAYS)} (ring ways may name their size: seesaw_fp8p_ring5_lazy)")
     reps = args.reps or (100 if args.quick else 200)
 
     import torch

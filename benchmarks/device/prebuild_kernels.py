@@ -22,6 +22,7 @@ def specs():
     """(label, thunk) for every kernel the backend's defaults (16-bit partials in q's dtype, wide stores) and the
     device scripts' option arms (partials=fp32, stores=narrow, combine=fused) pick."""
     from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels.fp8p_ring import RING_DEFAULT, RING_SIZES, STAGE_SLOTS
     from mla_cute_dsl.kernels.sm90_decode_fp8 import get_partial_kernel_fp8
     from mla_cute_dsl.kernels.sm90_wgmma_decode import (get_partial_kernel_wgmma, get_partial_kernel_wgmma_seesaw,
                                                         get_partial_kernel_wgmma_seesaw_balanced)
@@ -111,6 +112,25 @@ def specs():
                         out.append((f"seesaw_fp8p_balanced {q} {tag}{' lazy' if lazy else ''}",
                                     lambda q=q, p=partial, w=wide, z=lazy: get_partial_kernel_wgmma_seesaw_balanced(
                                         q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z, fp8_producer=True)))
+                if kv == "fp8_e4m3":  # the producer's register ring (fp8p_ring, branch fp8p-inflight): the default
+                    # size (the backend's fp8_loader=ring: lazy in the default arm) one item and balanced, fp32 narrow
+                    # eager / lazy (test_seesaw_fp8p_ring_gpu.py, wgmma_speed.py's *_fp8p_ring* ways, fp8_ring_gpu.sh);
+                    # every ring size (RING_SIZES): ONLY=seesaw_fp8p_ring
+                    # and the default size with its shared-memory staging (fp8p_stage, fp8_loader=ring_staged)
+                    for ring, st in [(r, 0) for r in RING_SIZES] + [(RING_DEFAULT, STAGE_SLOTS)]:
+                        for lazy in ((False, True) if partial == "fp32" else (True,)):
+                            z = " lazy" if lazy else ""
+                            rs = f"r{ring}{f's{st}' if st else ''}"
+                            out.append((f"seesaw_fp8p_ring {q} {tag} {rs}{z}",
+                                        lambda q=q, p=partial, w=wide, z=lazy, r=ring, s=st:
+                                        get_partial_kernel_wgmma_seesaw(
+                                            q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z, fp8_producer=True,
+                                            fp8p_ring=r, fp8p_stage=s)))
+                            out.append((f"seesaw_fp8p_ring_balanced {q} {tag} {rs}{z}",
+                                        lambda q=q, p=partial, w=wide, z=lazy, r=ring, s=st:
+                                        get_partial_kernel_wgmma_seesaw_balanced(
+                                            q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z, fp8_producer=True,
+                                            fp8p_ring=r, fp8p_stage=s)))
                 if q == "bf16" and partial == "fp32" and (kv == "fp8_e4m3" or kv == q):
                     # seesaw_nofence_gpu.sh's reader_fences=True arms (wgmma_speed.py seesaw_tma_fenced /
                     # seesaw_fenced --kv fp8)

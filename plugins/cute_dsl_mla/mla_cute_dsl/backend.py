@@ -160,7 +160,7 @@ class CuteDslOptions(BackendOptions):
                     "bench, both arms interleaved, H=128 S=4096, 24 cells): 0.92-0.99x eager's time from batch 16 "
                     "(bf16 B=128 s_q=1 294.8 -> 288.9 us, s_q=2 549.5 -> 539.6; fp8 B=128 s_q=1 327.2 -> 324.0), "
                     "equal at batch 1. eager: every tile rescales (0.2.15's kernels). Other kernels ignore it")
-    fp8_loader: Literal["inline", "producer"] = Field(
+    fp8_loader: Literal["inline", "producer", "ring", "ring_staged"] = Field(
         default="producer",
         description="how the seesaw kernel (sm_90; under mma=auto from 33 packed rows with an fp8 cache) turns the "
                     "fp8 e4m3 cache into its fp16 K tiles. producer (default since 0.2.17): a third warpgroup "
@@ -170,7 +170,13 @@ class CuteDslOptions(BackendOptions):
                     "inline's time with lazy rescale at H=128 B=16/64/128 and H=64 B=128, S=4096 (B=128 H=128 "
                     "s_q=1 292.5 against 330.4 us, fa3 928.5). inline (0.2.16's kernel): the two math warpgroups "
                     "ld.global their part of each tile, convert it (cvt e4m3x2 -> f16x2) and st.shared it between "
-                    "their WGMMAs. bf16/fp16 caches and other kernels ignore it")
+                    "their WGMMAs. ring (branch fp8p-inflight, compile-checked, not yet run on a GPU): the "
+                    "producer warpgroup with a register ring (setmaxnreg 208 math / 88 producer) that issues each "
+                    "16-byte chunk's ld.global several chunks ahead of its conversion, so the loads stay in flight "
+                    "across the producer's empty waits and conversions instead of one part at a time. ring_staged "
+                    "(compile-checked): the ring with every third chunk staged through 8 KB of shared memory by "
+                    "cp.async, more loads in flight at no register cost. bf16/fp16 caches and other kernels ignore "
+                    "it")
     loads: Literal["auto", "cp_async", "tma"] = Field(
         default="auto",
         description="how the seesaw kernel (sm_90, s_q*num_heads >= 33 under mma=auto) brings KV tiles into shared "
@@ -488,9 +494,9 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
 
 def seesaw_fp8_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether the fp8 seesaw runs with its producer warpgroup: option fp8_loader=producer (the default since
-    0.2.17), an fp8 cache, the seesaw kernel, and its even mode, or its balanced mode (FP8_SEESAW_BALANCED) only
-    with FP8_BALANCED_PRODUCER (on since 0.2.17; off: the balanced seesaw converts inline)."""
-    return (shape.kv_dtype == "fp8_e4m3" and options.fp8_loader == "producer"
+    0.2.17) or ring, an fp8 cache, the seesaw kernel, and its even mode, or its balanced mode (FP8_SEESAW_BALANCED)
+    only with FP8_BALANCED_PRODUCER (on since 0.2.17; off: the balanced seesaw converts inline)."""
+    return (shape.kv_dtype == "fp8_e4m3" and options.fp8_loader in ("producer", "ring", "ring_staged")
             and partial_kernel(shape, options) == "seesaw"
             and (FP8_BALANCED_PRODUCER or not balanced_split(shape, options)))
 
@@ -501,6 +507,27 @@ def seesaw_q_prefetch(shape: DecodeShape, options: CuteDslOptions) -> bool:
     the shape class and options only (one session's graphs keep one kernel)."""
     return (bool(options.q_prefetch) and shape.kv_dtype != "fp8_e4m3"
             and partial_kernel(shape, options) == SEESAW_BALANCED_KERNEL and balanced_split(shape, options))
+
+
+def seesaw_fp8p_ring(shape: DecodeShape, options: CuteDslOptions) -> int:
+    """The producer's register ring size (kernel option fp8p_ring) for this shape: fp8p_ring.RING_DEFAULT with
+    fp8_loader=ring wherever the producer warpgroup runs (seesaw_fp8_producer), else 0 (the one-part producer or
+    none)."""
+    if options.fp8_loader not in ("ring", "ring_staged") or not seesaw_fp8_producer(shape, options):
+        return 0
+    from .kernels.fp8p_ring import RING_DEFAULT
+
+    return RING_DEFAULT
+
+
+def seesaw_fp8p_stage(shape: DecodeShape, options: CuteDslOptions) -> int:
+    """The ring's shared-memory staging slots (kernel option fp8p_stage): fp8p_ring.STAGE_SLOTS with
+    fp8_loader=ring_staged wherever the ring runs (seesaw_fp8p_ring), else 0."""
+    if options.fp8_loader != "ring_staged" or not seesaw_fp8p_ring(shape, options):
+        return 0
+    from .kernels.fp8p_ring import STAGE_SLOTS
+
+    return STAGE_SLOTS
 
 
 def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optional[int] = None) -> str:
@@ -532,11 +559,16 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
     if kernel == "seesaw":
         text += f", {options.rescale} softmax rescale (rescale={options.rescale})"
     if kernel == "seesaw" and shape.kv_dtype == "fp8_e4m3":
-        if seesaw_fp8_producer(shape, options):
+        if seesaw_fp8_producer(shape, options) and seesaw_fp8p_ring(shape, options):
+            staged = " and shared-memory staging" if seesaw_fp8p_stage(shape, options) else ""
+            text += (f", a producer warpgroup with a {seesaw_fp8p_ring(shape, options)}-chunk register ring{staged} "
+                     f"converts the fp8 cache (fp8_loader={options.fp8_loader})")
+        elif seesaw_fp8_producer(shape, options):
             text += ", a producer warpgroup converts the fp8 cache (fp8_loader=producer)"
-        elif options.fp8_loader == "producer":
-            text += (", the math warpgroups convert the fp8 cache (fp8_loader=producer ignored: the balanced seesaw "
-                     "takes the producer warpgroup only with backend.FP8_BALANCED_PRODUCER, set off here)")
+        elif options.fp8_loader in ("producer", "ring", "ring_staged"):
+            text += (f", the math warpgroups convert the fp8 cache (fp8_loader={options.fp8_loader} ignored: the "
+                     "balanced seesaw takes the producer warpgroup only with backend.FP8_BALANCED_PRODUCER, set off "
+                     "here)")
         else:
             text += ", the math warpgroups convert the fp8 cache (fp8_loader=inline)"
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
@@ -792,7 +824,7 @@ class CuteDslPlanned(Planned):
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
                  kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1,
                  tma: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
-                 q_prefetch: bool = False) -> None:
+                 fp8p_ring: int = 0, fp8p_stage: int = 0, q_prefetch: bool = False) -> None:
         run_fn = run_function(kernel, balanced)
         keywords: dict = {}
         if kernel == "fp8reg" and s_accs != 1:  # fp8reg_s_accs; the entry's default is 0.2.8's 1
@@ -804,6 +836,10 @@ class CuteDslPlanned(Planned):
         if kernel == "seesaw" and fp8_producer:  # option fp8_loader=producer (fp8 cache, the backend's default
             # since 0.2.17); the kernel entry's own default stays inline
             keywords["fp8_producer"] = True
+            if fp8p_ring:  # option fp8_loader=ring / ring_staged: the producer's register ring (seesaw_fp8p_ring)
+                keywords["fp8p_ring"] = fp8p_ring
+            if fp8p_stage:  # fp8_loader=ring_staged: its shared-memory staging (seesaw_fp8p_stage)
+                keywords["fp8p_stage"] = fp8p_stage
         if kernel == "seesaw" and balanced and q_prefetch:  # option q_prefetch (balanced seesaw, 16-bit cache)
             keywords["q_prefetch"] = True
         if keywords:
@@ -939,6 +975,8 @@ class CuteDslSession(Session):
                               s_accs=fp8reg_s_accs(problem, self.options), tma=seesaw_tma(problem, self.options),
                               lazy_rescale=self.options.rescale == "lazy",
                               fp8_producer=seesaw_fp8_producer(problem, self.options),
+                              fp8p_ring=seesaw_fp8p_ring(problem, self.options),
+                              fp8p_stage=seesaw_fp8p_stage(problem, self.options),
                               q_prefetch=seesaw_q_prefetch(problem, self.options))
 
     def close(self) -> None:

@@ -12,7 +12,8 @@ device toolchain's own cubins (prebuild_kcache.sh runs it). The opt-in fp8 seesa
 (fp8_producer=True, branch fp8-producer; bf16 and fp16 q, eager and lazy) is checked the same way, plus its
 register count at launch (168 for 384 threads; the math warpgroups' 216 come from setmaxnreg, and ptxas reports
 spills in those regions too). The producer kernel on the balanced schedule (fp8p_balanced*, branch
-fp8-balanced-producer) likewise.
+fp8-balanced-producer) likewise, and both with the producer's register ring (*_ring<R>*, branch fp8p-inflight:
+its split, e.g. 208 math / 88 producer, leaves the math warpgroups fewer registers).
 """
 
 from __future__ import annotations
@@ -63,11 +64,14 @@ def _seesaw(kind: str):
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     lazy = kind.endswith("_lazy")
+    ring = re.search(r"_ring(\d+)(?:s(\d+))?", kind)  # the producer's register ring (fp8p_ring, branch fp8p-inflight)
+    ring = ({"fp8p_ring": int(ring.group(1))} | ({"fp8p_stage": int(ring.group(2))} if ring.group(2) else {})
+            if ring else {})
     if kind.startswith("fp8p_balanced"):  # producer warpgroup on the balanced schedule (branch fp8-balanced-producer)
         q = "fp16" if "_fp16" in kind else "bf16"
         wide = "_wide" in kind  # the backend's default arm: 16-bit partials in q's dtype, wide stores
         k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), cutlass.Float8E4M3FN, l2_prefetch=True, balanced=True,
-                                        lazy_rescale=lazy, fp8_producer=True, wide_store=wide)
+                                        lazy_rescale=lazy, fp8_producer=True, wide_store=wide, **ring)
         return k.call_balanced, api._fake_args_partial_balanced(q, "fp8_e4m3", q if wide else "fp32")
     if kind.startswith("fp8_balanced"):  # the balanced fp8 seesaw (branch fp8-balanced, backend.FP8_SEESAW_BALANCED)
         k = MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, l2_prefetch=True, balanced=True,
@@ -76,7 +80,7 @@ def _seesaw(kind: str):
     if kind.startswith("fp8p"):  # the opt-in fp8 seesaw with a producer warpgroup (fp8_producer=True, 384 threads)
         q = "fp16" if "_fp16" in kind else "bf16"
         k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), cutlass.Float8E4M3FN, l2_prefetch=True,
-                                        lazy_rescale=lazy, fp8_producer=True)
+                                        lazy_rescale=lazy, fp8_producer=True, **ring)
         return k, api._fake_args_partial(q, "fp8_e4m3")
     if kind.startswith("fp8"):  # the even fp8 seesaw (the backend's kernel for an fp8 cache at 64+ rows)
         k = MLADecodePartialWGMMASeesaw(cutlass.BFloat16, cutlass.Float8E4M3FN, l2_prefetch=True,
@@ -90,7 +94,11 @@ def _seesaw(kind: str):
 @pytest.mark.parametrize("kind", ["fp8", "fp8_lazy", "bf16_balanced_tma", "bf16_balanced_tma_lazy", "fp8p", "fp8p_lazy",
                                   "fp8p_fp16", "fp8p_fp16_lazy", "fp8_balanced", "fp8_balanced_lazy",
                                   "fp8p_balanced", "fp8p_balanced_lazy", "fp8p_balanced_fp16_lazy",
-                                  "fp8p_balanced_wide_lazy"])
+                                  "fp8p_balanced_wide_lazy",
+                                  # the producer's register ring (fp8p_ring; the full matrix of ring sizes and
+                                  # kernels: test_seesaw_fp8p_ring_compile.py)
+                                  "fp8p_ring7_lazy", "fp8p_ring5_fp16", "fp8p_balanced_ring7_wide_lazy",
+                                  "fp8p_balanced_ring5_lazy", "fp8p_ring7s4_lazy", "fp8p_balanced_ring7s4_fp16_lazy"])
 def test_ptxas_keeps_the_seesaw_wgmmas_asynchronous(kind, tmp_path):
     ptxas = _ptxas()
     if ptxas is None:

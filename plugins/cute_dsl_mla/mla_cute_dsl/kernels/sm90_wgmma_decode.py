@@ -71,6 +71,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from . import fp8p_ring as _ring
 from . import wide_store as ws
 
 try:  # cp.async.bulk.prefetch.L2 (seesaw kernel only; without it the kernel skips the prefetch)
@@ -909,12 +910,20 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       not start by waiting for them (``seesaw_column_qpf``; Q by TMA on a fifth mbarrier, issued by warp 4 right after
       warpgroup 1's pv_remote of the last pair, when both warpgroups' last S are known to be done; the tiles at the
       slots of tiles a+2 / b+2 that the item does not have; tests/test_seesaw_qpf_protocol.py models it).
+    * ``fp8p_ring=R`` (with fp8_producer, one item or balanced; branch fp8p-inflight, compile-only): the producer
+      keeps a ring of R register slots of one 16-fp8 chunk (one 32-row pass of one 64-column block) and issues each
+      chunk's ld.global R - 1 chunks ahead of its conversion, across part, tile and pair boundaries, instead of
+      loading one part, waiting for it and converting it (``fp8p_producer_ring``, schedule ``fp8p_ring.py``); the
+      full / empty protocol is unchanged.  setmaxnreg split per size ``fp8p_ring.RING_REGS`` (208 / 88).
+      ``fp8p_stage=4`` (with a ring): every third chunk goes global -> shared memory by cp.async (4 x 2 KB staging
+      after the mbarriers, within the 227 KB) and is read back by the same thread before its conversion, so 9 chunks
+      are in flight instead of 6 at no register cost (smem 230,976 B).
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
                  wide_store: bool = False, tma: bool = False, balanced: bool = False,
                  reader_fences: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
-                 q_prefetch: bool = False):
+                 q_prefetch: bool = False, fp8p_ring: int = 0, fp8p_stage: int = 0):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
         # q_prefetch (balanced, 16-bit KV; branch q-prefetch, compile-only): the next work item's Q (TMA, a fifth
         # mbarrier) and its KV tiles 0 / 1 are issued during the current item's last pairs (seesaw_column_qpf)
@@ -926,6 +935,25 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         self.fp8_producer = bool(fp8_producer)
         if self.fp8_producer and not self.is_fp8:
             raise ValueError(f"seesaw kernel: fp8_producer=True needs an fp8 e4m3 KV cache, got {kv_dtype}")
+        # fp8p_ring (fp8_producer only; 0: the one-part producer): the producer keeps fp8p_ring register slots of one
+        # 16-fp8 chunk each and issues every chunk's ld.global fp8p_ring - 1 chunks before converting it, across part,
+        # tile and pair boundaries (fp8p_producer_ring, schedule in fp8p_ring.py); the setmaxnreg split per ring size
+        # is fp8p_ring.RING_REGS (208 / 88)
+        self.fp8p_ring = int(fp8p_ring)
+        if self.fp8p_ring and not self.fp8_producer:
+            raise ValueError(f"seesaw kernel: fp8p_ring={fp8p_ring} needs fp8_producer=True")
+        if self.fp8p_ring and self.fp8p_ring not in _ring.RING_REGS:
+            raise ValueError(f"seesaw kernel: fp8p_ring must be one of {tuple(sorted(_ring.RING_REGS))}, got {fp8p_ring}")
+        self.fp8p_regs = _ring.RING_REGS[self.fp8p_ring] if self.fp8p_ring else (FP8P_MATH_REGS, FP8P_PRODUCER_REGS)
+        # fp8p_stage (with fp8p_ring; 0 or fp8p_ring.STAGE_SLOTS): every third chunk goes global -> shared memory
+        # (cp.async into 4 x 2 KB of staging after the mbarriers: the 9.5 KB the kernel leaves free) instead of into a
+        # register slot, so more chunks are in flight at no register cost (fp8p_ring.lookahead: 9 instead of 6)
+        self.fp8p_stage = int(fp8p_stage)
+        if self.fp8p_stage and not self.fp8p_ring:
+            raise ValueError(f"seesaw kernel: fp8p_stage={fp8p_stage} needs fp8p_ring")
+        if self.fp8p_stage not in (0, _ring.STAGE_SLOTS):
+            raise ValueError(f"seesaw kernel: fp8p_stage must be 0 or {_ring.STAGE_SLOTS}, got {fp8p_stage}")
+        assert fp8p_register_split_fits(*self.fp8p_regs), self.fp8p_regs
         # fp8_producer with balanced=True (branch fp8-balanced-producer, GPU-verified in the twenty-second
         # session): both sides walk the column's items; the full and empty mbarriers count one phase per tile of their
         # buffer across items (the math side releases every tile's parts, not only tiles < T - 2), so the producer
@@ -975,7 +1003,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             (2 * BLOCK_M * 4, 16),  # sScale (row, buffer)
             (2 * BLOCK_M * 4, 16),  # sMax (row, buffer)
             (2 * BLOCK_M * 4, 16),  # sL (row, warpgroup): row sums for the epilogue
-            (self._num_mbars() * 8, 8),  # mbarriers (buffer, loading warpgroup); fp8_producer: + 4 "empty"
+            # mbarriers (buffer, loading warpgroup); fp8_producer: + 4 "empty"; fp8p_stage: + the staging slots
+            (self._mbar_words() * 8, 16 if self._stage_words() else 8),
         ]
         off = 0
         for size, align in parts:
@@ -988,6 +1017,15 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if getattr(self, "q_prefetch", False):
             return 5  # q_prefetch: + the Q mbarrier (TMA, index 4)
         return 8 if getattr(self, "fp8_producer", False) else 4
+
+    def _stage_words(self) -> int:
+        """fp8p_stage: the producer's shared-memory staging slots, in 8-byte words appended to the mbarrier array
+        (the struct's last field: its start is 16-byte aligned with them, as cp.async's 16-byte copies need)."""
+        return getattr(self, "fp8p_stage", 0) * _ring.STAGE_SLOT_BYTES // 8
+
+    def _mbar_words(self) -> int:
+        """Length of the struct's mbarrier field in 8-byte words: the mbarriers, then any staging slots."""
+        return self._num_mbars() + self._stage_words()
 
     def _mbar_count(self) -> int:
         """Arrivals that complete one phase of a part's mbarrier: the cp.async path (16-bit KV)
@@ -1176,7 +1214,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             "sScale": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
             "sMax": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
             "sL": Align[MemRange[cutlass.Float32, 2 * BLOCK_M], 16],
-            "mbar": Align[MemRange[cutlass.Int64, self._num_mbars()], 8],
+            "mbar": Align[MemRange[cutlass.Int64, self._mbar_words()], 16 if self._stage_words() else 8],
         }}))
 
         g2s = cute.make_tiled_copy_tv(
@@ -2244,7 +2282,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
         if wg < 2:
-            cute.arch.setmaxregister_increase(FP8P_MATH_REGS)
+            cute.arch.setmaxregister_increase(self.fp8p_regs[0])
             self.seesaw_item(
                 mQ, mKV, mPT, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
                 g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, None, None, smem,
@@ -2252,9 +2290,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 None, None, None,
             )
         else:
-            cute.arch.setmaxregister_decrease(FP8P_PRODUCER_REGS)
-            self.fp8p_producer(mKV, mPT, g2s_wg, smem[1], mbar, tidx - 2 * WG_THREADS, b, kv_len,
-                               blocks_per_page, n_start, T)
+            cute.arch.setmaxregister_decrease(self.fp8p_regs[1])
+            self.fp8p_produce_item(mKV, mPT, g2s_wg, smem[1], mbar, tidx - 2 * WG_THREADS, b, kv_len,
+                                   blocks_per_page, n_start, T)
 
     @cute.jit
     def kernel_fp8p_balanced(
@@ -2296,22 +2334,22 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         ph0 = cutlass.Int32(0)  # phases completed so far on buffer 0's full / empty mbarriers (tiles 0, 2, ...)
         ph1 = cutlass.Int32(0)  # ... on buffer 1's (tiles 1, 3, ...)
         if wg < 2:
-            cute.arch.setmaxregister_increase(FP8P_MATH_REGS)
+            cute.arch.setmaxregister_increase(self.fp8p_regs[0])
             self.seesaw_column(
                 mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
                 g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, None, None, smem, mRanges,
                 tidx, m_block, wi, wg, wg_tidx, lane, R, blocks_per_page, ph0, ph1,
             )
         else:
-            cute.arch.setmaxregister_decrease(FP8P_PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.fp8p_regs[1])
             for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):
                 b = mWork[it, 0]
                 if b >= 0:
                     kv_len = mLens[b]
                     n_start = mWork[it, 1] // BLOCK_N
                     T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start
-                    self.fp8p_producer(mKV, mPT, g2s_wg, smem[1], mbar, tidx - 2 * WG_THREADS, b, kv_len,
-                                       blocks_per_page, n_start, T, ph0, ph1)
+                    self.fp8p_produce_item(mKV, mPT, g2s_wg, smem[1], mbar, tidx - 2 * WG_THREADS, b, kv_len,
+                                           blocks_per_page, n_start, T, ph0, ph1)
                     ph0 = ph0 + (T + 1) // 2
                     ph1 = ph1 + T // 2
 
@@ -2330,6 +2368,213 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if wait_empty:
             cute.arch.mbarrier_wait(empty_ptr, parity)
         self.store_part_fp8(r2s, n, stage, blocks, kv_len, tKcK, tKsK, rRaw, full_ptr)
+
+    def fp8p_produce_item(self, mKV, mPT, g2s_wg, sK, mbar, ptid, b, kv_len, blocks_per_page, n_start, T,
+                          ph0=None, ph1=None):
+        """The producer's side of one work item (a plain Python dispatcher, traced inline from ``kernel_fp8p`` /
+        ``kernel_fp8p_balanced``): the register ring (``fp8p_producer_ring``) when ``fp8p_ring`` is set, else the
+        one-part producer (``fp8p_producer``, whose generated code is unchanged by this dispatcher)."""
+        if self.fp8p_ring:
+            self.fp8p_producer_ring(mKV, mPT, sK, mbar, ptid, b, kv_len, blocks_per_page, n_start, T, ph0, ph1)
+        else:
+            self.fp8p_producer(mKV, mPT, g2s_wg, sK, mbar, ptid, b, kv_len, blocks_per_page, n_start, T, ph0, ph1)
+
+    def fp8p_ring_src(self, tKgK0: cute.Tensor, mKV: cute.Tensor, page, blk):
+        """The producer thread's gmem partition (CPY, passes, 9) of the 64-token block ``blk`` of cache page ``page``
+        (plain Python, traced inline): ``tKgK0`` (the thread's partition of page 0's first block, built once per
+        item) moved by the block's element offset, so the per-thread part of the address is not recomputed per
+        tile (it kept a register busy at every pair's start, where the ring is fullest)."""
+        off = cute.crd2idx((page, blk * BLOCK_N, 0), mKV.layout)
+        return cute.make_tensor(tKgK0.iterator + off, tKgK0.layout)
+
+    @cute.jit
+    def fp8p_ring_prefetch(self, mKV: cute.Tensor, page: cutlass.Int32, blk: cutlass.Int32):
+        """``prefetch_tile_l2`` of the 64-token block ``blk`` of cache page ``page`` (no division by the blocks per
+        page: the ring producer tracks (page-table column, block in page) per tile)."""
+        if cutlass.const_expr(_nvw is not None):
+            gK = cute.local_tile(mKV[page, None, None], (BLOCK_N, D_QK), (blk, 0))
+            _nvw.cp_async_bulk_prefetch(gK.iterator, BLOCK_N * D_QK * (self.kv_dtype.width // 8))
+
+    @cute.jit
+    def fp8p_ring_issue(
+        self, g2r: cute.TiledCopy, tKgK: cute.Tensor, tKcK: cute.Tensor, valid: cutlass.Int32,
+        iss: cutlass.Constexpr, rRing: cute.Tensor, sStage, cpa,
+    ):
+        """One chunk (``fp8p_ring.Issue``): its ld.global (16 fp8, 128 bit) into ring slot ``iss.slot``, or, for a
+        row >= ``valid`` (past kv_len, or any row of a tile that does not exist: valid 0), zeros in the slot (e4m3
+        +0: the conversion then needs no select; page tails may hold NaN).  Touches no shared memory: runs ahead of
+        the empty waits.  A staged chunk (``iss.smem``, fp8p_stage): a 16-byte cp.async into this thread's staging
+        slot ``iss.slot`` of ``sStage`` instead (zeros by st.shared for rows >= valid), then one commit group per
+        staged issue (empty when nothing was copied), which ``fp8p_ring_convert`` counts on."""
+        m = iss.m
+        # row of pass m = row of pass 0 + 32 m: one per-thread row register, the limit uniform
+        row_ok = tKcK[0, 0, 0][0] < valid - (tKcK[0, m, 0][0] - tKcK[0, 0, 0][0])
+        if cutlass.const_expr(iss.smem):
+            if row_ok:
+                # the partition's (16, 1) value mode as the 16 contiguous bytes it is (the cp.async atom's shape)
+                src = tKgK[None, m, iss.blk]
+                cute.copy(cpa, cute.make_tensor(src.iterator, cute.make_layout(cute.size(src))),
+                          sStage[None, iss.slot])
+            else:
+                sStage[None, iss.slot].fill(0)
+            cute.arch.cp_async_commit_group()
+        else:
+            if row_ok:
+                cute.copy(g2r, tKgK[None, m, iss.blk], rRing[None, iss.slot])
+            else:
+                rRing[None, iss.slot].fill(0)
+
+    @cute.jit
+    def fp8p_ring_convert(
+        self, r2s: cute.TiledCopy, tKsK: cute.Tensor, rRing: cute.Tensor, sStage, st: cutlass.Constexpr,
+    ):
+        """The chunk of step ``st`` (``fp8p_ring.Step``): ring slot ``st.slot`` (or, staged, this thread's staging
+        slot after cp.async.wait_group(``st.wait``): the staged chunks issued after it may stay in flight; the
+        thread reads back only bytes it copied itself, so no barrier) -> fp16 (8 x cvt.rn.f16x2.e4m3x2) ->
+        sK[:, :, stage] pass m, block blk (two 128-bit st.shared, each one 16-byte swizzle unit)."""
+        c = st.chunk
+        rH = cute.make_rmem_tensor_like(tKsK[None, c.m, c.blk, c.stage], self.mma_dtype)
+        if cutlass.const_expr(st.smem):
+            cute.arch.cp_async_wait_group(st.wait)
+            rRaw = cute.make_rmem_tensor_like(sStage[None, st.slot])
+            rRaw.store(sStage[None, st.slot].load())
+            rH.store(rRaw.load().to(self.mma_dtype))
+        else:
+            rH.store(rRing[None, st.slot].load().to(self.mma_dtype))
+        cute.copy(r2s, rH, tKsK[None, c.m, c.blk, c.stage])
+
+    @cute.jit
+    def fp8p_producer_ring(
+        self, mKV: cute.Tensor, mPT: cute.Tensor, sK: cute.Tensor, mbar, ptid: cutlass.Int32, b: cutlass.Int32,
+        kv_len: cutlass.Int32, blocks_per_page: cutlass.Int32, n_start: cutlass.Int32, T: cutlass.Int32,
+        ph0=None, ph1=None,
+    ):
+        """``fp8p_producer`` with a register ring of ``fp8p_ring`` chunk slots (fp8p_ring.py): the same parts in
+        the same order, the same empty waits (parities, ``ph0`` / ``ph1`` for balanced) and full arrives, the same
+        page-table reads one pair ahead and L2 prefetch; but every chunk's ld.global is issued ``fp8p_ring - 1``
+        chunks ahead of its conversion (the prologue issues the item's first ones, the last steps of a pair the
+        next pair's tile a + 2), so the loads stay in flight across the empty waits and the conversions.  Row
+        limits fold tile existence in (valid 0: nothing loaded, slot zeroed, never converted), so the look-ahead
+        issues need no branches."""
+        g2r, r2s = self._fp8p_copies()
+        thr_g2r = g2r.get_slice(ptid)
+        tKcK = thr_g2r.partition_S(cute.make_identity_tensor((BLOCK_N, D_QK)))  # (CPY, passes, 9): (row, col)
+        tKgK0 = thr_g2r.partition_S(cute.local_tile(mKV[0, None, None], (BLOCK_N, D_QK), (0, 0)))
+        tKsK = r2s.get_slice(ptid).partition_D(sK)  # (CPY, passes, 9, STAGES)
+        rRing = cute.make_rmem_tensor((cute.size(tKcK.shape[0]), self.fp8p_ring), cutlass.Float8E4M3FN)
+        prologue, steps, rotation = _ring.ring_schedule(self.fp8p_ring, SEESAW_LOAD_BLOCKS, self.fp8p_stage)
+        full = mbar
+        empty = mbar + 4
+        sStage = None  # fp8p_stage: this thread's 16 bytes of each staging slot (after the 8 mbarriers)
+        cpa = None
+        if cutlass.const_expr(self.fp8p_stage):
+            e = FP8P_ELEMS_PER_COPY
+            base = cute.recast_ptr(mbar + self._num_mbars(), dtype=cutlass.Float8E4M3FN)
+            # (16 bytes, thread, slot), sliced at this thread: its offset ptid * 16 keeps the field's 16-byte
+            # alignment, which cp.async's 128-bit copies need
+            sAll = cute.make_tensor(base, cute.make_layout((e, WG_THREADS, self.fp8p_stage),
+                                                           stride=(1, e, _ring.STAGE_SLOT_BYTES)))
+            sStage = sAll[None, ptid, None]
+            cpa = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                      cutlass.Float8E4M3FN, num_bits_per_copy=8 * e)
+        # the L2 prefetch: one elected lane of the producer's first warp (a warp-uniform test: the thread-index test
+        # of fp8p_producer kept a vector register busy at each pair's start, where the ring is fullest)
+        pf_warp = cute.arch.make_warp_uniform(ptid // 32) == 0
+        # tiles by (page-table column q, 64-token block r in its page), advanced one tile at a time without a
+        # division (one divmod per item); pages read one pair ahead, only for tiles of the item
+        bpp = blocks_per_page
+        q_a = n_start // bpp
+        r_a = n_start % bpp
+        q_b = q_a + 1 if r_a + 1 == bpp else q_a
+        r_b = 0 if r_a + 1 == bpp else r_a + 1
+        pg_a = cutlass.Int32(0)
+        pg_b = cutlass.Int32(0)
+        if T > 0:
+            pg_a = mPT[b, q_a]
+            src0 = self.fp8p_ring_src(tKgK0, mKV, pg_a, r_a)
+            valid0 = kv_len - n_start * BLOCK_N
+            for c in cutlass.range_constexpr(len(prologue)):  # chunks 0 .. R - 2 of tile 0 (issue offset 0)
+                self.fp8p_ring_issue(g2r, src0, tKcK, valid0, prologue[c], rRing, sStage, cpa)
+        if T > 1:
+            pg_b = mPT[b, q_b]
+        for p in cutlass.range(0, (T + 1) // 2, 1):
+            ta = 2 * p
+            par0 = (p + 1) % 2  # phase p - 1 of the empty barriers: tile ta - 2 / tb - 2 released
+            par1 = par0
+            wait0 = p > 0
+            wait1 = p > 0
+            if cutlass.const_expr(ph0 is not None):
+                # balanced: the buffer's (ph + p)-th tile of the column waits on empty phase ph + p - 1
+                par0 = (ph0 + p + 1) % 2
+                par1 = (ph1 + p + 1) % 2
+                wait0 = ph0 + p > 0
+                wait1 = ph1 + p > 0
+            # the next pair's tiles a + 2, a + 3 (pages stay those of a / b past the item: never loaded from)
+            q2 = q_b + 1 if r_b + 1 == bpp else q_b
+            r2 = 0 if r_b + 1 == bpp else r_b + 1
+            q3 = q2 + 1 if r2 + 1 == bpp else q2
+            r3 = 0 if r2 + 1 == bpp else r2 + 1
+            pn2 = pg_a
+            pn3 = pg_b
+            if ta + 2 < T:
+                pn2 = mPT[b, q2]
+            if ta + 3 < T:
+                pn3 = mPT[b, q3]
+            if cutlass.const_expr(self.l2_prefetch):
+                if pf_warp:
+                    with cute.arch.elect_one():
+                        if ta + 2 < T:
+                            self.fp8p_ring_prefetch(mKV, pn2, r2)
+                        if ta + 3 < T:
+                            self.fp8p_ring_prefetch(mKV, pn3, r3)
+            # issue sources by tile offset (0: a, 1: b, 2: a + 2) and their row limits (0 for a missing tile); each
+            # half of the pair issues into two tiles only (a / b, then b / a + 2), so only two are built at a time
+            src_b = self.fp8p_ring_src(tKgK0, mKV, pg_b, r_b)
+            valid_b = kv_len - (n_start + ta + 1) * BLOCK_N if ta + 1 < T else 0
+            waits = (wait0, wait1)
+            pars = (par0, par1)
+            # tile a's 18 chunks (their look-ahead issues reach into tile b)
+            srcs = {0: self.fp8p_ring_src(tKgK0, mKV, pg_a, r_a), 1: src_b}
+            valids = {0: kv_len - (n_start + ta) * BLOCK_N, 1: valid_b}
+            for j in cutlass.range_constexpr(_ring.PAIR_CHUNKS // 2):
+                st = steps[j]
+                self.fp8p_ring_step(g2r, r2s, srcs[st.issue.off], valids[st.issue.off], tKcK, tKsK, rRing, sStage,
+                                    cpa, st, waits[st.chunk.stage], pars[st.chunk.stage], empty, full)
+            if ta + 1 < T:
+                # tile b's 18 chunks (their look-ahead issues reach into the next pair's tile a + 2)
+                srcs_b = {1: src_b, 2: self.fp8p_ring_src(tKgK0, mKV, pn2, r2)}
+                valids_b = {1: valid_b, 2: kv_len - (n_start + ta + 2) * BLOCK_N if ta + 2 < T else 0}
+                for j in cutlass.range_constexpr(_ring.PAIR_CHUNKS // 2, _ring.PAIR_CHUNKS):
+                    st = steps[j]
+                    self.fp8p_ring_step(g2r, r2s, srcs_b[st.issue.off], valids_b[st.issue.off], tKcK, tKsK, rRing,
+                                        sStage, cpa, st, waits[st.chunk.stage], pars[st.chunk.stage], empty, full)
+                if cutlass.const_expr(any(r != s for s, r in enumerate(rotation))):
+                    # the next pair's chunk c sits in slot (36 + c) % R: rename to c % R (fp8p_ring.ring_schedule)
+                    held = [rRing[None, r].load() for r in rotation]
+                    for s in cutlass.range_constexpr(len(rotation)):
+                        rRing[None, s].store(held[s])
+            pg_a = pn2
+            pg_b = pn3
+            r_a = r2
+            q_b = q3
+            r_b = r3
+
+    @cute.jit
+    def fp8p_ring_step(
+        self, g2r: cute.TiledCopy, r2s: cute.TiledCopy, src: cute.Tensor, valid: cutlass.Int32, tKcK: cute.Tensor,
+        tKsK: cute.Tensor, rRing: cute.Tensor, sStage, cpa, st: cutlass.Constexpr, wait_empty, parity, empty, full,
+    ):
+        """One step of the ring (``fp8p_ring.Step``): issue the look-ahead chunk, then, for a part's first chunk,
+        wait for the part's empty barrier (``wait_empty``: not for a buffer's first tile), convert + store the
+        chunk, and after a part's last chunk fence.proxy.async + arrive on its full barrier (count 128)."""
+        self.fp8p_ring_issue(g2r, src, tKcK, valid, st.issue, rRing, sStage, cpa)
+        if cutlass.const_expr(st.chunk.first):
+            if wait_empty:
+                cute.arch.mbarrier_wait(empty + st.chunk.mbar, parity)
+        self.fp8p_ring_convert(r2s, tKsK, rRing, sStage, st)
+        if cutlass.const_expr(st.chunk.last):
+            cute.arch.fence_view_async_shared()
+            cute.arch.mbarrier_arrive(full + st.chunk.mbar)
 
     @cute.jit
     def fp8p_producer(
@@ -2444,8 +2689,32 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
                       workspace)
 
 
-# kernel-cache key flags after (q, kv, block_m): see seesaw_spec
+# kernel-cache key flags after (q, kv, block_m): see seesaw_spec (plus "fp8pr<R>": fp8p_ring = R, seesaw_flag_ring)
 SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p", "qpf")
+#: key flag prefix of the fp8 producer's register ring (``fp8p_ring``): "fp8pr7" for 7 slots
+SEESAW_RING_FLAG = "fp8pr"
+#: key flag prefix of the ring's shared-memory staging (``fp8p_stage``): "fp8ps4" for 4 slots
+SEESAW_STAGE_FLAG = "fp8ps"
+
+
+def _numbered_flag(flags, prefix: str) -> int:
+    vals = [int(f[len(prefix):]) for f in flags if f.startswith(prefix) and f[len(prefix):].isdigit()]
+    return vals[0] if vals else 0
+
+
+def seesaw_flag_ring(flags) -> int:
+    """The ``fp8p_ring`` a seesaw kernel key's flags ask for (0: none), from its "fp8pr<R>" flag."""
+    return _numbered_flag(flags, SEESAW_RING_FLAG)
+
+
+def seesaw_flag_stage(flags) -> int:
+    """The ``fp8p_stage`` a seesaw kernel key's flags ask for (0: none), from its "fp8ps<S>" flag."""
+    return _numbered_flag(flags, SEESAW_STAGE_FLAG)
+
+
+def _seesaw_unknown_flags(flags) -> list:
+    return [f for f in flags if f not in SEESAW_FLAGS and not f.startswith("partial_")
+            and not any(f.startswith(p) and f[len(p):].isdigit() for p in (SEESAW_RING_FLAG, SEESAW_STAGE_FLAG))]
 #: MLADecodePartialWGMMASeesaw(lazy_rescale=True): a row's reference max moves only when a tile's max exceeds it by
 #: more than this (exp2 units), so P <= 2^8
 LAZY_RESCALE_LOG2 = 8.0
@@ -2454,16 +2723,31 @@ LAZY_RESCALE_LOG2 = 8.0
 def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags: str):
     from . import api
 
-    unknown = [f for f in flags if f not in SEESAW_FLAGS and not f.startswith("partial_")]
+    unknown = _seesaw_unknown_flags(flags)
     if unknown:
         raise ValueError(f"seesaw kernel key: unknown flags {unknown}, expected a subset of {SEESAW_FLAGS} "
-                         "and a partial_<dtype> tag")
+                         f"and a partial_<dtype> tag (and {SEESAW_RING_FLAG}<slots>)")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
                                     tma="tma" in flags, reader_fences="rfence" in flags,
                                     lazy_rescale="lazy" in flags, fp8_producer="fp8p" in flags,
+                                    fp8p_ring=seesaw_flag_ring(flags), fp8p_stage=seesaw_flag_stage(flags),
                                     q_prefetch="qpf" in flags)  # balanced only: the constructor refuses it
     return api.compile_partial(k, q_name, kv_name, flags)
+
+
+def _check_fp8p_ring(fp8p_ring: int, fp8_producer: bool, fp8p_stage: int = 0) -> None:
+    """Getter-side refusal (before any compile) of a register ring without the producer or of a size the kernel
+    does not take (fp8p_ring.RING_SIZES: those ptxas assembles without spills), and of staging without a ring or
+    with another slot count than fp8p_ring.STAGE_SLOTS."""
+    if fp8p_ring and not fp8_producer:
+        raise ValueError(f"seesaw WGMMA kernel: fp8p_ring={fp8p_ring} needs fp8_producer=True")
+    if fp8p_ring and fp8p_ring not in _ring.RING_REGS:
+        raise ValueError(f"seesaw WGMMA kernel: fp8p_ring must be one of {tuple(sorted(_ring.RING_REGS))}, got {fp8p_ring}")
+    if fp8p_stage and not fp8p_ring:
+        raise ValueError(f"seesaw WGMMA kernel: fp8p_stage={fp8p_stage} needs fp8p_ring")
+    if fp8p_stage not in (0, _ring.STAGE_SLOTS):
+        raise ValueError(f"seesaw WGMMA kernel: fp8p_stage must be 0 or {_ring.STAGE_SLOTS}, got {fp8p_stage}")
 
 
 def seesaw_l2_prefetch_default(kv_name: str) -> bool:
@@ -2481,29 +2765,34 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
                 wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                lazy_rescale: bool = False, fp8_producer: bool = False,
-                q_prefetch: bool = False) -> tuple[str | int, ...]:
+                lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
+                fp8p_stage: int = 0, q_prefetch: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
     every existing key is unchanged), then "rfence" for a TMA or fp8 kernel that keeps the reader-side fences
     (the A/B arm; see MLADecodePartialWGMMASeesaw.reader_fences; never for the 16-bit cp.async kernel, which
     runs them anyway), then "lazy" for ``lazy_rescale`` (only when set), then "fp8p" for ``fp8_producer`` (fp8 KV
-    with a producer warpgroup; only when set), then "qpf" for ``q_prefetch`` (the balanced kernel's next-item Q and
-    tiles 0 / 1 issued in the current item; only when set)."""
+    with a producer warpgroup; only when set), then "fp8pr<R>" for the producer's register ring ``fp8p_ring`` = R
+    and "fp8ps<S>" for its shared-memory staging ``fp8p_stage`` = S (only when set), then "qpf" for
+    ``q_prefetch`` (the balanced kernel's next-item Q and tiles 0 / 1 issued in the current item; only when set;
+    every existing key is unchanged)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
             + api.store_spec(wide_store) + (("tma",) if tma else ())
             + (("rfence",) if reader_fences and (tma or kv_name == "fp8_e4m3") else ())
             + (("lazy",) if lazy_rescale else ()) + (("fp8p",) if fp8_producer else ())
+            + ((f"{SEESAW_RING_FLAG}{int(fp8p_ring)}",) if fp8p_ring else ())
+            + ((f"{SEESAW_STAGE_FLAG}{int(fp8p_stage)}",) if fp8p_stage else ())
             + (("qpf",) if q_prefetch else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
                                     wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
-                                    lazy_rescale: bool = False, fp8_producer: bool = False):
+                                    lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
+                                    fp8p_stage: int = 0):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
@@ -2512,7 +2801,11 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     balanced kernel; measured in the class docstring).  ``reader_fences``: keep the reader-side proxy fences
     with TMA loads or an fp8 cache (the A/B arm; the 16-bit cp.async kernel runs them anyway).  ``lazy_rescale``:
     see the class's constructor.  ``fp8_producer``: fp8 cache only (ValueError otherwise), the opt-in kernel with a
-    producer warpgroup (384 threads) that does all fp8 loading and conversion (``kernel_fp8p``)."""
+    producer warpgroup (384 threads) that does all fp8 loading and conversion (``kernel_fp8p``).  ``fp8p_ring``
+    (with fp8_producer only; one of ``fp8p_ring.RING_SIZES``, 0: the one-part producer): the producer's register
+    ring of that many 16-fp8 chunks, loads issued ring - 1 chunks ahead (``fp8p_producer_ring``; key flag
+    "fp8pr<R>"); ``fp8p_stage`` (with a ring; 0 or fp8p_ring.STAGE_SLOTS): every third chunk staged through
+    shared memory by cp.async, loads issued ``fp8p_ring.lookahead`` chunks ahead (key flag "fp8ps<S>")."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2522,22 +2815,24 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         raise ValueError("seesaw WGMMA kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if fp8_producer and kv_name != "fp8_e4m3":
         raise ValueError(f"seesaw WGMMA kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
+    _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage)
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 reader_fences, lazy_rescale, fp8_producer),
+                                                 reader_fences, lazy_rescale, fp8_producer, fp8p_ring, fp8p_stage),
                                      _build_partial_wgmma_seesaw)
 
 
 def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_scale: float,
                                  out, lse, schedule, workspace, *, check: bool = True,
                                  l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False,
-                                 lazy_rescale: bool = False, fp8_producer: bool = False):
+                                 lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
+                                 fp8p_stage: int = 0):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
-    ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``, ``fp8_producer`` (fp8 cache only): see
-    ``get_partial_kernel_wgmma_seesaw``."""
+    ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``, ``fp8_producer`` (fp8 cache only), ``fp8p_ring``
+    (with fp8_producer), ``fp8p_stage`` (with a ring): see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
@@ -2546,7 +2841,9 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
                                               l2_prefetch=l2_prefetch, partial=api.partial_name(workspace),
                                               wide_store=schedule.wide_store, tma=tma, reader_fences=reader_fences,
                                               lazy_rescale=lazy_rescale,
-                                              **({"fp8_producer": True} if fp8_producer else {}))  # opt-in only
+                                              **({"fp8_producer": True} if fp8_producer else {}),  # opt-in only
+                                              **({"fp8p_ring": fp8p_ring} if fp8p_ring else {}),
+                                              **({"fp8p_stage": fp8p_stage} if fp8p_stage else {}))
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
@@ -2574,14 +2871,15 @@ def seesaw_pair_parities(ph0: int, ph1: int, p: int) -> tuple[int, int]:
 def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int, *flags: str):
     from . import api
 
-    unknown = [f for f in flags if f not in SEESAW_FLAGS and not f.startswith("partial_")]
+    unknown = _seesaw_unknown_flags(flags)
     if unknown:
         raise ValueError(f"seesaw kernel key: unknown flags {unknown}, expected a subset of {SEESAW_FLAGS} "
-                         "and a partial_<dtype> tag")
+                         f"and a partial_<dtype> tag (and {SEESAW_RING_FLAG}<slots>)")
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q_name), api._cutlass_dtype(kv_name), block_m,
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
                                     tma="tma" in flags, balanced=True, lazy_rescale="lazy" in flags,
-                                    fp8_producer="fp8p" in flags, q_prefetch="qpf" in flags)
+                                    fp8_producer="fp8p" in flags, fp8p_ring=seesaw_flag_ring(flags),
+                                    fp8p_stage=seesaw_flag_stage(flags), q_prefetch="qpf" in flags)
     return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
 
 
@@ -2589,7 +2887,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
                                              l2_prefetch: bool | None = None, partial: str = "fp32",
                                              wide_store: bool = False, tma: bool = False,
                                              lazy_rescale: bool = False, fp8_producer: bool = False,
-                                             q_prefetch: bool = False):
+                                             fp8p_ring: int = 0, fp8p_stage: int = 0, q_prefetch: bool = False):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
     KV in the q dtype (default) or ``"fp8_e4m3"`` (branch fp8-balanced: the even fp8 seesaw's loads under the
     item loop; GPU-verified in the twenty-second session); kernel cache kind ``partial_wgmma_seesaw_balanced`` with
@@ -2598,9 +2896,11 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     ``partial``, ``wide_store``, ``tma`` (16-bit caches only), ``lazy_rescale``: as
     ``get_partial_kernel_wgmma_seesaw``.  ``fp8_producer`` (fp8 cache only, ValueError otherwise; branch
     fp8-balanced-producer, GPU-verified in the twenty-second session): the producer-warpgroup kernel on the balanced
-    schedule (``kernel_fp8p_balanced``), key flag "fp8p" as the even getter's.  ``q_prefetch`` (16-bit cache only,
-    ValueError otherwise; branch q-prefetch, compile-only): each item issues the next item's Q (a TMA load) and KV
-    tiles 0 / 1 during its last pairs (``seesaw_column_qpf``), key flag "qpf"."""
+    schedule (``kernel_fp8p_balanced``), key flag "fp8p" as the even getter's.  ``fp8p_ring``, ``fp8p_stage``: the
+    producer's register ring and its shared-memory staging, as the even getter's (key flags "fp8pr<R>",
+    "fp8ps<S>").  ``q_prefetch`` (16-bit cache only, ValueError otherwise; branch q-prefetch, compile-only): each
+    item issues the next item's Q (a TMA load) and KV tiles 0 / 1 during its last pairs (``seesaw_column_qpf``),
+    key flag "qpf"."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2610,6 +2910,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
         raise ValueError("balanced seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if fp8_producer and kv_name != "fp8_e4m3":
         raise ValueError(f"balanced seesaw kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
+    _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage)
     if q_prefetch and kv_name == "fp8_e4m3":
         raise ValueError("balanced seesaw kernel: q_prefetch=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if l2_prefetch is None:
@@ -2617,7 +2918,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
                                                  lazy_rescale=lazy_rescale, fp8_producer=fp8_producer,
-                                                 q_prefetch=q_prefetch),
+                                                 fp8p_ring=fp8p_ring, fp8p_stage=fp8p_stage, q_prefetch=q_prefetch),
                                      _build_partial_wgmma_seesaw_balanced)
 
 
@@ -2625,6 +2926,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
                                           out, lse, schedule, workspace, *, check: bool = True,
                                           l2_prefetch: bool | None = None, tma: bool = False,
                                           lazy_rescale: bool = False, fp8_producer: bool = False,
+                                          fp8p_ring: int = 0, fp8p_stage: int = 0,
                                           q_prefetch: bool = False):
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
@@ -2632,8 +2934,9 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
     and wgmma_t balanced entries' launch).  Needs s_q * H > 32 (the 64-row tile: schedule.block_m 64) and a
     bf16/fp16 or fp8 e4m3 cache (ValueError otherwise, also with check=False; fp8: k = kv * kv_scale as in the
     even entry; GPU-verified in the twenty-second session).  ``l2_prefetch``, ``tma``: see
-    ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``q_prefetch`` (16-bit cache
-    only; compile-only so far): see ``get_partial_kernel_wgmma_seesaw_balanced``."""
+    ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``fp8p_ring``,
+    ``fp8p_stage``, ``q_prefetch`` (16-bit cache only; compile-only so far): see
+    ``get_partial_kernel_wgmma_seesaw_balanced``."""
     from . import api
 
     api.check_balanced(schedule, kv_cache, fp8_ok=True)
@@ -2645,6 +2948,8 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
         api._TORCH_TO_NAME[q.dtype], api._TORCH_TO_NAME[kv_cache.dtype], l2_prefetch=l2_prefetch,
         partial=api.partial_name(workspace), wide_store=schedule.wide_store, tma=tma, lazy_rescale=lazy_rescale,
         **({"fp8_producer": True} if fp8_producer else {}),  # opt-in only
+        **({"fp8p_ring": fp8p_ring} if fp8p_ring else {}),
+        **({"fp8p_stage": fp8p_stage} if fp8p_stage else {}),
         **({"q_prefetch": True} if q_prefetch else {}))
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
