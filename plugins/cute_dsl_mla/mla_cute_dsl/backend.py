@@ -193,12 +193,13 @@ class CuteDslOptions(BackendOptions):
                     "0.98-1.02x at s_q=1. With tma an eager step encodes the cache's tensor map on the host at "
                     "every launch (none under CUDA-graph replay). Other kernels and fp8 caches ignore it")
     q_prefetch: bool = Field(
-        default=False,
+        default=True,
         description="the balanced seesaw kernel (sm_90, seesaw_split=balanced, bf16/fp16 cache): each work item of a "
                     "CTA column issues the next item's Q (a TMA load) and its first two KV tiles during its own last "
-                    "pairs, so the next item does not start by waiting for them (kernel option q_prefetch, branch "
-                    "q-prefetch). Compile-checked, not yet run on a GPU: off (default) runs the kernels as before. "
-                    "The even seesaw, fp8 caches and the other kernels ignore it")
+                    "pairs, so the next item does not start by waiting for them. On an H200 (kernels alone, H=128 "
+                    "S=800-4096, B=64-180, docs/results/gpu23_session/qpf_speed.txt) 0.96-0.99x the time without it "
+                    "at s_q=1 and S<=1500 at s_q=2, 1.003-1.017x at s_q=2 S=4096; on by default. The even seesaw, "
+                    "fp8 caches and the other kernels ignore it")
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(
         default="auto",
         description="sm_90 partial kernel: wgmma (s_q*num_heads > 32; 1.4-1.7x faster than mma_sync at H=64/128 on "

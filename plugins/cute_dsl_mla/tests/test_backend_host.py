@@ -807,7 +807,8 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
     """Option loads (auto with the balanced seesaw, the default: TMA from 33 packed rows, every row count
     mma=auto gives it; fp8 caches always load through registers)
     reaches the seesaw host entry the plan runs as tma=True (no keyword for cp.async: the entry's default kernel),
-    the plan's log line names it, and a shape on another kernel ignores it."""
+    the plan's log line names it, and a shape on another kernel ignores it. (Option q_prefetch, on by default, adds
+    q_prefetch=True with a 16-bit cache, whatever loads says; an fp8 cache ignores it.)"""
     from mla_cute_dsl import backend as be
     from mlacore import StepInputs
 
@@ -821,14 +822,17 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
     # seesaw_split=balanced (the default) runs a 16-bit cache on the balanced entry; an fp8 cache on the even one
     assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"  # fp8 too since 0.2.17
     # and option rescale (default lazy) as lazy_rescale=True, with either cache
-    # (and option fp8_loader, default producer since 0.2.17, as fp8_producer=True with an fp8 cache)
+    # (and option fp8_loader, default producer since 0.2.17, as fp8_producer=True with an fp8 cache;
+    # option q_prefetch, default on, as q_prefetch=True with a 16-bit cache)
     assert getattr(planned.run_fn, "keywords", {}) == (({"tma": True} if want else {}) | {"lazy_rescale": True}
-                                                       | ({"fp8_producer": True} if kv == "fp8_e4m3" else {}))
+                                                       | ({"fp8_producer": True} if kv == "fp8_e4m3" else {})
+                                                       | ({"q_prefetch": True} if kv == "bf16" else {}))
     summary = be.kernel_summary(problem, opts)
     if kv == "bf16":
         assert f"{'TMA' if want else 'cp.async'} KV loads (loads={loads}" in summary
+        assert summary.endswith(" (q_prefetch)")
     else:
-        assert "KV loads" not in summary
+        assert "KV loads" not in summary and "q_prefetch" not in summary
     small = prob(num_heads=16, seq_len_q=1, batch_size=4)
     other = _cpu_session(monkeypatch, opts, heads=16).plan(small, StepInputs(lens, table, lens, table))
     assert other.kernel != "seesaw" and "tma" not in getattr(other.run_fn, "keywords", {})
@@ -857,7 +861,8 @@ def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch,
     """loads=auto at H=128 s_q=2: running the plan reaches the seesaw kernel getter (balanced or even, as
     seesaw_split says) with tma=True (and the partial dtype and wide stores of the defaults), and launches what it
     returned; at s_q=1 (128 rows) the balanced session asks for the TMA kernel too (from 128 rows since 0.2.14),
-    the even one for the cp.async kernel (from 256)."""
+    the even one for the cp.async kernel (from 256). The balanced getter also gets q_prefetch=True (option
+    q_prefetch, on by default); the even one takes no such keyword."""
     from mla_cute_dsl.kernels import api, sm90_wgmma_decode
     from mlacore import StepInputs
 
@@ -877,6 +882,8 @@ def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch,
         want = {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma, "lazy_rescale": True}
         if split == "even":  # the even entry's A/B knob (branch seesaw-tma-nofence), off under the backend
             want["reader_fences"] = False
+        else:  # option q_prefetch (default on): the balanced 16-bit seesaw's "qpf" kernel
+            want["q_prefetch"] = True
         assert asked[-1] == ("bf16", "bf16", want)
         assert launched[-1] == ("kernel", tma)
 

@@ -60,7 +60,7 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
         ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "fp8p")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "lazy", "fp8p")),
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp8_e4m3", 64, "l2pf", "lazy", "fp8p")),
-        # q_prefetch (branch q-prefetch): the backend's arm with option q_prefetch=true, test_seesaw_qpf_gpu.py's arms
+        # q_prefetch: the backend's default arm (option q_prefetch on by default), test_seesaw_qpf_gpu.py's arms
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy", "qpf")),
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "partial_fp16", "wide_store", "tma", "lazy", "qpf")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "qpf")),

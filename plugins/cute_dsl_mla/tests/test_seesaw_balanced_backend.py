@@ -12,6 +12,9 @@ from mla_cute_dsl import backend as be
 from mla_cute_dsl.backend import CuteDslBackend, CuteDslOptions
 from mlacore import StepInputs
 
+# the summary's last clause for the balanced seesaw with a 16-bit cache under option q_prefetch (on by default)
+QPF = ", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
+
 
 def _plan(monkeypatch, options, lens_l, heads=128, s_q=1, kv="bf16", session=None, rec=None):
     B = len(lens_l)
@@ -60,7 +63,8 @@ def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, 
     every row count mma=auto gives the balanced seesaw, since 0.2.14), a balanced schedule for
     one CTA per SM with num_cols = 132 // m-blocks, its form following the lengths (uniform 4096: balanced at B=40,
     where the even plan's second wave is 1.5x the balanced columns; even at B=32, one wave), re-planned in place
-    (the buffers a captured graph reads stay), equal to make_schedule's own answer."""
+    (the buffers a captured graph reads stay), equal to make_schedule's own answer. Option q_prefetch (on by
+    default) reaches the entry as q_prefetch=True."""
     import types
 
     from mla_cute_dsl.kernels import schedule as S
@@ -75,7 +79,8 @@ def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, 
         session, planned = _plan(monkeypatch, opts, lens_l, heads=heads, s_q=s_q, session=session, rec=rec)
         assert planned.kernel == "seesaw" and planned.balanced is True
         assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"
-        assert getattr(planned.run_fn, "keywords", {}) == ({"tma": True} if tma else {}) | {"lazy_rescale": True}
+        assert getattr(planned.run_fn, "keywords", {}) == (({"tma": True} if tma else {}) | {"lazy_rescale": True}
+                                                           | {"q_prefetch": True})
         sched = planned.schedule
         m_blocks = -(-heads * s_q // 64)
         assert sched.balanced and sched.block_m == 64 and sched.num_cols == 132 // m_blocks
@@ -94,7 +99,7 @@ def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, 
 
 def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch):
     """Planned.run reaches mla_decode_sm90_wgmma_seesaw_balanced with check=False, which asks the balanced getter
-    for the session's partial dtype / wide stores / loads and launches through api.launch_balanced with the
+    for the session's partial dtype / wide stores / loads / q_prefetch (on by default) and launches through api.launch_balanced with the
     plan's schedule (its cta_ranges go to the kernel there)."""
     from mla_cute_dsl.kernels import api, sm90_wgmma_decode
 
@@ -115,7 +120,7 @@ def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch)
         out = torch.empty(4, s_q, 128, 512, dtype=torch.bfloat16)
         planned.run(q, kv, out, torch.empty(4, s_q, 128))
         assert asked[-1] == ("bf16", "bf16", {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma,
-                                              "lazy_rescale": True})
+                                              "lazy_rescale": True, "q_prefetch": True})
         partial, args = launched[-1]
         assert partial == "balanced-kernel" and args[-2] is planned.schedule and args[-1] is planned.workspace
 
@@ -147,11 +152,14 @@ def test_kernel_summary_run_function_and_notes():
     assert be.kernel_summary(prob(num_heads=128), bal).startswith(
         "seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan")
     assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), bal).endswith(
+        "TMA KV loads (loads=auto: TMA from 33 rows)" + QPF)
+    assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), CuteDslOptions(q_prefetch=False)).endswith(
         "TMA KV loads (loads=auto: TMA from 33 rows)")
     # since 0.2.14 the balanced seesaw loads by TMA at 128 rows too, since 0.2.17 from 33; the even one
-    # (ctas_per_sm=2) from 256
-    assert be.kernel_summary(prob(num_heads=128), bal).endswith("TMA KV loads (loads=auto: TMA from 33 rows)")
-    assert be.kernel_summary(prob(num_heads=16, seq_len_q=3), bal).endswith("TMA KV loads (loads=auto: TMA from 33 rows)")
+    # (ctas_per_sm=2) from 256; q_prefetch (on by default) only on the balanced one
+    assert be.kernel_summary(prob(num_heads=128), bal).endswith("TMA KV loads (loads=auto: TMA from 33 rows)" + QPF)
+    assert be.kernel_summary(prob(num_heads=16, seq_len_q=3), bal).endswith(
+        "TMA KV loads (loads=auto: TMA from 33 rows)" + QPF)
     assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(ctas_per_sm=2)).endswith(
         "cp.async KV loads (loads=auto: TMA from 256 rows)")
     fp8 = be.kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), bal)

@@ -1,5 +1,5 @@
-"""Host tests (CPU) of the backend option q_prefetch (branch q-prefetch): off by default (nothing changes: the same
-plan keywords, summary and kernels); on, the balanced seesaw with a bf16/fp16 cache gets q_prefetch=True at its entry,
+"""Host tests (CPU) of the backend option q_prefetch: on by default since the twenty-third session (measured on an
+H200); off gives the plan keywords, summary and kernels of before; on, the balanced seesaw with a bf16/fp16 cache gets q_prefetch=True at its entry,
 which asks the balanced getter for the "qpf" kernel; the even seesaw (seesaw_split=even), fp8 caches and the other
 kernels ignore it. Monkeypatched; nothing compiles."""
 
@@ -15,13 +15,15 @@ from mla_cute_dsl import backend as be
 from mla_cute_dsl.backend import CuteDslOptions
 
 
-def test_option_default_off_and_validated():
-    assert CuteDslOptions().q_prefetch is False
-    assert CuteDslOptions(q_prefetch=True).q_prefetch is True  # `mla bench --backend cute_dsl_mla:q_prefetch=true`
+def test_option_default_on_and_validated():
+    assert CuteDslOptions().q_prefetch is True
+    assert CuteDslOptions(q_prefetch=False).q_prefetch is False  # `mla bench --backend cute_dsl_mla:q_prefetch=false`
     with pytest.raises(ValueError, match="q_prefetch"):
         CuteDslOptions(q_prefetch="sometimes")
-    assert not be.seesaw_q_prefetch(prob(num_heads=128), CuteDslOptions())
-    assert "(q_prefetch)" not in be.kernel_summary(prob(num_heads=128), CuteDslOptions())
+    assert be.seesaw_q_prefetch(prob(num_heads=128), CuteDslOptions())
+    assert "(q_prefetch)" in be.kernel_summary(prob(num_heads=128), CuteDslOptions())
+    assert not be.seesaw_q_prefetch(prob(num_heads=128), CuteDslOptions(q_prefetch=False))
+    assert "(q_prefetch)" not in be.kernel_summary(prob(num_heads=128), CuteDslOptions(q_prefetch=False))
 
 
 @pytest.mark.parametrize("heads,kv,split,want", [
@@ -55,5 +57,5 @@ def test_on_reaches_only_the_balanced_16_bit_seesaw(monkeypatch, heads, kv, spli
 
 
 def test_off_keeps_the_plan_keywords_of_before(monkeypatch):
-    _, planned = _plan(monkeypatch, CuteDslOptions(), [3000, 17, 0, 4096])
+    _, planned = _plan(monkeypatch, CuteDslOptions(q_prefetch=False), [3000, 17, 0, 4096])
     assert planned.run_fn.keywords == {"tma": True, "lazy_rescale": True}
