@@ -80,6 +80,11 @@ def specs():
                                     lambda q=q, p=partial, w=wide, t=tma, z=lazy:
                                     get_partial_kernel_wgmma_seesaw_balanced(q, q, partial=p, wide_store=w, tma=t,
                                                                              lazy_rescale=z, q_prefetch=True)))
+                    if partial == q == "fp16":  # the backend's fp16 arm above 128 packed rows (q_prefetch unset:
+                        # auto, off there; bf16's is the lazy_rescale arm above)
+                        out.append((f"seesaw_balanced {q} {tag} tma lazy", lambda q=q:
+                                    get_partial_kernel_wgmma_seesaw_balanced(q, q, partial=q, wide_store=True,
+                                                                             tma=True, lazy_rescale=True)))
                     if partial == "fp32":
                         t, z = (False, True) if q == "bf16" else (True, True)
                         out.append((f"seesaw_balanced {q} {tag}{' tma' if t else ''} lazy (qpf off arm)",

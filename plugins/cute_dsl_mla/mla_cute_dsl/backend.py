@@ -146,6 +146,11 @@ SplitKV = Literal["even", "balanced"]
 SeesawSplit = Literal["even", "balanced"]
 
 
+# option q_prefetch unset: on up to this many packed rows (H=128 s_q=1 on an H200: 0.96-0.99x the time), off above
+# (H=128 s_q=2 S=4096: 1.03x through mla bench; docs/results/gpu23_session/)
+QPF_AUTO_MAX_ROWS = 128
+
+
 class CuteDslOptions(BackendOptions):
     ctas_per_sm: Literal["auto", 1, 2] = Field(
         default="auto", description="split-KV work items per SM in one wave (sm_90). auto: 2 for the fp8reg kernel "
@@ -161,22 +166,20 @@ class CuteDslOptions(BackendOptions):
                     "(bf16 B=128 s_q=1 294.8 -> 288.9 us, s_q=2 549.5 -> 539.6; fp8 B=128 s_q=1 327.2 -> 324.0), "
                     "equal at batch 1. eager: every tile rescales (0.2.15's kernels). Other kernels ignore it")
     fp8_loader: Literal["inline", "producer", "ring", "ring_staged"] = Field(
-        default="producer",
+        default="ring",
         description="how the seesaw kernel (sm_90; under mma=auto from 33 packed rows with an fp8 cache) turns the "
-                    "fp8 e4m3 cache into its fp16 K tiles. producer (default since 0.2.17): a third warpgroup "
-                    "(384 threads, setmaxnreg 216 math / 72 producer) does all fp8 loading and conversion on "
-                    "full / empty mbarriers, the math warpgroups only wait and run their WGMMAs; on an H200 "
-                    "(docs/results/gpu22_session/fp8p_speed.txt, the kernels alone, fa3 interleaved) 0.88-0.90x "
-                    "inline's time with lazy rescale at H=128 B=16/64/128 and H=64 B=128, S=4096 (B=128 H=128 "
-                    "s_q=1 292.5 against 330.4 us, fa3 928.5). inline (0.2.16's kernel): the two math warpgroups "
-                    "ld.global their part of each tile, convert it (cvt e4m3x2 -> f16x2) and st.shared it between "
-                    "their WGMMAs. ring (branch fp8p-inflight, compile-checked, not yet run on a GPU): the "
-                    "producer warpgroup with a register ring (setmaxnreg 208 math / 88 producer) that issues each "
-                    "16-byte chunk's ld.global several chunks ahead of its conversion, so the loads stay in flight "
-                    "across the producer's empty waits and conversions instead of one part at a time. ring_staged "
-                    "(compile-checked): the ring with every third chunk staged through 8 KB of shared memory by "
-                    "cp.async, more loads in flight at no register cost. bf16/fp16 caches and other kernels ignore "
-                    "it")
+                    "fp8 e4m3 cache into its fp16 K tiles. ring (default since the twenty-third session): a third "
+                    "warpgroup (384 threads, setmaxnreg 208 math / 88 producer) loads and converts the cache on "
+                    "full / empty mbarriers with a 7-chunk register ring, each 16-byte chunk's ld.global issued six "
+                    "chunks ahead of its conversion; on an H200 (docs/results/gpu23_session/ring_speed.txt, kernels "
+                    "alone) 0.96-0.98x producer's time at H=128 B=16/64/128 s_q 1/2 and H=64 B=128, S=4096 (B=128 "
+                    "H=128 s_q=1 280.6 against 291.5 us, fa3 932.7), bitwise the same output. producer (0.2.17's "
+                    "default): the same warpgroup (216 / 72) with one part (up to 5 blocks) in registers at a time; "
+                    "on an H200 0.88-0.90x inline's time (gpu22_session/fp8p_speed.txt). inline (0.2.16's kernel): "
+                    "the two math warpgroups ld.global their part of each tile, convert it (cvt e4m3x2 -> f16x2) and "
+                    "st.shared it between their WGMMAs. ring_staged: the ring with every third chunk staged through "
+                    "8 KB of shared memory by cp.async (GPU-verified; 1.01-1.02x producer's time on the H200: not "
+                    "faster). bf16/fp16 caches and other kernels ignore it")
     loads: Literal["auto", "cp_async", "tma"] = Field(
         default="auto",
         description="how the seesaw kernel (sm_90, s_q*num_heads >= 33 under mma=auto) brings KV tiles into shared "
@@ -192,14 +195,16 @@ class CuteDslOptions(BackendOptions):
                     "s_q=2 and 4 from batch 32 (0.95x at s_q=2 B=16); the kernels alone, 0.92-0.96x there and "
                     "0.98-1.02x at s_q=1. With tma an eager step encodes the cache's tensor map on the host at "
                     "every launch (none under CUDA-graph replay). Other kernels and fp8 caches ignore it")
-    q_prefetch: bool = Field(
-        default=True,
+    q_prefetch: Optional[bool] = Field(
+        default=None,
         description="the balanced seesaw kernel (sm_90, seesaw_split=balanced, bf16/fp16 cache): each work item of a "
                     "CTA column issues the next item's Q (a TMA load) and its first two KV tiles during its own last "
-                    "pairs, so the next item does not start by waiting for them. On an H200 (kernels alone, H=128 "
-                    "S=800-4096, B=64-180, docs/results/gpu23_session/qpf_speed.txt) 0.96-0.99x the time without it "
-                    "at s_q=1 and S<=1500 at s_q=2, 1.003-1.017x at s_q=2 S=4096; on by default. The even seesaw, "
-                    "fp8 caches and the other kernels ignore it")
+                    "pairs, so the next item does not start by waiting for them. Default (unset): on up to "
+                    f"{QPF_AUTO_MAX_ROWS} packed rows (s_q * num_heads), off above. On an H200 (H=128, "
+                    "docs/results/gpu23_session/): kernels alone 0.96-0.99x the time without it at s_q=1 (B=64-180, "
+                    "S=800-4096); at s_q=2 0.97-0.99x up to S=1500 but 1.003-1.017x at S=4096, and through mla "
+                    "bench at s_q=2 S=4096 1.03x (B=64 264.0 against 256.4 us, B=128 537.2 against 520.6). "
+                    "The even seesaw, fp8 caches and the other kernels ignore it")
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(
         default="auto",
         description="sm_90 partial kernel: wgmma (s_q*num_heads > 32; 1.4-1.7x faster than mma_sync at H=64/128 on "
@@ -506,7 +511,9 @@ def seesaw_q_prefetch(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether the balanced seesaw runs with its q_prefetch option (the next item's Q and KV tiles 0/1 issued during
     the current item): option q_prefetch, a bf16/fp16 cache and the seesaw kernel in its balanced mode. A function of
     the shape class and options only (one session's graphs keep one kernel)."""
-    return (bool(options.q_prefetch) and shape.kv_dtype != "fp8_e4m3"
+    wanted = (shape.seq_len_q * shape.num_heads <= QPF_AUTO_MAX_ROWS if options.q_prefetch is None
+              else options.q_prefetch)
+    return (wanted and shape.kv_dtype != "fp8_e4m3"
             and partial_kernel(shape, options) == SEESAW_BALANCED_KERNEL and balanced_split(shape, options))
 
 

@@ -545,7 +545,8 @@ def test_split_kv_applies_only_to_the_mma_sync_and_wgmma_t_kernels_with_a_16_bit
     assert ", eager softmax rescale (rescale=eager), TMA KV loads" in kernel_summary(
         prob(num_heads=128), CuteDslOptions(rescale="eager"))
     assert kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), CuteDslOptions()).endswith(
-        ", lazy softmax rescale (rescale=lazy), a producer warpgroup converts the fp8 cache (fp8_loader=producer)")
+        ", lazy softmax rescale (rescale=lazy), a producer warpgroup with a 7-chunk register ring converts the fp8 "
+        "cache (fp8_loader=ring)")
     assert "rescale" not in kernel_summary(prob(num_heads=16), CuteDslOptions(rescale="eager"))
     assert kernel_summary(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
                                                                                    mma="mma_sync")).endswith(
@@ -798,17 +799,18 @@ def test_option_s_accs_is_validated():
     assert CuteDslOptions().s_accs == "auto"
 
 
-@pytest.mark.parametrize("loads,heads,s_q,kv,want", [
-    ("auto", 128, 2, "bf16", True), ("auto", 64, 4, "bf16", True), ("auto", 128, 1, "bf16", True),
-    ("auto", 64, 3, "bf16", True), ("auto", 64, 2, "bf16", True), ("tma", 128, 1, "bf16", True),
-    ("cp_async", 128, 2, "bf16", False), ("cp_async", 128, 1, "bf16", False),
-    ("auto", 128, 2, "fp8_e4m3", False), ("tma", 128, 2, "fp8_e4m3", False)])
-def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, kv, want):
+@pytest.mark.parametrize("loads,heads,s_q,kv,want,qpf", [
+    ("auto", 128, 2, "bf16", True, False), ("auto", 64, 4, "bf16", True, False), ("auto", 128, 1, "bf16", True, True),
+    ("auto", 64, 3, "bf16", True, False), ("auto", 64, 2, "bf16", True, True), ("tma", 128, 1, "bf16", True, True),
+    ("cp_async", 128, 2, "bf16", False, False), ("cp_async", 128, 1, "bf16", False, True),
+    ("auto", 128, 2, "fp8_e4m3", False, False), ("tma", 128, 2, "fp8_e4m3", False, False)])
+def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, kv, want, qpf):
     """Option loads (auto with the balanced seesaw, the default: TMA from 33 packed rows, every row count
     mma=auto gives it; fp8 caches always load through registers)
     reaches the seesaw host entry the plan runs as tma=True (no keyword for cp.async: the entry's default kernel),
-    the plan's log line names it, and a shape on another kernel ignores it. (Option q_prefetch, on by default, adds
-    q_prefetch=True with a 16-bit cache, whatever loads says; an fp8 cache ignores it.)"""
+    the plan's log line names it, and a shape on another kernel ignores it. (Option q_prefetch, unset by default:
+    auto, adds q_prefetch=True with a 16-bit cache up to 128 packed rows, whatever loads says; an fp8 cache ignores
+    it and gets fp8_loader=ring's fp8_producer=True, fp8p_ring=7.)"""
     from mla_cute_dsl import backend as be
     from mlacore import StepInputs
 
@@ -822,17 +824,26 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
     # seesaw_split=balanced (the default) runs a 16-bit cache on the balanced entry; an fp8 cache on the even one
     assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"  # fp8 too since 0.2.17
     # and option rescale (default lazy) as lazy_rescale=True, with either cache
-    # (and option fp8_loader, default producer since 0.2.17, as fp8_producer=True with an fp8 cache;
-    # option q_prefetch, default on, as q_prefetch=True with a 16-bit cache)
+    # (and option fp8_loader, default ring since the twenty-third session, as fp8_producer=True, fp8p_ring=7 with
+    # an fp8 cache; option q_prefetch, default auto, as q_prefetch=True with a 16-bit cache up to 128 packed rows)
     assert getattr(planned.run_fn, "keywords", {}) == (({"tma": True} if want else {}) | {"lazy_rescale": True}
-                                                       | ({"fp8_producer": True} if kv == "fp8_e4m3" else {})
-                                                       | ({"q_prefetch": True} if kv == "bf16" else {}))
+                                                       | ({"fp8_producer": True, "fp8p_ring": 7}
+                                                          if kv == "fp8_e4m3" else {})
+                                                       | ({"q_prefetch": True} if qpf else {}))
+    assert be.seesaw_q_prefetch(problem, opts) is qpf
     summary = be.kernel_summary(problem, opts)
+    head = ("seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan, "
+            "whichever is predicted >= 10% faster)")
     if kv == "bf16":
-        assert f"{'TMA' if want else 'cp.async'} KV loads (loads={loads}" in summary
-        assert summary.endswith(" (q_prefetch)")
+        loads_text = {"auto": "TMA KV loads (loads=auto: TMA from 33 rows)", "tma": "TMA KV loads (loads=tma)",
+                      "cp_async": "cp.async KV loads (loads=cp_async)"}[loads]
+        assert summary == (head + ", lazy softmax rescale (rescale=lazy), " + loads_text
+                           + (", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
+                              if qpf else ""))
     else:
-        assert "KV loads" not in summary and "q_prefetch" not in summary
+        assert summary == (head + " with an fp8 cache (FP8_SEESAW_BALANCED; the plan's cost model was measured with "
+                           "16-bit caches), lazy softmax rescale (rescale=lazy), a producer warpgroup with a 7-chunk "
+                           "register ring converts the fp8 cache (fp8_loader=ring)")
     small = prob(num_heads=16, seq_len_q=1, batch_size=4)
     other = _cpu_session(monkeypatch, opts, heads=16).plan(small, StepInputs(lens, table, lens, table))
     assert other.kernel != "seesaw" and "tma" not in getattr(other.run_fn, "keywords", {})
@@ -861,8 +872,9 @@ def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch,
     """loads=auto at H=128 s_q=2: running the plan reaches the seesaw kernel getter (balanced or even, as
     seesaw_split says) with tma=True (and the partial dtype and wide stores of the defaults), and launches what it
     returned; at s_q=1 (128 rows) the balanced session asks for the TMA kernel too (from 128 rows since 0.2.14),
-    the even one for the cp.async kernel (from 256). The balanced getter also gets q_prefetch=True (option
-    q_prefetch, on by default); the even one takes no such keyword."""
+    the even one for the cp.async kernel (from 256). The balanced getter also gets q_prefetch=True at s_q=1 (option
+    q_prefetch, unset by default: auto, on up to 128 packed rows; off at s_q=2's 256); the even one takes no such
+    keyword."""
     from mla_cute_dsl.kernels import api, sm90_wgmma_decode
     from mlacore import StepInputs
 
@@ -882,7 +894,7 @@ def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch,
         want = {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma, "lazy_rescale": True}
         if split == "even":  # the even entry's A/B knob (branch seesaw-tma-nofence), off under the backend
             want["reader_fences"] = False
-        else:  # option q_prefetch (default on): the balanced 16-bit seesaw's "qpf" kernel
+        elif s_q == 1:  # option q_prefetch (default auto: 128 rows on, 256 off): the balanced seesaw's "qpf" kernel
             want["q_prefetch"] = True
         assert asked[-1] == ("bf16", "bf16", want)
         assert launched[-1] == ("kernel", tma)

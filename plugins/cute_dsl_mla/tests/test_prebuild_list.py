@@ -60,9 +60,18 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
         ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "fp8p")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "lazy", "fp8p")),
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp8_e4m3", 64, "l2pf", "lazy", "fp8p")),
-        # q_prefetch: the backend's default arm (option q_prefetch on by default), test_seesaw_qpf_gpu.py's arms
+        # fp8_loader=ring (the default since the twenty-third session): the producer's 7-chunk register ring on the
+        # balanced fp8 seesaw (the default arm: lazy, q partials, wide stores), bf16 and fp16 q
+        ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "partial_bf16", "wide_store", "lazy",
+                                           "fp8p", "fp8pr7")),
+        ("partial_wgmma_seesaw_balanced", ("fp16", "fp8_e4m3", 64, "l2pf", "partial_fp16", "wide_store", "lazy",
+                                           "fp8p", "fp8pr7")),
+        # q_prefetch unset (the default, auto): the backend's default arms, on up to 128 packed rows ("qpf") and
+        # off above; test_seesaw_qpf_gpu.py's arms
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy", "qpf")),
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "partial_fp16", "wide_store", "tma", "lazy", "qpf")),
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy")),
+        ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "partial_fp16", "wide_store", "tma", "lazy")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "qpf")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "qpf")),
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "tma", "lazy", "qpf")),

@@ -12,7 +12,8 @@ from mla_cute_dsl import backend as be
 from mla_cute_dsl.backend import CuteDslBackend, CuteDslOptions
 from mlacore import StepInputs
 
-# the summary's last clause for the balanced seesaw with a 16-bit cache under option q_prefetch (on by default)
+# the summary's last clause for the balanced seesaw with a 16-bit cache under option q_prefetch (by default unset:
+# auto, on up to 128 packed rows)
 QPF = ", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
 
 
@@ -55,16 +56,16 @@ def test_seesaw_split_even_keeps_the_even_routing(monkeypatch, heads, s_q):
     assert be.balanced_split(prob(num_heads=heads, seq_len_q=s_q), CuteDslOptions(split_kv="even"))
 
 
-@pytest.mark.parametrize("heads,s_q,loads,tma", [(128, 1, "auto", True), (128, 2, "auto", True),
-                                                 (126, 2, "auto", True), (128, 1, "cp_async", False),
-                                                 (64, 4, "auto", True)])
-def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, heads, s_q, loads, tma):
+@pytest.mark.parametrize("heads,s_q,loads,tma,qpf", [(128, 1, "auto", True, True), (128, 2, "auto", True, False),
+                                                     (126, 2, "auto", True, False), (128, 1, "cp_async", False, True),
+                                                     (64, 4, "auto", True, False)])
+def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, heads, s_q, loads, tma, qpf):
     """seesaw_split=balanced: the balanced seesaw entry (tma as option loads decides: auto takes TMA from 33 rows,
     every row count mma=auto gives the balanced seesaw, since 0.2.14), a balanced schedule for
     one CTA per SM with num_cols = 132 // m-blocks, its form following the lengths (uniform 4096: balanced at B=40,
     where the even plan's second wave is 1.5x the balanced columns; even at B=32, one wave), re-planned in place
-    (the buffers a captured graph reads stay), equal to make_schedule's own answer. Option q_prefetch (on by
-    default) reaches the entry as q_prefetch=True."""
+    (the buffers a captured graph reads stay), equal to make_schedule's own answer. Option q_prefetch (unset by
+    default: auto) reaches the entry as q_prefetch=True up to 128 packed rows (H=128 s_q=1), not above."""
     import types
 
     from mla_cute_dsl.kernels import schedule as S
@@ -80,7 +81,7 @@ def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, 
         assert planned.kernel == "seesaw" and planned.balanced is True
         assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"
         assert getattr(planned.run_fn, "keywords", {}) == (({"tma": True} if tma else {}) | {"lazy_rescale": True}
-                                                           | {"q_prefetch": True})
+                                                           | ({"q_prefetch": True} if qpf else {}))
         sched = planned.schedule
         m_blocks = -(-heads * s_q // 64)
         assert sched.balanced and sched.block_m == 64 and sched.num_cols == 132 // m_blocks
@@ -99,8 +100,9 @@ def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, 
 
 def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch):
     """Planned.run reaches mla_decode_sm90_wgmma_seesaw_balanced with check=False, which asks the balanced getter
-    for the session's partial dtype / wide stores / loads / q_prefetch (on by default) and launches through api.launch_balanced with the
-    plan's schedule (its cta_ranges go to the kernel there)."""
+    for the session's partial dtype / wide stores / loads / q_prefetch (unset by default: auto, on at s_q=1's 128
+    packed rows, off at s_q=2's 256) and launches through api.launch_balanced with the plan's schedule (its
+    cta_ranges go to the kernel there)."""
     from mla_cute_dsl.kernels import api, sm90_wgmma_decode
 
     asked, launched = [], []
@@ -111,7 +113,7 @@ def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch)
     monkeypatch.setattr(api, "launch_balanced", lambda partial, *a: launched.append((partial, a)))
     monkeypatch.setattr(api, "launch", lambda *a: pytest.fail("the even launch ran"))
     sessions = {}
-    for s_q, loads, tma in ((2, "auto", True), (1, "auto", True), (1, "cp_async", False)):
+    for s_q, loads, tma, qpf in ((2, "auto", True, False), (1, "auto", True, True), (1, "cp_async", False, True)):
         opts = CuteDslOptions(seesaw_split="balanced", loads=loads)
         sessions[loads], planned = _plan(monkeypatch, opts, [3000, 17, 0, 4096], s_q=s_q,
                                          session=sessions.get(loads))
@@ -120,7 +122,7 @@ def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch)
         out = torch.empty(4, s_q, 128, 512, dtype=torch.bfloat16)
         planned.run(q, kv, out, torch.empty(4, s_q, 128))
         assert asked[-1] == ("bf16", "bf16", {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma,
-                                              "lazy_rescale": True, "q_prefetch": True})
+                                              "lazy_rescale": True} | ({"q_prefetch": True} if qpf else {}))
         partial, args = launched[-1]
         assert partial == "balanced-kernel" and args[-2] is planned.schedule and args[-1] is planned.workspace
 
@@ -151,12 +153,17 @@ def test_kernel_summary_run_function_and_notes():
     bal = CuteDslOptions(seesaw_split="balanced")
     assert be.kernel_summary(prob(num_heads=128), bal).startswith(
         "seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan")
+    # q_prefetch unset (auto): off at 256 rows; True forces it there, False keeps it off
     assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), bal).endswith(
+        "TMA KV loads (loads=auto: TMA from 33 rows)")
+    assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), CuteDslOptions(q_prefetch=True)).endswith(
         "TMA KV loads (loads=auto: TMA from 33 rows)" + QPF)
     assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), CuteDslOptions(q_prefetch=False)).endswith(
         "TMA KV loads (loads=auto: TMA from 33 rows)")
+    assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(q_prefetch=False)).endswith(
+        "TMA KV loads (loads=auto: TMA from 33 rows)")
     # since 0.2.14 the balanced seesaw loads by TMA at 128 rows too, since 0.2.17 from 33; the even one
-    # (ctas_per_sm=2) from 256; q_prefetch (on by default) only on the balanced one
+    # (ctas_per_sm=2) from 256; q_prefetch (auto: up to 128 packed rows) only on the balanced one
     assert be.kernel_summary(prob(num_heads=128), bal).endswith("TMA KV loads (loads=auto: TMA from 33 rows)" + QPF)
     assert be.kernel_summary(prob(num_heads=16, seq_len_q=3), bal).endswith(
         "TMA KV loads (loads=auto: TMA from 33 rows)" + QPF)
@@ -258,10 +265,19 @@ def test_fp8_seesaw_balanced_flag_routes_plan_summary_and_run(monkeypatch, flag)
     assert planned.kernel == "seesaw" and planned.balanced is flag
     assert planned.run_fn.__name__ == ("mla_decode_sm90_wgmma_seesaw_balanced" if flag
                                        else "mla_decode_sm90_wgmma_seesaw")
-    # the producer warpgroup (fp8_loader=producer, the default since 0.2.17) runs on the even seesaw only
-    assert getattr(planned.run_fn, "keywords", {}) == {"lazy_rescale": True} | ({} if flag else {"fp8_producer": True})
+    # the producer warpgroup with its 7-chunk register ring (fp8_loader=ring, the default since the twenty-third
+    # session) runs on the even seesaw only (FP8_BALANCED_PRODUCER off here)
+    assert getattr(planned.run_fn, "keywords", {}) == {"lazy_rescale": True} | (
+        {} if flag else {"fp8_producer": True, "fp8p_ring": 7})
     assert be.seesaw_fp8_producer(fp8, CuteDslOptions()) is not flag
-    assert ("fp8_loader=producer ignored" in summary) is flag
+    assert be.seesaw_fp8p_ring(fp8, CuteDslOptions()) == (0 if flag else 7)
+    if flag:
+        assert summary.endswith(", lazy softmax rescale (rescale=lazy), the math warpgroups convert the fp8 cache "
+                                "(fp8_loader=ring ignored: the balanced seesaw takes the producer warpgroup only with "
+                                "backend.FP8_BALANCED_PRODUCER, set off here)")
+    else:
+        assert summary.endswith(", lazy softmax rescale (rescale=lazy), a producer warpgroup with a 7-chunk register "
+                                "ring converts the fp8 cache (fp8_loader=ring)")
     assert planned.schedule.balanced is flag and (planned.schedule.cta_ranges is not None) is flag
     q = torch.zeros(4, 1, 128, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16).to(torch.float8_e4m3fn)

@@ -1,6 +1,6 @@
-"""Host tests (CPU) of the backend option fp8_loader (branch fp8-producer): default inline (the fp8 seesaw as before:
-no new keyword reaches the entry, the default plan is unchanged); producer sends fp8_producer=True to the even
-seesaw entry for an fp8 cache only; a bf16 cache (the balanced seesaw) and other kernels ignore it; the plan's log
+"""Host tests (CPU) of the backend option fp8_loader (branch fp8-producer; default producer in 0.2.17, ring since the
+twenty-third session: test_seesaw_fp8p_ring_backend.py): inline (the fp8 seesaw as in 0.2.16: no new keyword reaches
+the entry); producer sends fp8_producer=True to the seesaw entry for an fp8 cache only; a bf16 cache (the balanced seesaw) and other kernels ignore it; the plan's log
 line names producer for the fp8 seesaw (inline: the line as before)."""
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from mlacore import StepInputs
 
 
 def test_option_fp8_loader_default_and_validation():
-    assert CuteDslOptions().fp8_loader == "producer"  # the default since 0.2.17
+    assert CuteDslOptions().fp8_loader == "ring"  # the default since the twenty-third session (producer: 0.2.17's)
+    assert CuteDslOptions(fp8_loader="producer").fp8_loader == "producer"
     with pytest.raises(ValueError, match="fp8_loader"):
         CuteDslOptions(fp8_loader="warp")
-    assert "producer" in CuteDslOptions.model_fields["fp8_loader"].description
+    desc = CuteDslOptions.model_fields["fp8_loader"].description
+    assert "ring (default since the twenty-third session)" in desc and "producer (0.2.17's default)" in desc
 
 
 @pytest.mark.parametrize("loader", ["inline", "producer"])

@@ -1,4 +1,5 @@
-"""Host tests (CPU) of the backend option fp8_loader=ring / ring_staged (branch fp8p-inflight): wherever the producer
+"""Host tests (CPU) of the backend option fp8_loader=ring (the default since the twenty-third session) / ring_staged
+(branch fp8p-inflight): wherever the producer
 warpgroup runs (an fp8 cache on the seesaw, even or balanced with FP8_BALANCED_PRODUCER) the plan's entry gets
 fp8_producer=True and fp8p_ring=fp8p_ring.RING_DEFAULT (ring_staged also fp8p_stage=fp8p_ring.STAGE_SLOTS); producer / inline plans are unchanged (no fp8p_ring keyword); a bf16 cache and
 other kernels ignore it; the plan's log line names the ring; with FP8_BALANCED_PRODUCER off the balanced seesaw
@@ -17,10 +18,32 @@ from mla_cute_dsl.kernels.fp8p_ring import RING_DEFAULT, STAGE_SLOTS
 from mlacore import StepInputs
 
 
-def test_option_fp8_loader_ring_is_valid_and_not_the_default():
-    assert CuteDslOptions().fp8_loader == "producer"
+def test_option_fp8_loader_ring_is_valid_and_is_the_default():
+    assert CuteDslOptions().fp8_loader == "ring"
     assert CuteDslOptions(fp8_loader="ring").fp8_loader == "ring"
-    assert "ring" in CuteDslOptions.model_fields["fp8_loader"].description
+    assert CuteDslOptions(fp8_loader="ring_staged").fp8_loader == "ring_staged"
+    assert "ring (default since the twenty-third session)" in CuteDslOptions.model_fields["fp8_loader"].description
+    assert RING_DEFAULT == 7
+    fp8 = prob(num_heads=128, kv_dtype="fp8_e4m3")
+    assert be.seesaw_fp8p_ring(fp8, CuteDslOptions()) == 7 and be.seesaw_fp8p_stage(fp8, CuteDslOptions()) == 0
+    assert be.kernel_summary(fp8, CuteDslOptions()) == (
+        "seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan, whichever "
+        "is predicted >= 10% faster) with an fp8 cache (FP8_SEESAW_BALANCED; the plan's cost model was measured with "
+        "16-bit caches), lazy softmax rescale (rescale=lazy), a producer warpgroup with a 7-chunk register ring "
+        "converts the fp8 cache (fp8_loader=ring)")
+
+
+def test_the_default_plan_runs_the_ring(monkeypatch):
+    """The default options (fp8_loader=ring, FP8_BALANCED_PRODUCER on) plan an fp8 cache at H=128 s_q=1 onto the
+    balanced seesaw entry with the producer warpgroup and its 7-chunk ring."""
+    table = torch.zeros(4, 64, dtype=torch.int32)
+    lens = torch.tensor([3000, 17, 0, 4096], dtype=torch.int32)
+    problem = prob(num_heads=128, seq_len_q=1, batch_size=4, kv_dtype="fp8_e4m3")
+    planned = _cpu_session(monkeypatch, CuteDslOptions(), heads=128, kv_dtype="fp8_e4m3").plan(
+        problem, StepInputs(lens, table, lens, table))
+    assert planned.kernel == "seesaw" and planned.balanced is True
+    assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"
+    assert planned.run_fn.keywords == {"lazy_rescale": True, "fp8_producer": True, "fp8p_ring": 7}
 
 
 def _plan(monkeypatch, loader, kv, heads=128, balanced_producer=True):
