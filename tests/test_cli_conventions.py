@@ -390,3 +390,45 @@ def test_light_fingerprint_without_nvml_but_with_a_driver_is_unknown_and_without
     assert fingerprint._nvml_device() is None
     _with_fake_libs(monkeypatch, nvml=None, libcuda=False)
     assert fingerprint._nvml_device() == ("cpu", "-", "")
+
+
+def test_backends_options_lists_every_option_with_values_default_and_description():
+    from typing import Literal, Optional, Union
+
+    from mlacore.tools.cli import type_text
+
+    assert type_text(Literal["auto", 1, 2]) == '"auto" | 1 | 2'
+    assert type_text(Optional[bool]) == "bool or unset"
+    assert type_text(Union[Literal["auto"], int]) == '"auto" | int'
+    proc = run_cli("backends", "options", "--json")
+    assert proc.returncode == 0, proc.stderr
+    listed = {b["name"]: b for b in json.loads(proc.stdout)["backends"]}
+    fi = {o["name"]: o for o in listed["flashinfer_mla"]["options"]}
+    assert fi["variant"]["default"] == "auto" and '"fa3"' in fi["variant"]["values"]
+    assert all(o["description"] for o in fi.values())
+    from mla_flashinfer.plugin import FlashInferOptions
+
+    assert set(fi) == set(FlashInferOptions.model_fields)
+    assert [o["name"] for o in listed["reference"]["options"]] == ["chunk_tokens"] and listed["reference"]["loaded"]
+    one = run_cli("backends", "options", "flashinfer_mla", "--json")
+    assert [b["name"] for b in json.loads(one.stdout)["backends"]] == ["flashinfer_mla"]
+    table = _run_with_columns("120", "backends", "options", "flashinfer_mla")
+    assert table.returncode == 0, table.stderr
+    assert "[backend.NAME.options]" in table.stdout and "trtllm-gen" in table.stdout
+    assert max(len(line.rstrip()) for line in table.stdout.splitlines()) <= 120
+
+
+def test_backends_options_names_an_unknown_backend_in_one_line():
+    proc = run_cli("backends", "options", "nope")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "mla: error: backend: 'nope' is not installed; installed: " + ", ".join(
+            sorted(b["name"] for b in json.loads(run_cli("backends", "list", "--json").stdout)["backends"]
+                   if b["status"] != "not installed"))]
+
+
+def test_a_version_range_in_the_notes_wraps_whole_when_the_terminal_has_room():
+    proc = _run_with_columns("120", "backends", "list")
+    assert proc.returncode == 0, proc.stderr
+    assert "flashinfer-python>=0.7.2,<0.7.3" in proc.stdout  # not folded at the column edge
+    assert max(len(line.rstrip()) for line in proc.stdout.splitlines()) <= 120

@@ -94,7 +94,7 @@ class TableSpec:
 
     def __init__(self, title: Optional[str], columns: Sequence[Tuple[str, str]]) -> None:
         self.title = title
-        self.columns = list(columns)  # (header, "name" | "text" | "num")
+        self.columns = list(columns)  # (header, "name" | "text" | "prose" (3x a text column's share) | "num")
         self.rows: List[Tuple[List[str], Optional[str]]] = []
 
     def add(self, *cells: object, style: Optional[str] = None) -> None:
@@ -103,18 +103,28 @@ class TableSpec:
     def render(self, console=None, styles: Optional[Dict[int, Dict[str, str]]] = None) -> None:
         """Print; `styles[col][value]` colours that cell on a terminal."""
         from rich import box
+        from rich.markup import escape
         from rich.table import Table
         from rich.text import Text
 
         console = console or _console()
         plain = console.color_system is None
-        table = Table(title=self.title, box=box.ASCII if plain else box.HEAVY_HEAD, title_justify="left")
+        table = Table(title=escape(self.title) if self.title else None, box=box.ASCII if plain else box.HEAVY_HEAD, title_justify="left")
+        longest = [max([len(header)] + [len(line) for r, _ in self.rows for line in r[i].splitlines()])
+                   for i, (header, _) in enumerate(self.columns)]
+        # a text column is made wide enough for its longest word (up to 40 characters) when the terminal has the
+        # room, so that a name or a version range ("flashinfer-python>=0.7.2,<0.7.3") wraps whole instead of being
+        # folded in the middle; on a narrow terminal folding is what keeps the table inside it
+        text_cols = [i for i, (_, kind) in enumerate(self.columns) if kind in ("text", "prose")]
+        word = {i: min(40, max([12] + [len(w) for r, _ in self.rows for w in r[i].split()])) for i in text_cols}
+        fixed = sum(longest[i] for i in range(len(self.columns)) if i not in word) + 3 * len(self.columns) + 1
+        fits = fixed + sum(word.values()) <= console.width
         for i, (header, kind) in enumerate(self.columns):
-            if kind == "text":
-                table.add_column(header, overflow="fold", ratio=1, min_width=12)
+            if i in word:
+                table.add_column(header, overflow="fold", ratio=3 if kind == "prose" else 1,
+                                 min_width=word[i] if fits else 12)
             else:  # a name or a number: one piece, never folded or cut
-                longest = max([len(header)] + [len(line) for r, _ in self.rows for line in r[i].splitlines()])
-                table.add_column(header, no_wrap=True, min_width=longest,
+                table.add_column(header, no_wrap=True, min_width=longest[i],
                                  justify="right" if kind == "num" else "left")
         styles = styles or {}
         for cells, _ in self.rows:
@@ -283,6 +293,68 @@ def cmd_backends_list(args: argparse.Namespace) -> int:
             console.print(r["traceback"].rstrip(), markup=False, highlight=False)
     elif broken:
         console.print(f"{len(broken)} broken: `mla backends list --traceback` shows why", markup=False)
+    return 0
+
+
+# -- mla backends options ----------------------------------------------
+
+
+def type_text(annotation: Any) -> str:
+    """An option's accepted values as a user writes them in mla.toml: ``auto | 1 | 2``, ``bool or unset``."""
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " | ".join(json_text(a) if isinstance(a, str) else str(a).lower() if isinstance(a, bool) else str(a)
+                          for a in args)
+    if origin is typing.Union:
+        parts = [a for a in args if a is not type(None)]
+        text = " | ".join(type_text(a) for a in parts)
+        return f"{text} or unset" if len(parts) < len(args) else text
+    if origin is typing.Annotated:
+        return type_text(args[0])
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def options_rows(handle: Any) -> List[Dict[str, Any]]:
+    """Each option a backend takes: name, accepted values, default, description (its Options model's fields)."""
+    rows = []
+    for name, field in handle.options_model.model_fields.items():
+        rows.append(dict(name=name, values=type_text(field.annotation), default=json_safe(field.default),
+                         description=" ".join((field.description or "").split())))
+    return rows
+
+
+def cmd_backends_options(args: argparse.Namespace) -> int:
+    from ..registry import RESERVED_NAMES, get_registry
+
+    registry = get_registry()
+    if args.backend is not None and registry.get(args.backend) is None:
+        provider = RESERVED_NAMES.get(args.backend)
+        hint = (f"it is provided by the distribution {provider} (pip install {provider})" if provider
+                else f"installed: {', '.join(registry.names())}")
+        raise CLIError(f"backend: {args.backend!r} is not installed; {hint}")
+    handles = [registry.get(args.backend)] if args.backend else registry.backends()
+    out = []
+    for h in handles:
+        out.append(dict(name=h.name, distribution=h.distribution, version=h.version, loaded=h.loaded,
+                        options=options_rows(h) if h.loaded else []))
+    if args.json:
+        print_json({"backends": out})
+        return 0
+    table = TableSpec("Backend options (set them in mla.toml under [backend.NAME.options], or NAME:key=value in "
+                      "`mla bench --backend`)",
+                      [("backend", "name"), ("option", "name"), ("default", "name"), ("values", "text"),
+                       ("description", "prose")])
+    for b in out:
+        if not b["loaded"]:
+            table.add(b["name"], "-", "-", "-", "not loaded: `mla backends list --traceback` shows why")
+        elif not b["options"]:
+            table.add(b["name"], "-", "-", "-", "takes no options")
+        for o in b["options"]:
+            default = "unset" if o["default"] is None else json_text(o["default"]).strip('"')
+            table.add(b["name"], o["name"], default, o["values"], o["description"])
+    table.render(_console())
     return 0
 
 
@@ -852,6 +924,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traceback", action="store_true", help="show the import traceback of a broken plugin")
     p.add_argument("--policy", help="policy file (default: $MLA_POLICY, ./mla.toml, built-in)")
     p.set_defaults(func=cmd_backends_list)
+
+    p = bsub.add_parser("options", help="the options each backend takes: values, default and what they do")
+    p.add_argument("backend", nargs="?", metavar="NAME", help="one backend (default: every installed one)")
+    p.add_argument("--json", action="store_true", help="JSON on stdout")
+    p.set_defaults(func=cmd_backends_options)
 
     p = bsub.add_parser("explain", help="every backend's verdict for one problem, the choice and its options")
     p.add_argument("--num-heads", type=int, required=True)

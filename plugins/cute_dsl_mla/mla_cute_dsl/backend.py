@@ -656,34 +656,18 @@ class CuteDslBackend(Backend):
     def info(self) -> BackendInfo:
         return BackendInfo(
             description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
+            # short: `mla backends list` prints every note; what each option does is in its description
+            # (`mla backends options cute_dsl_mla`), what a shape runs in `mla backends explain`
             notes=(f"sm_90 kernels checked on an H200: the seesaw WGMMA kernel from s_q*H >= {SEESAW_MIN_ROWS} "
-                   f"(bf16, fp16 or fp8 KV; TMA KV loads with a 16-bit cache from {SEESAW_BALANCED_TMA_MIN_ROWS} rows "
-                   f"when balanced, from {SEESAW_TMA_MIN_ROWS} when even, option loads), fp8reg for an fp8 cache up "
-                   "to s_q*H = 32, mma.sync otherwise (at 17-32 rows with a 16-bit cache wgmma_t on large steps, "
-                   "below)",
+                   f"(bf16, fp16 or fp8 KV), fp8reg for an fp8 cache up to s_q*H = {FP8REG_MAX_ROWS}, mma.sync or "
+                   "wgmma_t below; `mla backends explain` names the kernel of a shape, `mla backends options "
+                   "cute_dsl_mla` what each option does",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
                    "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504",
-                   f"mma=auto with a bf16/fp16 cache at 17-{WGMMA_T_MAX_ROWS} rows (s_q*H), split_kv=balanced: "
-                   f"per step the wgmma_t kernel when the step has >= {WGMMA_T_AUTO_MIN_BLOCKS} KV blocks (sum "
-                   "over its requests of ceil(kv_len/64)), the mma.sync kernel below (on an H200 wgmma_t "
-                   "-0.6..+14% from 768 blocks, mostly 4-7% slower at <= 384; measured at H=16 s_q=2); both read "
-                   "the same schedule buffers, so a CUDA graph replays its captured kernel correctly after any "
-                   "later plan, and keeps that kernel whatever the later steps' blocks (capture with "
-                   "representative lengths)",
-                   "option split_kv=balanced (balanced split-KV, hybrid plan) changes only the mma.sync kernel "
-                   f"(mma=auto: s_q*H < {SEESAW_MIN_ROWS}) and mma=wgmma_t with a bf16/fp16 cache; shapes that run the WGMMA or "
-                   "fp8reg kernel, or an fp8 cache, ignore it and split evenly; the seesaw kernel follows "
-                   "seesaw_split instead",
-                   "option seesaw_split=balanced (the default since 0.2.13; even: 0.2.12's kernel) runs the seesaw "
-                   f"kernel (s_q*H >= {SEESAW_MIN_ROWS} under mma=auto) with a bf16/fp16 cache in its balanced mode: "
-                   "the same hybrid plan, fixed grid and combine as split_kv=balanced (H200, H=128: 0.69-0.89x the "
-                   "even kernel's time where the plan is balanced, within 3% where it stays even)",
-                   "split-KV partials: partials=auto writes them in q's dtype and stores=auto stores 16-bit rows 16 "
-                   "bytes at a time (H200: up to 14% faster at H=128, fp8reg up to 31% at H=16); combine=auto merges them with the wide kernel on small "
-                   "batches, a chunked row kernel (four warps per row) from num_sms/2 row-kernel CTAs (up to 15% "
-                   "faster at H=16 B=16-64, 6-14% at H=128 s_q=1 B=4-8 / s_q=2 B=2-4), one warp per row from "
-                   "4*num_sms"),
+                   f"with a bf16/fp16 cache at 17-{WGMMA_T_MAX_ROWS} rows a CUDA graph keeps the kernel of the "
+                   "plan it was captured after (wgmma_t or mma.sync, chosen per step by its KV blocks): capture "
+                   "with representative lengths (option mma)"),
             q_layouts=("packed",), kv_layouts=("packed",), strided_q=False,
         )
 
