@@ -20,6 +20,8 @@ SHAPES = {  # kernel: (B, s_q, H, S, kv dtype)
     # the backend's defaults at H=128: lazy rescale; the fp8 seesaw with its producer warpgroup
     "seesaw_lazy": (128, 1, 128, 4096, torch.bfloat16),
     "seesaw_fp8p": (128, 1, 128, 4096, torch.float8_e4m3fn),
+    # fp8_loader=ring (the default since mla-cute-dsl 0.2.18): the producer's 7-chunk register ring
+    "seesaw_fp8p_ring": (128, 1, 128, 4096, torch.float8_e4m3fn),
     "fp8reg": (64, 1, 16, 8192, torch.float8_e4m3fn),
     "fp8reg_sq2": (128, 2, 16, 4096, torch.float8_e4m3fn),
     # the mma.sync kernel (even split) with a bf16 cache: at fp8reg's bytes (B32 S8192) and at the s_q=2 target
@@ -42,9 +44,10 @@ def main() -> None:
           "wgmma_fp8": mla_decode_sm90_wgmma, "seesaw_fp8": mla_decode_sm90_wgmma_seesaw,
           "fp8reg": mla_decode_sm90_fp8, "fp8reg_sq2": mla_decode_sm90_fp8, "mma_sync": mla_decode_sm90,
           "mma_sync_sq2": mla_decode_sm90, "seesaw_lazy": mla_decode_sm90_wgmma_seesaw,
-          "seesaw_fp8p": mla_decode_sm90_wgmma_seesaw}[a.kernel]
+          "seesaw_fp8p": mla_decode_sm90_wgmma_seesaw, "seesaw_fp8p_ring": mla_decode_sm90_wgmma_seesaw}[a.kernel]
     kw = {"seesaw_lazy": {"lazy_rescale": True},
-          "seesaw_fp8p": {"lazy_rescale": True, "fp8_producer": True}}.get(a.kernel, {})
+          "seesaw_fp8p": {"lazy_rescale": True, "fp8_producer": True},
+          "seesaw_fp8p_ring": {"lazy_rescale": True, "fp8_producer": True, "fp8p_ring": 7}}.get(a.kernel, {})
     pages = S // 64
     q = torch.randn(B, s_q, H, 576, device="cuda").to(torch.bfloat16)
     kv = torch.randn(B * pages, 64, 576, device="cuda").to(kv_dtype)
