@@ -27,29 +27,36 @@ def test_explain_json_lists_every_verdict(capsys):
     assert names[:4] == ["cute_dsl_mla", "flashinfer_mla", "cutlass_mla", "reference"]
 
 
-def test_default_policy_routes_h128_bf16_by_gpu_and_batch(capsys):
-    """The built-in policy's H=128 bf16 rules (measured on an H200 only) follow FlashInfer fa3's 66 slots: at s_q=1
-    and 2 on capability 9.0 our kernels take batches up to 58, 67-117 and 133-176, fa3 the batches that fill >= 89%
-    of its slots (59-66, 118-132) and those past the measured edge (from 177); the same batch on a B200 (10.0) stays
-    with FlashInfer, each with the policy's reason on our verdict."""
-    cases = {(1, 16, "9.0"): "cute_dsl_mla", (1, 58, "9.0"): "cute_dsl_mla", (1, 59, "9.0"): "flashinfer_mla",
-             (2, 66, "9.0"): "flashinfer_mla", (2, 67, "9.0"): "cute_dsl_mla", (1, 117, "9.0"): "cute_dsl_mla",
-             (1, 118, "9.0"): "flashinfer_mla", (2, 132, "9.0"): "flashinfer_mla", (2, 133, "9.0"): "cute_dsl_mla",
-             (1, 176, "9.0"): "cute_dsl_mla", (1, 177, "9.0"): "flashinfer_mla", (1, 400, "9.0"): "flashinfer_mla",
-             (1, 16, "10.0"): "flashinfer_mla"}
+def test_default_policy_routes_h128_bf16_by_gpu_batch_and_length(capsys):
+    """The built-in policy's H=128 bf16 rules (measured on an H200 only; twenty-fourth session) follow FlashInfer
+    fa3's 66 slots: at s_q=1 and 2 on capability 9.0 fa3 takes the batches that fill >= 95% of its slots (63-66,
+    126-132, from 189) and, with requests of at most 3500 tokens, >= 90% (60-62, 119-125, 179-188); ours the rest;
+    s_q=4 ours up to batch 64; the same batch on a B200 (10.0) stays with FlashInfer, each with the policy's reason
+    on our verdict."""
+    cases = {(1, 16, 4096, "9.0"): "cute_dsl_mla", (1, 59, 1000, "9.0"): "cute_dsl_mla",
+             (1, 60, 3500, "9.0"): "flashinfer_mla", (1, 60, 3501, "9.0"): "cute_dsl_mla",
+             (2, 62, 9000, "9.0"): "cute_dsl_mla", (2, 63, 9000, "9.0"): "flashinfer_mla",
+             (1, 66, 4096, "9.0"): "flashinfer_mla", (2, 67, 1000, "9.0"): "cute_dsl_mla",
+             (1, 118, 1000, "9.0"): "cute_dsl_mla", (1, 119, 1000, "9.0"): "flashinfer_mla",
+             (1, 125, 5000, "9.0"): "cute_dsl_mla", (2, 126, 5000, "9.0"): "flashinfer_mla",
+             (2, 132, 9000, "9.0"): "flashinfer_mla", (2, 133, 1000, "9.0"): "cute_dsl_mla",
+             (1, 178, 1000, "9.0"): "cute_dsl_mla", (1, 179, 2000, "9.0"): "flashinfer_mla",
+             (1, 188, 8000, "9.0"): "cute_dsl_mla", (1, 189, 8000, "9.0"): "flashinfer_mla",
+             (1, 400, 8000, "9.0"): "flashinfer_mla", (4, 64, 4096, "9.0"): "cute_dsl_mla",
+             (4, 65, 4096, "9.0"): "flashinfer_mla", (1, 16, 4096, "10.0"): "flashinfer_mla"}
     chosen, reasons = {}, {}
-    for s_q, batch, cap in cases:
+    for s_q, batch, kv_len, cap in cases:
         code = main(["backends", "explain", "--num-heads", "128", "--seq-len-q", str(s_q), "--batch", str(batch),
-                     "--device", "cuda", "--capability", cap, "--json"])
+                     "--kv-len", str(kv_len), "--device", "cuda", "--capability", cap, "--json"])
         data = json.loads(capsys.readouterr().out)
         assert code == 0
-        chosen[s_q, batch, cap] = data["chosen"]
-        reasons[s_q, batch, cap] = " ".join(r for v in data["verdicts"] if v["backend"] == "cute_dsl_mla"
-                                            for r in v["reasons"])
+        chosen[s_q, batch, kv_len, cap] = data["chosen"]
+        reasons[s_q, batch, kv_len, cap] = " ".join(r for v in data["verdicts"] if v["backend"] == "cute_dsl_mla"
+                                                    for r in v["reasons"])
     assert chosen == cases
-    assert "batch=59 > max_batch=58 | batch=59 < min_batch=67" in reasons[1, 59, "9.0"]
-    assert "batch=177 > max_batch=176" in reasons[1, 177, "9.0"]
-    assert "capability=10.0 not in ['9.0']" in reasons[1, 16, "10.0"]
+    assert "max_kv_len=3500 < min_kv_len=3501" in reasons[1, 60, 3500, "9.0"]
+    assert "batch=189 > max_batch=188" in reasons[1, 189, 8000, "9.0"]
+    assert "capability=10.0 not in ['9.0']" in reasons[1, 16, 4096, "10.0"]
 
 
 def test_default_policy_routes_tp_head_counts_bf16_to_ours_on_sm90(capsys):
