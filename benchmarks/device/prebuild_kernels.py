@@ -90,6 +90,18 @@ def specs():
                         out.append((f"seesaw_balanced {q} {tag}{' tma' if t else ''} lazy (qpf off arm)",
                                     lambda q=q, t=t, z=z: get_partial_kernel_wgmma_seesaw_balanced(
                                         q, q, partial="fp32", tma=t, lazy_rescale=z)))
+                if kv == q == "bf16":  # wg1_other_first (branch qk-order; ONLY=wg1of): the balanced TMA lazy seesaw
+                    # with and without q_prefetch in the backend's arm (bf16 partials, wide stores: H=128 s_q=1 / 2)
+                    # and fp32 narrow (wgmma_speed.py's balanced_tma_lazy[_qpf]_wg1of ways, test_seesaw_wg1of_gpu.py),
+                    # and the even cp.async seesaw in fp32 narrow (test_seesaw_wg1of_gpu.py)
+                    for qpf in (True, False):
+                        out.append((f"seesaw_balanced {q} {tag} tma lazy{' qpf' if qpf else ''} wg1of",
+                                    lambda q=q, p=partial, w=wide, f=qpf: get_partial_kernel_wgmma_seesaw_balanced(
+                                        q, q, partial=p, wide_store=w, tma=True, lazy_rescale=True, q_prefetch=f,
+                                        wg1_other_first=True)))
+                    if partial == "fp32":
+                        out.append((f"seesaw {q} {kv} {tag} wg1of", lambda q=q:
+                                    get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", wg1_other_first=True)))
                 if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
                     out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))

@@ -77,6 +77,13 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "tma", "lazy", "qpf")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "lazy")),
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "tma", "lazy")),
+        # wg1_other_first (branch qk-order, ONLY=wg1of): the backend's arm and wgmma_speed.py's fp32 narrow ways
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy", "qpf",
+                                           "wg1of")),
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy", "wg1of")),
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "qpf", "wg1of")),
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "wg1of")),
+        ("partial_wgmma_seesaw", ("bf16", "bf16", 64, "wg1of")),
         ("partial_wgmma", ("fp16", "fp16", 64, "partial_fp16", "wide_store")),
         ("partial", ("bf16", "fp8_e4m3", 64, None, "partial_bf16", "wide_store")),
         ("combine", ("bf16", "partial_bf16", "cols128")),  # combine=auto's chunked kernel
@@ -102,3 +109,11 @@ def test_the_script_refuses_to_run_without_a_cache_directory(monkeypatch):
     monkeypatch.setattr("sys.argv", ["prebuild_kernels.py"])
     with pytest.raises(SystemExit, match="MLA_CUTE_DSL_CACHE_DIR"):
         mod.main()
+
+
+def test_only_wg1of_builds_just_the_wg1_other_first_kernels(monkeypatch):
+    """ONLY=wg1of (--only wg1of) selects exactly the kernels with wg1_other_first, and those only."""
+    items, asked = _asked(monkeypatch)
+    picked = [key for (label, _), key in zip(items, asked) if "wg1of" in label]
+    assert len(picked) == 5 and all(key[1][-1] == "wg1of" for key in picked), picked
+    assert all("wg1of" in label for (label, _), key in zip(items, asked) if "wg1of" in key[1])

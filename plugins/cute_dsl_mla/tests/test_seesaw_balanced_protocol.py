@@ -33,9 +33,10 @@ from mla_cute_dsl.kernels.sm90_wgmma_decode import seesaw_item_phases, seesaw_pa
 KERNEL_SRC = Path(__file__).resolve().parents[1] / "mla_cute_dsl" / "kernels" / "sm90_wgmma_decode.py"
 
 
-def column_programs(items, tma=False, restart=False):
+def column_programs(items, tma=False, restart=False, wg1of=False):
     """The two warpgroups' events for a column of items [(T, tail), ...] and the set of tail tiles (column tile
-    numbers).  ``restart``: the mutation that waits with the one-item kernel's p % 2 in every item."""
+    numbers).  ``restart``: the mutation that waits with the one-item kernel's p % 2 in every item.  ``wg1of``:
+    wg1_other_first (test_seesaw_protocol.wg1_qk)."""
     progs = [[], []]
     tails = set()
     g = 0
@@ -44,7 +45,7 @@ def column_programs(items, tma=False, restart=False):
         if tail and T > 0:
             tails.add(g + T - 1)
         for w in (0, 1):
-            for ev in wg_program(w, T, None, False, tma, tail):
+            for ev in wg_program(w, T, None, False, tma, tail, wg1of):
                 k = ev[0]
                 if k == "load":
                     ev = ("load", g + ev[1]) + ev[2:]
@@ -180,6 +181,15 @@ def _random_columns(n, seed=7):
 @pytest.mark.parametrize("items", FIXED_COLUMNS + _random_columns(24), ids=repr)
 def test_balanced_column_has_no_deadlock_or_hazard(items, tma):
     progs, tails = column_programs(items, tma=tma)
+    bad = {seed: e for seed in range(40) if (e := run(0, seed, tma=tma, programs=progs, tail_tiles=tails))}
+    assert not bad, next(iter(bad.items()))
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("items", FIXED_COLUMNS + _random_columns(12, seed=17), ids=repr)
+def test_balanced_column_with_wg1of_has_no_deadlock_or_hazard(items, tma):
+    """wg1_other_first (branch qk-order): WG1's own-tile QK waits WG0's part (mbarrier 2) first, across items."""
+    progs, tails = column_programs(items, tma=tma, wg1of=True)
     bad = {seed: e for seed in range(40) if (e := run(0, seed, tma=tma, programs=progs, tail_tiles=tails))}
     assert not bad, next(iter(bad.items()))
 

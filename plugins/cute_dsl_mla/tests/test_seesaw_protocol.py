@@ -34,6 +34,12 @@ partial last tile (``tail=True``) each warpgroup "zero"es its V half of that til
 part's mbarrier phase, then st.shared) before its P V, whose reads are "V" reads here.  Checked in addition:
 no P V read of the partial tile sees unzeroed rows; the zeroing writes only a landed K tile, after every read
 of those blocks (S included) is complete and ordered before it, and waits on a phase that is still the latest.
+
+``wg1of=True`` (the 16-bit kernels' ``wg1_other_first`` option, branch qk-order): warpgroup 1's QK of its own tile b
+waits on warpgroup 0's part (mbarrier 2) first and reads its blocks (0..3 and the RoPE block 8), then waits on its own
+part (mbarrier 3) and reads blocks 4..7 (``wg1_qk``); every other event is the same.  Both waits take the same
+parity as before, and the "zero" of tile b (tma) still finds mbarrier 3 at the phase WG1 waited (its next phase is
+armed by WG1 itself, after its P_b V).
 """
 
 from __future__ import annotations
@@ -46,14 +52,32 @@ import pytest
 LOAD = {0: ((0, 1, 2, 3), (0, 1, 2, 3, 8)), 1: ((4, 5, 6, 7), (4, 5, 6, 7, 8))}
 
 
-def wg_program(w, T, mutate=None, fp8=False, tma=False, tail=False):
+def wg1_qk(ta, par, wg1of=False, mutate=None, extra=None):
+    """Warpgroup 1's QK of its own tile b = ta + 1 (``qk`` on buffer 1): its own part (mbarrier 3, blocks 4..7) and
+    then WG0's (mbarrier 2, blocks 0..3 and RoPE block 8), or with ``wg1of`` (``wg1_other_first``) WG0's part first;
+    each "read" followed by ``extra(blocks)``'s events when given (the qpf model's sQ reads).  Mutation "skip_wait":
+    no wait on mbarrier 3 (WG1's own part)."""
+    parts = [(3, (4, 5, 6, 7)), (2, (0, 1, 2, 3, 8))]
+    if wg1of:
+        parts.reverse()
+    for mb, blocks in parts:
+        if not (mutate == "skip_wait" and mb == 3):
+            yield ("mwait", mb, par)
+        yield ("read", 1, ta + 1, blocks, "K")
+        if extra is not None:
+            yield from extra(blocks)
+    yield ("wait_reads",)
+
+
+def wg_program(w, T, mutate=None, fp8=False, tma=False, tail=False, wg1of=False):
     """Events of warpgroup w for an item of T tiles (tile a = 2p in buffer 0, b = 2p + 1 in buffer 1);
-    ``tma``, ``tail``: ``wg_program_tma``."""
+    ``tma``, ``tail``: ``wg_program_tma``; ``wg1of``: ``wg1_qk`` (16-bit kernels only)."""
     if fp8:
+        assert not wg1of, "wg1_other_first: 16-bit KV only"
         yield from wg_program_fp8(w, T, mutate)
         return
     if tma:
-        yield from wg_program_tma(w, T, mutate, tail)
+        yield from wg_program_tma(w, T, mutate, tail, wg1of)
         return
     for t in range(2):  # prologue: tiles 0 and 1, mbarrier 2 * buffer + loading warpgroup
         if T > t:
@@ -86,12 +110,7 @@ def wg_program(w, T, mutate=None, fp8=False, tma=False, tail=False):
                     yield ("load", ta + 3, 1, LOAD[0][1], 2)
         else:
             if ta + 1 < T:
-                if mutate != "skip_wait":
-                    yield ("mwait", 3, par)
-                yield ("read", 1, ta + 1, (4, 5, 6, 7), "K")
-                yield ("mwait", 2, par)
-                yield ("read", 1, ta + 1, (0, 1, 2, 3, 8), "K")
-                yield ("wait_reads",)
+                yield from wg1_qk(ta, par, wg1of, mutate)
             if mutate == "scale_before_sync":
                 yield ("read_scale", 0, ta)
             yield ("sync", 1)  # pv_remote(a), not waited
@@ -114,7 +133,7 @@ def wg_program(w, T, mutate=None, fp8=False, tma=False, tail=False):
     yield ("ctabar",)
 
 
-def wg_program_tma(w, T, mutate=None, tail=False):
+def wg_program_tma(w, T, mutate=None, tail=False, wg1of=False):
     """``kernel_seesaw`` with ``tma``: the cp.async program with its P V reads tagged "V" and, when local tile
     T - 1 is a request's partial last tile (``tail``), ("zero", buffer, tile, blocks, mbarrier, pair) where the
     kernel calls ``zero_v_tail``: WG0 before P_a V_L and after the P_b barrier, WG1 after the P_a barrier and
@@ -160,11 +179,7 @@ def wg_program_tma(w, T, mutate=None, tail=False):
                     yield ("load", ta + 3, 1, LOAD[0][1], 2)
         else:
             if ta + 1 < T:
-                yield ("mwait", 3, par)
-                yield ("read", 1, ta + 1, (4, 5, 6, 7), "K")
-                yield ("mwait", 2, par)
-                yield ("read", 1, ta + 1, (0, 1, 2, 3, 8), "K")
-                yield ("wait_reads",)
+                yield from wg1_qk(ta, par, wg1of)
             if mutate == "zero_before_sync":
                 yield from zero(0, ta, p)
             yield ("sync", 1)  # pv_remote(a): barrier, zero if last, rescale, WGMMA, not waited
@@ -360,12 +375,13 @@ class SmemModel:
             self.errors.append("WGMMA reads in flight at the end")
 
 
-def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, tail_tiles=None):
+def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, tail_tiles=None, wg1of=False):
     """Interleave the two programs at random; return the list of violations (empty: fine).  ``programs`` (the
     two warpgroups' event lists) and ``tail_tiles`` (tiles whose V rows must be zeroed before P V) replace the
-    one-item programs of T tiles: test_seesaw_balanced_protocol.py runs a balanced column's items that way."""
+    one-item programs of T tiles: test_seesaw_balanced_protocol.py runs a balanced column's items that way.
+    ``wg1of``: the one-item programs with ``wg1_other_first`` (``wg1_qk``)."""
     rng = random.Random(seed)
-    progs = [wg_program(0, T, mutate, fp8, tma, tail), wg_program(1, T, mutate, fp8, tma, tail)]
+    progs = [wg_program(0, T, mutate, fp8, tma, tail, wg1of), wg_program(1, T, mutate, fp8, tma, tail, wg1of)]
     if programs is not None:
         progs = [iter(programs[0]), iter(programs[1])]
     tails = set(tail_tiles) if tail_tiles is not None else ({T - 1} if tail else set())
@@ -425,6 +441,8 @@ def run(T, seed, mutate=None, fp8=False, tma=False, tail=False, programs=None, t
             ph = waited[w][mb]
             if ph % 2 != par:
                 errors.append(f"WG{w} waits mbarrier {mb} phase {ph} with parity {par}")
+            if phase_done[mb] > ph + 1:  # a parity wait sees only the latest phase: two ahead reads as not complete
+                errors.append(f"WG{w} waits mbarrier {mb} phase {ph} when {phase_done[mb]} phases completed (ABA)")
             sm.merge(w, phase_vc[(mb, ph)])
             landed.setdefault((mb, ph), []).append(list(vc[w]))
             waited[w][mb] += 1
@@ -539,3 +557,48 @@ def test_the_model_catches_broken_fp8_orders(mutate):
     """A conversion stored before the warpgroup's own P V wait (WAR on the buffer), an ldg
     that overwrites staged registers before they were stored: each is reported for some T."""
     assert any(run(T, seed, mutate, fp8=True) for T in range(1, 8) for seed in range(20))
+
+
+# ---------------------------------------------------------------- wg1_other_first (branch qk-order)
+@pytest.mark.parametrize("tma,tail", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("T", range(12))
+def test_seesaw_wg1of_protocol_has_no_deadlock_or_hazard(T, tma, tail):
+    """WG1 waiting WG0's part of its own tile first (cp.async, TMA, TMA with a partial last tile): no deadlock, no
+    hazard, every wait on the right parity, the tail zeroing still on the latest phase of mbarrier 3."""
+    bad = {seed: e for seed in range(150) if (e := run(T, seed, tma=tma, tail=tail, wg1of=True))}
+    assert not bad, next(iter(bad.items()))
+
+
+def test_the_wg1of_program_is_the_default_program_with_wg1s_two_qk_parts_swapped():
+    """WG0's events are the same; WG1's are the same but for each own-tile QK, whose (wait, read) pairs come in the
+    other order: mbarrier 2 (blocks 0..3, 8) first, then mbarrier 3 (blocks 4..7), with the same parity."""
+    for T in range(12):
+        for tma, tail in ((False, False), (True, False), (True, True)):
+            assert list(wg_program(0, T, tma=tma, tail=tail, wg1of=True)) == list(wg_program(0, T, tma=tma, tail=tail))
+            base = list(wg_program(1, T, tma=tma, tail=tail))
+            swapped = list(wg_program(1, T, tma=tma, tail=tail, wg1of=True))
+            assert len(base) == len(swapped)
+            fixed = list(base)
+            for i, e in enumerate(base):
+                if e[0] == "mwait" and e[1] == 3:  # own part first in the default: (wait 3, read), (wait 2, read)
+                    assert base[i + 2][:2] == ("mwait", 2) and base[i + 2][2] == e[2]
+                    fixed[i:i + 4] = [base[i + 2], base[i + 3], base[i], base[i + 1]]
+            assert fixed == swapped, (T, tma, tail)
+            waits = [e for e in swapped if e[0] == "mwait"]
+            assert [e[1] for e in waits] == [2, 3] * ((T // 2)), (T, waits)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_the_model_catches_a_skipped_second_wait_with_wg1of(tma):
+    """With WG0's part first, WG1's own part (mbarrier 3) is waited second: dropping that wait is still caught."""
+    def progs(T):
+        return [list(wg_program(0, T, tma=tma, wg1of=True)),
+                [e for e in wg_program(1, T, tma=tma, wg1of=True) if e[:2] != ("mwait", 3)]]
+    assert any(run(0, seed, tma=tma, programs=progs(T), tail_tiles=set()) for T in range(2, 8) for seed in range(20))
+
+
+def test_the_model_catches_a_parity_wait_two_phases_behind():
+    """A parity wait that starts after its mbarrier completed the next phase too would hang on the GPU (it sees the
+    latest phase only): the model reports it (each mbarrier here is armed by one warpgroup's loads)."""
+    progs = [[("load", 0, 0, (0,), 0), ("load", 2, 0, (0,), 0)], [("mwait", 0, 0)]]
+    assert any(run(0, seed, programs=progs, tail_tiles=set()) for seed in range(20))

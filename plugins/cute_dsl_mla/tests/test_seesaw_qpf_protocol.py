@@ -46,7 +46,7 @@ from pathlib import Path
 
 import pytest
 
-from test_seesaw_protocol import LOAD, run  # noqa: E402  (same directory)
+from test_seesaw_protocol import LOAD, run, wg1_qk  # noqa: E402  (same directory)
 
 from mla_cute_dsl.kernels.sm90_wgmma_decode import seesaw_item_phases, seesaw_pair_parities
 
@@ -54,13 +54,13 @@ KERNEL_SRC = Path(__file__).resolve().parents[1] / "mla_cute_dsl" / "kernels" / 
 QMB = 4  # the Q mbarrier (TMA: one arrive.expect_tx, nine boxes)
 
 
-def wg_program_qpf(w, T, req, *, tma, tail, pf, q_load, q_wait, nxt, mutate=None):
+def wg_program_qpf(w, T, req, *, tma, tail, pf, q_load, q_wait, nxt, mutate=None, wg1of=False):
     """Events of warpgroup w for one item of T tiles of request ``req`` (local tile numbers; the next item's tiles 0
     / 1 are T and T + 1), as ``seesaw_item`` runs them with ``qpf``.  ``pf``: the previous item issued this item's
     tiles; ``q_load``: the prologue loads Q; ``q_wait``: the Q parity to wait in the prologue, None when no new Q
     phase belongs to this item (the kernel's wait is then a second wait on the completed phase: no event);
     ``nxt``: None (no next row: nothing prefetched) or (tiles of the next item to prefetch, min(T', 2); the request
-    whose Q to prefetch or None)."""
+    whose Q to prefetch or None).  ``wg1of``: warpgroup 1's own-tile QK waits WG0's part first (``wg1_qk``)."""
     own = LOAD[w][0]
     nt, q_next = nxt if nxt is not None else (0, None)
 
@@ -129,12 +129,8 @@ def wg_program_qpf(w, T, req, *, tma, tail, pf, q_load, q_wait, nxt, mutate=None
                 if ta + 3 >= T:
                     yield from nxt_load(1)
         else:
-            if ta + 1 < T:
-                yield ("mwait", 3, par)
-                yield from s_reads(1, ta + 1, (4, 5, 6, 7))
-                yield ("mwait", 2, par)
-                yield from s_reads(1, ta + 1, (0, 1, 2, 3, 8))
-                yield ("wait_reads",)
+            if ta + 1 < T:  # each K read of the S WGMMA group with its sQ read
+                yield from wg1_qk(ta, par, wg1of, extra=lambda blocks: [("read", "Q", req, (0,), "K")])
             if mutate == "q_early" and last and q_next is not None:
                 yield ("load", q_next, "Q", (0,), QMB)
             yield ("sync", 1)  # pv_remote(a): barrier, zero if last, rescale, WGMMA, not waited
@@ -171,7 +167,7 @@ def wg_program_qpf(w, T, req, *, tma, tail, pf, q_load, q_wait, nxt, mutate=None
     yield ("read_scale", ("L", 1 - w), req)
 
 
-def column_programs_qpf(items, tma=False, mutate=None):
+def column_programs_qpf(items, tma=False, mutate=None, wg1of=False):
     """Both warpgroups' events for a column of rows [(T, tail, request), ...] (None: a row with b < 0, skipped) as
     ``seesaw_column_qpf`` walks it, with the column's tile numbering, the kernel's mbarrier parities and its Q
     bookkeeping (q_of: the request whose Q sQ holds or will hold; nq: Q loads issued; pf: the previous item issued
@@ -199,7 +195,7 @@ def column_programs_qpf(items, tma=False, mutate=None):
             tails.add(g + T - 1)
         for w in (0, 1):
             for ev in wg_program_qpf(w, T, req, tma=tma, tail=tail, pf=pf, q_load=q_load, q_wait=q_wait, nxt=nxt,
-                                     mutate=mutate):
+                                     mutate=mutate, wg1of=wg1of):
                 kind = ev[0]
                 if kind == "load" and ev[2] != "Q":
                     ev = ("load", g + ev[1]) + ev[2:]
@@ -229,8 +225,8 @@ def column_programs_qpf(items, tma=False, mutate=None):
     return progs, tails
 
 
-def _check(items, tma, mutate=None, seeds=40):
-    progs, tails = column_programs_qpf(items, tma, mutate)
+def _check(items, tma, mutate=None, seeds=40, wg1of=False):
+    progs, tails = column_programs_qpf(items, tma, mutate, wg1of)
     return {s: e for s in range(seeds) if (e := run(0, s, tma=tma, programs=progs, tail_tiles=tails))}
 
 
@@ -270,6 +266,25 @@ def _random_columns(n, seed=13):
 def test_qpf_column_has_no_deadlock_or_hazard(items, tma):
     bad = _check(items, tma)
     assert not bad, next(iter(bad.items()))
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("items", FIXED_COLUMNS + _random_columns(12, seed=29), ids=repr)
+def test_qpf_column_with_wg1of_has_no_deadlock_or_hazard(items, tma):
+    """wg1_other_first (branch qk-order) on the q_prefetch kernel: WG1's own-tile QK waits WG0's part first."""
+    bad = _check(items, tma, wg1of=True)
+    assert not bad, next(iter(bad.items()))
+
+
+def test_the_qpf_wg1of_programs_differ_only_in_wg1s_wait_order():
+    """Same events per warpgroup (multisets), WG0's in the same order, WG1's mbarrier waits 2 before 3."""
+    for items in FIXED_COLUMNS:
+        for tma in (False, True):
+            (a0, a1), _ = column_programs_qpf(items, tma)
+            (b0, b1), _ = column_programs_qpf(items, tma, wg1of=True)
+            assert a0 == b0 and sorted(map(repr, a1)) == sorted(map(repr, b1)), items
+            w = [e[1] for e in b1 if e[0] == "mwait" and e[1] in (2, 3)]
+            assert w == [2, 3] * (len(w) // 2), (items, w)
 
 
 @pytest.mark.parametrize("mutate,items", [

@@ -769,6 +769,9 @@ SEESAW_LOAD_BLOCKS = (  # 64-column blocks of a K tile that WG w loads: [owner, 
     ((0, 1, 2, 3), (0, 1, 2, 3, 8)),
     ((4, 5, 6, 7), (4, 5, 6, 7, 8)),
 )
+# wg1_other_first=True (16-bit KV; branch qk-order, compile-only): WG1's QK of its own tile b waits WG0's part
+# (mbar + 2: columns 0..255 + RoPE) first and issues these k-blocks first, then its own part (mbar + 3, 256..511)
+SEESAW_QK_ORDER_WG1_OTHER_FIRST = (SEESAW_QK_ORDER[1][1], SEESAW_QK_ORDER[1][0])
 BAR_TAIL_OF = (3, 4)  # seesaw tma=True: named barrier of WG w's 128 threads after zeroing V tail rows
 KV_BOX = 64  # tma=True: columns per TMA box (64 x 64 x 2 B = 8 KB: one SW128 K-major 64-column block of sK)
 # q_prefetch=True (balanced, 16-bit KV): what seesaw_item needs of the column loop (seesaw_column_qpf): the q TMA atom,
@@ -910,6 +913,16 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       not start by waiting for them (``seesaw_column_qpf``; Q by TMA on a fifth mbarrier, issued by warp 4 right after
       warpgroup 1's pv_remote of the last pair, when both warpgroups' last S are known to be done; the tiles at the
       slots of tiles a+2 / b+2 that the item does not have; tests/test_seesaw_qpf_protocol.py models it).
+    * ``wg1_other_first=True`` (16-bit KV, cp.async or TMA loads, one item per CTA or balanced, with or without
+      q_prefetch; branch qk-order, compile-only, not yet run on a GPU): warpgroup 1's QK of its own tile b waits on
+      warpgroup 0's part (mbar + 2: columns 0..255 and the RoPE block) first and issues those 20 k-blocks, then waits
+      on its own part (mbar + 3: columns 256..511) and issues the other 16 (``qk_wait_order``; everything else the
+      same).  Why: an ncu profile of the balanced TMA seesaw (H=128 B=128 S=4096) had WG1's wait for its own part of
+      tile b+2 at the head of each pair as the largest single stall (11.8% of the samples): WG1 issues that part only
+      after its P_b V_R WGMMAs complete at the very end of the pair, while WG0 issues its part of tile b+2 after its
+      pv_remote (P_b V_L), earlier.  Both waits still precede every later use of the tile (same parities; WG1's
+      ``zero_v_tail`` wait on mbar + 3 stays a second wait on a completed phase); tests/test_seesaw_protocol.py
+      models the order (``wg1of``).  fp8 caches (inline or producer) refuse it.
     * ``fp8p_ring=R`` (with fp8_producer, one item or balanced; branch fp8p-inflight, compile-only): the producer
       keeps a ring of R register slots of one 16-fp8 chunk (one 32-row pass of one 64-column block) and issues each
       chunk's ld.global R - 1 chunks ahead of its conversion, across part, tile and pair boundaries, instead of
@@ -923,8 +936,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
                  wide_store: bool = False, tma: bool = False, balanced: bool = False,
                  reader_fences: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
-                 q_prefetch: bool = False, fp8p_ring: int = 0, fp8p_stage: int = 0):
+                 q_prefetch: bool = False, fp8p_ring: int = 0, fp8p_stage: int = 0, wg1_other_first: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
+        # wg1_other_first (16-bit KV; branch qk-order, compile-only): WG1's QK of its own tile waits WG0's part first
+        # (qk_wait_order); the fp8 kernels (inline or producer) convert their parts in another order: refused
+        self.wg1_other_first = bool(wg1_other_first)
+        if self.wg1_other_first and self.is_fp8:
+            raise ValueError("seesaw kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16), got "
+                             f"{kv_dtype}")
         # q_prefetch (balanced, 16-bit KV; branch q-prefetch, compile-only): the next work item's Q (TMA, a fifth
         # mbarrier) and its KV tiles 0 / 1 are issued during the current item's last pairs (seesaw_column_qpf)
         self.q_prefetch = bool(q_prefetch)
@@ -1396,6 +1415,15 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 if ta + 3 < T:
                     self.prefetch_tile_l2(mKV, pg3, n_start + ta + 3, blocks_per_page)
 
+    def qk_wait_order(self, stage: int, order: tuple, mbar_own, mbar_other):
+        """(k-block order, first mbarrier, second mbarrier) of ``qk`` (plain Python, at trace time): the
+        caller's order (own part first) unless ``wg1_other_first`` and the tile is warpgroup 1's own (buffer 1,
+        the 16-bit kernels' only stage-1 QK): then WG0's part first (SEESAW_QK_ORDER_WG1_OTHER_FIRST, mbar + 2),
+        its own (mbar + 3) second.  Both waits keep the caller's parity (the same phase of each mbarrier)."""
+        if getattr(self, "wg1_other_first", False) and stage == 1:
+            return (order[1], order[0]), mbar_other, mbar_own
+        return order, mbar_own, mbar_other
+
     @cute.jit
     def qk(
         self, mma_s_first: cute.TiledMma, mma_s: cute.TiledMma, acc_S: cute.Tensor,
@@ -1404,8 +1432,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     ):
         """S = Q K^T for the tile in sK[:, :, stage]: wait for this warpgroup's part of the tile,
         issue its k-blocks, wait for the other part, issue the rest, wait for all (unless
-        ``wait`` is False: the caller waits, fp8 KV converts a part in between)."""
-        cute.arch.mbarrier_wait(mbar_own, parity)
+        ``wait`` is False: the caller waits, fp8 KV converts a part in between).  With
+        ``wg1_other_first``, warpgroup 1's own tile (stage 1) takes the other part first
+        (``qk_wait_order``)."""
+        order, mbar_first, mbar_second = self.qk_wait_order(stage, order, mbar_own, mbar_other)
+        cute.arch.mbarrier_wait(mbar_first, parity)
         if cutlass.const_expr(self.reader_fences):
             cute.arch.fence_view_async_shared()
         warpgroup.fence()
@@ -1414,7 +1445,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             k = order[0][i]
             cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
         warpgroup.commit_group()
-        cute.arch.mbarrier_wait(mbar_other, parity)
+        cute.arch.mbarrier_wait(mbar_second, parity)
         if cutlass.const_expr(self.reader_fences):
             cute.arch.fence_view_async_shared()
         warpgroup.fence()
@@ -2162,7 +2193,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                 self.qpf_load_next(qpf, kv_src, 0, 1, T, blocks_per_page, mbar)
                 else:
                     if ta + 1 < T:
-                        # S_b (runs while WG0 does softmax_a)
+                        # S_b (runs while WG0 does softmax_a); wg1_other_first: mbar + 2 waited first (qk_wait_order)
                         self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
                                 mbar + 3, mbar + 2, par1)
                     # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet;
@@ -2690,7 +2721,7 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
 
 
 # kernel-cache key flags after (q, kv, block_m): see seesaw_spec (plus "fp8pr<R>": fp8p_ring = R, seesaw_flag_ring)
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p", "qpf")
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p", "qpf", "wg1of")
 #: key flag prefix of the fp8 producer's register ring (``fp8p_ring``): "fp8pr7" for 7 slots
 SEESAW_RING_FLAG = "fp8pr"
 #: key flag prefix of the ring's shared-memory staging (``fp8p_stage``): "fp8ps4" for 4 slots
@@ -2732,7 +2763,8 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
                                     tma="tma" in flags, reader_fences="rfence" in flags,
                                     lazy_rescale="lazy" in flags, fp8_producer="fp8p" in flags,
                                     fp8p_ring=seesaw_flag_ring(flags), fp8p_stage=seesaw_flag_stage(flags),
-                                    q_prefetch="qpf" in flags)  # balanced only: the constructor refuses it
+                                    q_prefetch="qpf" in flags,  # balanced only: the constructor refuses it
+                                    wg1_other_first="wg1of" in flags)  # 16-bit KV only: refused with fp8
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -2766,7 +2798,8 @@ def seesaw_l2_prefetch_default(kv_name: str) -> bool:
 def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: str = "fp32",
                 wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
                 lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
-                fp8p_stage: int = 0, q_prefetch: bool = False) -> tuple[str | int, ...]:
+                fp8p_stage: int = 0, q_prefetch: bool = False,
+                wg1_other_first: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
@@ -2776,7 +2809,8 @@ def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: s
     with a producer warpgroup; only when set), then "fp8pr<R>" for the producer's register ring ``fp8p_ring`` = R
     and "fp8ps<S>" for its shared-memory staging ``fp8p_stage`` = S (only when set), then "qpf" for
     ``q_prefetch`` (the balanced kernel's next-item Q and tiles 0 / 1 issued in the current item; only when set;
-    every existing key is unchanged)."""
+    every existing key is unchanged), then "wg1of" for ``wg1_other_first`` (WG1's QK of its own tile waits WG0's
+    part first; 16-bit KV; only when set: every existing key is unchanged)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
@@ -2785,14 +2819,14 @@ def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: s
             + (("lazy",) if lazy_rescale else ()) + (("fp8p",) if fp8_producer else ())
             + ((f"{SEESAW_RING_FLAG}{int(fp8p_ring)}",) if fp8p_ring else ())
             + ((f"{SEESAW_STAGE_FLAG}{int(fp8p_stage)}",) if fp8p_stage else ())
-            + (("qpf",) if q_prefetch else ()))
+            + (("qpf",) if q_prefetch else ()) + (("wg1of",) if wg1_other_first else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
                                     wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
                                     lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
-                                    fp8p_stage: int = 0):
+                                    fp8p_stage: int = 0, wg1_other_first: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
@@ -2805,7 +2839,10 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     (with fp8_producer only; one of ``fp8p_ring.RING_SIZES``, 0: the one-part producer): the producer's register
     ring of that many 16-fp8 chunks, loads issued ring - 1 chunks ahead (``fp8p_producer_ring``; key flag
     "fp8pr<R>"); ``fp8p_stage`` (with a ring; 0 or fp8p_ring.STAGE_SLOTS): every third chunk staged through
-    shared memory by cp.async, loads issued ``fp8p_ring.lookahead`` chunks ahead (key flag "fp8ps<S>")."""
+    shared memory by cp.async, loads issued ``fp8p_ring.lookahead`` chunks ahead (key flag "fp8ps<S>").
+    ``wg1_other_first`` (16-bit cache only, ValueError with fp8_e4m3; branch qk-order, compile-only): warpgroup 1's
+    QK of its own tile waits warpgroup 0's part first (``MLADecodePartialWGMMASeesaw.qk_wait_order``), key flag
+    "wg1of"; not a backend option (an experiment to be measured first)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2816,11 +2853,15 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     if fp8_producer and kv_name != "fp8_e4m3":
         raise ValueError(f"seesaw WGMMA kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
     _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage)
+    if wg1_other_first and kv_name == "fp8_e4m3":
+        raise ValueError("seesaw WGMMA kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16), got "
+                         "fp8_e4m3")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
-                                                 reader_fences, lazy_rescale, fp8_producer, fp8p_ring, fp8p_stage),
+                                                 reader_fences, lazy_rescale, fp8_producer, fp8p_ring, fp8p_stage,
+                                                 wg1_other_first=wg1_other_first),
                                      _build_partial_wgmma_seesaw)
 
 
@@ -2828,11 +2869,12 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
                                  out, lse, schedule, workspace, *, check: bool = True,
                                  l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False,
                                  lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
-                                 fp8p_stage: int = 0):
+                                 fp8p_stage: int = 0, wg1_other_first: bool = False):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
     ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``, ``fp8_producer`` (fp8 cache only), ``fp8p_ring``
-    (with fp8_producer), ``fp8p_stage`` (with a ring): see ``get_partial_kernel_wgmma_seesaw``."""
+    (with fp8_producer), ``fp8p_stage`` (with a ring), ``wg1_other_first`` (16-bit cache only; compile-only so far):
+    see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
@@ -2843,7 +2885,8 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
                                               lazy_rescale=lazy_rescale,
                                               **({"fp8_producer": True} if fp8_producer else {}),  # opt-in only
                                               **({"fp8p_ring": fp8p_ring} if fp8p_ring else {}),
-                                              **({"fp8p_stage": fp8p_stage} if fp8p_stage else {}))
+                                              **({"fp8p_stage": fp8p_stage} if fp8p_stage else {}),
+                                              **({"wg1_other_first": True} if wg1_other_first else {}))
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
@@ -2879,7 +2922,8 @@ def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int
                                     l2_prefetch="l2pf" in flags, wide_store=api.wide_from_tags(flags),
                                     tma="tma" in flags, balanced=True, lazy_rescale="lazy" in flags,
                                     fp8_producer="fp8p" in flags, fp8p_ring=seesaw_flag_ring(flags),
-                                    fp8p_stage=seesaw_flag_stage(flags), q_prefetch="qpf" in flags)
+                                    fp8p_stage=seesaw_flag_stage(flags), q_prefetch="qpf" in flags,
+                                    wg1_other_first="wg1of" in flags)
     return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
 
 
@@ -2887,7 +2931,8 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
                                              l2_prefetch: bool | None = None, partial: str = "fp32",
                                              wide_store: bool = False, tma: bool = False,
                                              lazy_rescale: bool = False, fp8_producer: bool = False,
-                                             fp8p_ring: int = 0, fp8p_stage: int = 0, q_prefetch: bool = False):
+                                             fp8p_ring: int = 0, fp8p_stage: int = 0, q_prefetch: bool = False,
+                                             wg1_other_first: bool = False):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
     KV in the q dtype (default) or ``"fp8_e4m3"`` (branch fp8-balanced: the even fp8 seesaw's loads under the
     item loop; GPU-verified in the twenty-second session); kernel cache kind ``partial_wgmma_seesaw_balanced`` with
@@ -2900,7 +2945,8 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     producer's register ring and its shared-memory staging, as the even getter's (key flags "fp8pr<R>",
     "fp8ps<S>").  ``q_prefetch`` (16-bit cache only, ValueError otherwise; branch q-prefetch, compile-only): each
     item issues the next item's Q (a TMA load) and KV tiles 0 / 1 during its last pairs (``seesaw_column_qpf``),
-    key flag "qpf"."""
+    key flag "qpf".  ``wg1_other_first`` (16-bit cache only, ValueError otherwise; branch qk-order, compile-only):
+    warpgroup 1's QK of its own tile waits warpgroup 0's part first, key flag "wg1of" (as the even getter's)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2913,12 +2959,16 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage)
     if q_prefetch and kv_name == "fp8_e4m3":
         raise ValueError("balanced seesaw kernel: q_prefetch=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
+    if wg1_other_first and kv_name == "fp8_e4m3":
+        raise ValueError("balanced seesaw kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16), got "
+                         "fp8_e4m3")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
                                                  lazy_rescale=lazy_rescale, fp8_producer=fp8_producer,
-                                                 fp8p_ring=fp8p_ring, fp8p_stage=fp8p_stage, q_prefetch=q_prefetch),
+                                                 fp8p_ring=fp8p_ring, fp8p_stage=fp8p_stage, q_prefetch=q_prefetch,
+                                                 wg1_other_first=wg1_other_first),
                                      _build_partial_wgmma_seesaw_balanced)
 
 
@@ -2927,7 +2977,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
                                           l2_prefetch: bool | None = None, tma: bool = False,
                                           lazy_rescale: bool = False, fp8_producer: bool = False,
                                           fp8p_ring: int = 0, fp8p_stage: int = 0,
-                                          q_prefetch: bool = False):
+                                          q_prefetch: bool = False, wg1_other_first: bool = False):
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
@@ -2935,7 +2985,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
     bf16/fp16 or fp8 e4m3 cache (ValueError otherwise, also with check=False; fp8: k = kv * kv_scale as in the
     even entry; GPU-verified in the twenty-second session).  ``l2_prefetch``, ``tma``: see
     ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``fp8p_ring``,
-    ``fp8p_stage``, ``q_prefetch`` (16-bit cache only; compile-only so far): see
+    ``fp8p_stage``, ``q_prefetch``, ``wg1_other_first`` (16-bit cache only; compile-only so far): see
     ``get_partial_kernel_wgmma_seesaw_balanced``."""
     from . import api
 
@@ -2950,6 +3000,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
         **({"fp8_producer": True} if fp8_producer else {}),  # opt-in only
         **({"fp8p_ring": fp8p_ring} if fp8p_ring else {}),
         **({"fp8p_stage": fp8p_stage} if fp8p_stage else {}),
-        **({"q_prefetch": True} if q_prefetch else {}))
+        **({"q_prefetch": True} if q_prefetch else {}),
+        **({"wg1_other_first": True} if wg1_other_first else {}))
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
