@@ -810,11 +810,13 @@ assert fp8p_register_split_fits(), "fp8_producer setmaxnreg split exceeds the CT
 
 # tma_producer=True (16-bit KV, tma=True, balanced=True; branch tma-producer, compile-only): 384 threads as fp8_producer,
 # warpgroup 2 the TMA producer (one warp walks the column's items and issues every KV part and every Q load). The
-# producer needs a handful of registers (loop counters, coordinates, barrier addresses), so it keeps setmaxnreg's
-# minimum and the math warpgroups take the rest of the launch pool: (168 - 24) * 128 = 18,432 released,
-# (240 - 168) * 2 * 128 = 18,432 taken (248 would need 20,480: the largest math value that fits is 240)
-TMAP_MATH_REGS = 240
-TMAP_PRODUCER_REGS = 24
+# pool (168 x 384) pays at most 240 / 24: (168 - 24) * 128 = 18,432 released, (240 - 168) * 2 * 128 = 18,432 taken.
+# But at 24 the producer spills (standalone ptxas 13.0: 4-28 bytes, in the fp32-partial arms too, with its pages
+# read per pair: it holds the loop state, tensor-map and table addresses), and the math side needs no more than
+# 216 (ptxas: no spill at 216 / 72 in any arm, spills from 208 or 200 down), so 232 / 40: (168 - 40) * 128 =
+# 16,384 released, (232 - 168) * 2 * 128 = 16,384 taken, no spill on either side (test_seesaw_tmap_compile.py)
+TMAP_MATH_REGS = 232
+TMAP_PRODUCER_REGS = 40
 assert fp8p_register_split_fits(TMAP_MATH_REGS, TMAP_PRODUCER_REGS), "tma_producer setmaxnreg split (would hang)"
 # tma_producer: mbarrier indices after full[0..3] (count 1, expect_tx) and empty[4..7] (count 128): Q full (count 1,
 # the producer's arrive.expect_tx of the 73,728 bytes of nine 64 x 64 boxes) and Q empty (count 256: every math
@@ -2085,7 +2087,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 pg_next2 = mPT[b, (n_start + 2) // blocks_per_page]
             if T > 3:
                 pg_next3 = mPT[b, (n_start + 3) // blocks_per_page]
-        every_tile = producer and ph0 is not None  # balanced fp8_producer / tma_producer: release every tile's parts
+        every_tile = self.fp8_producer and ph0 is not None  # balanced fp8_producer: release every tile's parts
+        if cutlass.const_expr(self.tma_producer):
+            every_tile = ph0 is not None  # tma_producer (balanced only): likewise
         for p in cutlass.range(0, (T + 1) // 2, 1):
             ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
             parity = p % 2
@@ -2892,7 +2896,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     e0 = (g0 + p + 1) % 2
                     e1 = (g1 + p + 1) % 2
                     # this pair's pages, read before its empty waits (the producer is ahead: those waits hide the
-                    # latency; a page entry per pair kept in registers ahead of time would not fit the producer's 24)
+                    # latency; fewer registers than fp8p_producer's pages kept one pair ahead)
                     pg_a = mPT[b, (n_start + ta) // blocks_per_page]
                     pg_b = mPT[b, (n_start + (ta + 1 if ta + 1 < T else ta)) // blocks_per_page]
                     if cutlass.const_expr(self.l2_prefetch):  # the next pair's tiles -> L2 (off by default)
