@@ -938,6 +938,16 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       ``fp8p_stage=4`` (with a ring): every third chunk goes global -> shared memory by cp.async (4 x 2 KB staging
       after the mbarriers, within the 227 KB) and is read back by the same thread before its conversion, so 9 chunks
       are in flight instead of 6 at no register cost (smem 230,976 B).
+    * ``tma_producer=True`` (16-bit KV with tma=True and balanced=True, not with q_prefetch or the fp8 options; branch
+      tma-producer, compile-only, not yet run on a GPU): ``kernel_tmap_balanced``, 384 threads.  The math warpgroups run
+      fp8_producer's balanced stream (``seesaw_column_tmap``: no KV load, page-table read or L2 prefetch of their own,
+      every tile's parts released on the empty mbarriers, ``zero_v_tail`` kept), and instead of loading Q they wait a Q
+      "full" mbarrier; each math thread arrives on a Q "empty" mbarrier (count 256) once its own last S of the last item
+      of a request is waited.  One warp of warpgroup 2 (``tmap_producer``) walks the column's items ahead of them and
+      issues every KV part (full / empty phases continued across items as fp8p) and every Q (after the Q-empty phase)
+      by TMA, so the next item's Q and tiles 0 / 1 are in flight while the current item finishes (the balanced TMA
+      kernel issues them after the epilogue's barrier).  setmaxnreg 232 / 40; smem 222,800 B (10 mbarriers);
+      tests/test_seesaw_tmap_protocol.py models it; NOTES.md "Balanced 16-bit seesaw with a TMA producer warpgroup".
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
@@ -1395,7 +1405,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
            BAR_TAIL_OF[wg] of the warpgroup's 128 threads -> its P V WGMMA (RS or SS) reads them.
         P, which the owner writes over the RoPE columns 512..575 after its S, is never touched
         (only columns < 512 are zeroed), and K rows past kv_len in the RoPE columns are not
-        zeroed at all (S only).  No load follows into a last tile's buffer."""
+        zeroed at all (S only).  No load follows into a last tile's buffer (in the item: tma_producer's producer does
+        load the next item's tiles into it, but only after this warpgroup's empty arrive on the part, which comes after
+        its P V on these rows, so after the zeros; the fence above orders the zeros (generic proxy) before that TMA
+        write (async proxy) through the arrive / wait chain, and the second full wait here cannot observe a later
+        phase, which needs that same arrive)."""
         valid = kv_len - n * BLOCK_N
         if valid < BLOCK_N:
             cute.arch.mbarrier_wait(mbar_ptr, parity)
