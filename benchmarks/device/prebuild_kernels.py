@@ -102,6 +102,13 @@ def specs():
                     if partial == "fp32":
                         out.append((f"seesaw {q} {kv} {tag} wg1of", lambda q=q:
                                     get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", wg1_other_first=True)))
+                if kv == q and partial == "fp32":  # tma_producer (branch tma-producer; ONLY=tmap): test_seesaw_tmap_gpu.py's
+                    # arms (fp32 partials, narrow stores, TMA, eager / lazy, bf16 / fp16) and wgmma_speed.py's
+                    # balanced_tma_lazy_tmap way (bf16 lazy); their option-off twins are the "tma" / "tma lazy" entries
+                    for lazy in (False, True):
+                        out.append((f"seesaw_balanced {q} {tag} tma{' lazy' if lazy else ''} tmap",
+                                    lambda q=q, z=lazy: get_partial_kernel_wgmma_seesaw_balanced(
+                                        q, q, partial="fp32", tma=True, lazy_rescale=z, tma_producer=True)))
                 if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
                     out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))

@@ -811,6 +811,26 @@ def fp8p_register_split_fits(math_regs: int = FP8P_MATH_REGS, producer_regs: int
 
 assert fp8p_register_split_fits(), "fp8_producer setmaxnreg split exceeds the CTA's register pool (would hang)"
 
+# tma_producer=True (16-bit KV, tma=True, balanced=True; branch tma-producer, compile-only): 384 threads as fp8_producer,
+# warpgroup 2 the TMA producer (one warp walks the column's items and issues every KV part and every Q load). The
+# pool (168 x 384) pays at most 240 / 24: (168 - 24) * 128 = 18,432 released, (240 - 168) * 2 * 128 = 18,432 taken.
+# But at 24 the producer spills (standalone ptxas 13.0: 4-28 bytes, in the fp32-partial arms too, with its pages
+# read per pair: it holds the loop state, tensor-map and table addresses), and the math side needs no more than
+# 216 (ptxas: no spill at 216 / 72 in any arm, spills from 208 or 200 down), so 232 / 40: (168 - 40) * 128 =
+# 16,384 released, (232 - 168) * 2 * 128 = 16,384 taken, no spill on either side (test_seesaw_tmap_compile.py)
+TMAP_MATH_REGS = 232
+TMAP_PRODUCER_REGS = 40
+assert fp8p_register_split_fits(TMAP_MATH_REGS, TMAP_PRODUCER_REGS), "tma_producer setmaxnreg split (would hang)"
+# tma_producer: mbarrier indices after full[0..3] (count 1, expect_tx) and empty[4..7] (count 128): Q full (count 1,
+# the producer's arrive.expect_tx of the 73,728 bytes of nine 64 x 64 boxes) and Q empty (count 256: every math
+# thread once its last S WGMMA of the last item of a request is waited)
+TMAP_Q_FULL = 8
+TMAP_Q_EMPTY = 9
+# what seesaw_item needs of the tma_producer column walk (seesaw_column_tmap): the Q full / empty mbarriers, the parity
+# of Q's latest full phase (this item's Q: loaded for it or for an earlier item of the same request) and whether this
+# item releases sQ (arrives on Q empty once its last S is waited: the next row names another request or none)
+TmapQ = collections.namedtuple("TmapQ", "full empty qpar release")
+
 
 class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     """Split-KV partial kernel, WGMMA, "seesaw" schedule (both warpgroups compute S).
@@ -931,12 +951,23 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       ``fp8p_stage=4`` (with a ring): every third chunk goes global -> shared memory by cp.async (4 x 2 KB staging
       after the mbarriers, within the 227 KB) and is read back by the same thread before its conversion, so 9 chunks
       are in flight instead of 6 at no register cost (smem 230,976 B).
+    * ``tma_producer=True`` (16-bit KV with tma=True and balanced=True, not with q_prefetch or the fp8 options; branch
+      tma-producer, compile-only, not yet run on a GPU): ``kernel_tmap_balanced``, 384 threads.  The math warpgroups run
+      fp8_producer's balanced stream (``seesaw_column_tmap``: no KV load, page-table read or L2 prefetch of their own,
+      every tile's parts released on the empty mbarriers, ``zero_v_tail`` kept), and instead of loading Q they wait a Q
+      "full" mbarrier; each math thread arrives on a Q "empty" mbarrier (count 256) once its own last S of the last item
+      of a request is waited.  One warp of warpgroup 2 (``tmap_producer``) walks the column's items ahead of them and
+      issues every KV part (full / empty phases continued across items as fp8p) and every Q (after the Q-empty phase)
+      by TMA, so the next item's Q and tiles 0 / 1 are in flight while the current item finishes (the balanced TMA
+      kernel issues them after the epilogue's barrier).  setmaxnreg 232 / 40; smem 222,800 B (10 mbarriers);
+      tests/test_seesaw_tmap_protocol.py models it; NOTES.md "Balanced 16-bit seesaw with a TMA producer warpgroup".
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
                  wide_store: bool = False, tma: bool = False, balanced: bool = False,
                  reader_fences: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
-                 q_prefetch: bool = False, fp8p_ring: int = 0, fp8p_stage: int = 0, wg1_other_first: bool = False):
+                 q_prefetch: bool = False, fp8p_ring: int = 0, fp8p_stage: int = 0, wg1_other_first: bool = False,
+                 tma_producer: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
         # wg1_other_first (16-bit KV; branch qk-order, compile-only): WG1's QK of its own tile waits WG0's part first
         # (qk_wait_order); the fp8 kernels (inline or producer) convert their parts in another order: refused
@@ -944,6 +975,20 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if self.wg1_other_first and self.is_fp8:
             raise ValueError("seesaw kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16), got "
                              f"{kv_dtype}")
+        # tma_producer (16-bit KV, tma=True, balanced=True; branch tma-producer, compile-only): warpgroup 2 issues every
+        # KV part and Q by TMA on full / empty mbarriers, walking the column's items ahead of the math warpgroups
+        # (kernel_tmap_balanced); the math warpgroups run fp8_producer's balanced instruction stream
+        self.tma_producer = bool(tma_producer)
+        if self.tma_producer:
+            if self.is_fp8 or not (tma and balanced):
+                raise ValueError("seesaw kernel: tma_producer=True needs a 16-bit KV cache (bf16 / fp16), tma=True and "
+                                 f"balanced=True, got kv {kv_dtype}, tma={tma}, balanced={balanced}")
+            if q_prefetch or fp8_producer or fp8p_ring or fp8p_stage:
+                raise ValueError("seesaw kernel: tma_producer=True excludes q_prefetch and the fp8 producer options "
+                                 "(fp8_producer, fp8p_ring, fp8p_stage)")
+            if self.wg1_other_first:
+                raise ValueError("seesaw kernel: tma_producer=True and wg1_other_first=True together are not built (the "
+                                 "producer issues tile b's parts in the default wait order)")
         # q_prefetch (balanced, 16-bit KV; branch q-prefetch, compile-only): the next work item's Q (TMA, a fifth
         # mbarrier) and its KV tiles 0 / 1 are issued during the current item's last pairs (seesaw_column_qpf)
         self.q_prefetch = bool(q_prefetch)
@@ -1032,7 +1077,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 
     def _num_mbars(self) -> int:
         """4 mbarriers (buffer, part): "full"; fp8_producer adds 4 "empty" ones (the same parts, freed by the
-        math warpgroup that reads them last)."""
+        math warpgroup that reads them last); tma_producer those 8 and Q's full / empty pair."""
+        if getattr(self, "tma_producer", False):
+            return 10
         if getattr(self, "q_prefetch", False):
             return 5  # q_prefetch: + the Q mbarrier (TMA, index 4)
         return 8 if getattr(self, "fp8_producer", False) else 4
@@ -1253,7 +1300,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             tma_atom, mKV_tma = self._kv_tma(mKV, sP_layout)
         # q_prefetch: the tensor map of q for its TMA loads (None otherwise: no parameter)
         q_tma_atom, mQ_tma = None, None
-        if cutlass.const_expr(self.q_prefetch):
+        if cutlass.const_expr(self.q_prefetch or self.tma_producer):
             q_tma_atom, mQ_tma = self._q_tma(mQ, sP_layout)
         grid = (cute.ceil_div(cute.size(mQ.shape[1]), BLOCK_M), cols, 1)
         self.kernel_seesaw(
@@ -1262,8 +1309,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             sQ_layout, sK_layout, sP_layout, sV_layout,
             g2s, g2s_wg, r2s_P,
             mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, mRanges, q_tma_atom, mQ_tma,
-        ).launch(grid=grid, block=[FP8P_THREADS if self.fp8_producer else NUM_THREADS, 1, 1], stream=stream,
-                  **({"min_blocks_per_mp": 1} if self.fp8_producer else {}))
+        ).launch(grid=grid, block=[FP8P_THREADS if self.fp8_producer or self.tma_producer else NUM_THREADS, 1, 1],
+                  stream=stream, **({"min_blocks_per_mp": 1} if self.fp8_producer or self.tma_producer else {}))
 
     # ---------------------------------------------------------------- device side
     @cute.jit
@@ -1338,7 +1385,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         code stays the 16-bit stream with loads turned into arrives, or for every tile with ``every_tile``
         (balanced: the empty barriers then count one phase per tile, like the full ones, and the producer may
         write the next item's tiles 0 / 1 once their last readers in this item arrived)."""
-        if cutlass.const_expr(self.fp8_producer):
+        if cutlass.const_expr(self.fp8_producer or self.tma_producer):
             if cutlass.const_expr(every_tile):
                 cute.arch.mbarrier_arrive(bars + part)
             else:
@@ -1352,8 +1399,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     @cute.jit
     def item_barrier(self):
         """The barrier of every thread that runs ``seesaw_item``: the CTA's (bar 0), or with fp8_producer the 256
-        math threads' own (BAR_MATH): the producer warpgroup runs its own loop and never joins it."""
-        if cutlass.const_expr(self.fp8_producer):
+        math threads' own (BAR_MATH): the producer warpgroup runs its own loop and never joins it (tma_producer
+        likewise)."""
+        if cutlass.const_expr(self.fp8_producer or self.tma_producer):
             cute.arch.barrier(barrier_id=BAR_MATH, number_of_threads=NUM_THREADS)
         else:
             cute.arch.barrier()
@@ -1380,7 +1428,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
            BAR_TAIL_OF[wg] of the warpgroup's 128 threads -> its P V WGMMA (RS or SS) reads them.
         P, which the owner writes over the RoPE columns 512..575 after its S, is never touched
         (only columns < 512 are zeroed), and K rows past kv_len in the RoPE columns are not
-        zeroed at all (S only).  No load follows into a last tile's buffer."""
+        zeroed at all (S only).  No load follows into a last tile's buffer (in the item: tma_producer's producer does
+        load the next item's tiles into it, but only after this warpgroup's empty arrive on the part, which comes after
+        its P V on these rows, so after the zeros; the fence above orders the zeros (generic proxy) before that TMA
+        write (async proxy) through the arrive / wait chain, and the second full wait here cannot observe a later
+        phase, which needs that same arrive)."""
         valid = kv_len - n * BLOCK_N
         if valid < BLOCK_N:
             cute.arch.mbarrier_wait(mbar_ptr, parity)
@@ -1790,6 +1842,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 sQ_layout, sK_layout, sP_layout, sV_layout, g2s, g2s_wg, r2s_P,
                 mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, mRanges, tidx, m_block, wi, wg, wg_tidx, lane,
             )
+        elif cutlass.const_expr(self.balanced and self.tma_producer):
+            self.kernel_tmap_balanced(
+                mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                sQ_layout, sK_layout, sP_layout, sV_layout, g2s, g2s_wg, r2s_P,
+                mma_s, mma_s_first, mma_o_rs, mma_o_ss, SharedStorage, tma_atom, mKV_tma, mRanges, q_tma_atom, mQ_tma,
+                tidx, m_block, wi, wg, wg_tidx, lane,
+            )
         elif cutlass.const_expr(self.balanced and self.q_prefetch):
             self.seesaw_column_qpf(
                 mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
@@ -1902,7 +1961,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         tidx: cutlass.Int32, m_block: cutlass.Int32, wg: cutlass.Int32, wg_tidx: cutlass.Int32,
         lane: cutlass.Int32, b: cutlass.Int32, slot: cutlass.Int32, kv_len: cutlass.Int32, R: cutlass.Int32,
         blocks_per_page: cutlass.Int32, n_start: cutlass.Int32, T: cutlass.Int32,
-        q_load, ph0, ph1, qpf=None,
+        q_load, ph0, ph1, qpf=None, tmq=None,
     ):
         """One work item (request b, local tiles 0 .. T - 1 = KV blocks n_start .., partial slot or -1): Q,
         the prologue loads of tiles 0 and 1, the pairs, the epilogue.  The shared memory and initialised
@@ -1921,10 +1980,20 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
 
         ``qpf`` (q_prefetch only, ``QPrefetch``; None: nothing of it is compiled): Q by TMA on its own mbarrier, no
         cp.async commit groups, the prologue's tiles 0 / 1 skipped when the previous item issued them, and this
-        item issuing the next one's Q and tiles 0 / 1 in its last pairs (``seesaw_column_qpf``)."""
+        item issuing the next one's Q and tiles 0 / 1 in its last pairs (``seesaw_column_qpf``).
+
+        ``tmq`` (tma_producer only, ``TmapQ``; None: nothing of it is compiled): the math side of
+        ``kernel_tmap_balanced``: fp8_producer's balanced stream (no KV load, page-table read or L2 prefetch of its
+        own, every tile's parts released on the empty mbarriers, BAR_MATH), ``zero_v_tail`` kept as with tma=True
+        (the producer's TMA does not zero page tails), no Q load: Q full waited with parity ``tmq.qpar`` before the
+        item's first BAR_MATH, and with ``tmq.release`` each math thread arrives on Q empty once its own last S of
+        the item is waited (WG0: after its qk of the last pair's tile a; WG1: in the last pair after its qk of tile b
+        if any, else right there, its last S waited a pair before; T = 0: after the pair loop), so the producer's
+        next Q load waits for both warpgroups' last S and nothing else."""
         mt = self.mma_dtype
         sQ, sK, sV, sP0, sP1, sScale, sMax, sL, mbar = smem
-        if cutlass.const_expr(self.fp8_producer):
+        producer = self.fp8_producer or self.tma_producer  # a producer warpgroup loads KV (and with TMA, Q)
+        if cutlass.const_expr(producer):
             refill_bars = mbar + 4  # the parts' empty mbarriers (the full ones are mbar + 0 .. 3)
         else:
             refill_bars = mbar  # the mbarriers the refill loads complete
@@ -1932,7 +2001,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         # ---------------- Q: gmem -> smem (rows >= R zero), its own commit group ----------
         thr_g2s = g2s.get_slice(tidx)
         _, _, r2s_q, g2r_q = self._fp8_copies()
-        if cutlass.const_expr(q_load is None):
+        if cutlass.const_expr(tmq is not None):
+            pass  # tma_producer: the producer warpgroup loads Q (waited on tmq.full below)
+        elif cutlass.const_expr(q_load is None):
             self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
         elif cutlass.const_expr(qpf is not None):
             # q_prefetch: Q by TMA from warp 0 (q_load is False when the previous item issued it or sQ holds it)
@@ -1941,13 +2012,18 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         else:
             if q_load:  # balanced: sQ still holds this request's rows when the column's previous item had them
                 self.load_q(mQ, sQ, g2s, thr_g2s, r2s_q, g2r_q, tidx, b, m_block, R)
-        if cutlass.const_expr(qpf is None):
+        if cutlass.const_expr(qpf is None and tmq is None):
             cute.arch.cp_async_commit_group()
 
         # ---------------- KV tiles 0 and 1: each warpgroup loads its parts ----------------
         if cutlass.const_expr(self.fp8_producer):
             kv_src = None  # no KV load here: the producer warpgroup's (refill_part arrives instead)
             in_flight = 0  # Q is the math warpgroups' only cp.async group
+        elif cutlass.const_expr(self.tma_producer):
+            kv_src = None  # tma_producer: no KV load here either; zero_v_tail's partitions of sK only
+            thr_g2s_wg = g2s_wg.get_slice(wg_tidx)
+            tKcK = thr_g2s_wg.partition_S(cute.make_identity_tensor((BLOCK_N, D_QK)))  # (CPY, 4, 9)
+            tKsK = thr_g2s_wg.partition_D(sK)  # (CPY, 4, 9, STAGES)
         else:
             thr_g2s_wg = g2s_wg.get_slice(wg_tidx)
             cKV = cute.make_identity_tensor((BLOCK_N, D_QK))
@@ -2005,7 +2081,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             if cutlass.const_expr(qpf is None):
                 cute.arch.cp_async_commit_group()
             in_flight = 1  # the KV group
-        if cutlass.const_expr(qpf is None):
+        if cutlass.const_expr(tmq is not None):
+            # tma_producer: Q's latest phase (this request's load: a completed phase returns at once when an earlier
+            # item of the request waited it) has landed; TMA writes, visible to the WGMMAs after the wait
+            cute.arch.mbarrier_wait(tmq.full, tmq.qpar)
+        elif cutlass.const_expr(qpf is None):
             # Q landed (the KV group may still fly), visible to the async proxy and to all threads
             cute.arch.cp_async_wait_group(in_flight)
             cute.arch.fence_view_async_shared()
@@ -2049,7 +2129,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
 
-        if cutlass.const_expr(not self.fp8_producer):  # fp8_producer: the producer reads the page table
+        if cutlass.const_expr(not producer):  # fp8_producer / tma_producer: the producer reads the page table
             pg_next2 = cutlass.Int32(0)
             pg_next3 = cutlass.Int32(0)
             if T > 2:
@@ -2057,6 +2137,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             if T > 3:
                 pg_next3 = mPT[b, (n_start + 3) // blocks_per_page]
         every_tile = self.fp8_producer and ph0 is not None  # balanced fp8_producer: release every tile's parts
+        if cutlass.const_expr(self.tma_producer):
+            every_tile = ph0 is not None  # tma_producer (balanced only): likewise
         for p in cutlass.range(0, (T + 1) // 2, 1):
             ta = 2 * p  # local tile of WG0 (buffer 0); tb = ta + 1 of WG1 (buffer 1)
             parity = p % 2
@@ -2068,7 +2150,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             if cutlass.const_expr(ph0 is not None):
                 par0 = (ph0 + p) % 2
                 par1 = (ph1 + p) % 2
-            if cutlass.const_expr(self.fp8_producer):
+            if cutlass.const_expr(producer):
                 pg2 = pg3 = None  # the producer warpgroup reads the page table and prefetches into L2
             else:
                 # cache pages of the next pair's tiles (tiles a+2, b+2), read one pair ahead so
@@ -2162,6 +2244,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     # S_a, softmax, publish P_a; O_L += P_a V_aL (RS)
                     self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 0, SEESAW_QK_ORDER[0],
                             mbar + 0, mbar + 1, par0)
+                    if cutlass.const_expr(tmq is not None):
+                        # tma_producer, the item's last pair: WG0's last S (tile a) is waited: release sQ
+                        if ta + 2 >= T:
+                            if tmq.release:
+                                cute.arch.mbarrier_arrive(tmq.empty)
                     self.softmax_publish(mma_o_rs, r2s_P, acc_S, tOrP, tScS, sP0, sScale, sMax,
                                          acc_O_mn, row_lim, row_max, row_sum, n_start + ta, 0,
                                          scale_log2, wg_tidx, is_quad_leader, BAR_P_OF[0], row_corr,
@@ -2196,6 +2283,12 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         # S_b (runs while WG0 does softmax_a); wg1_other_first: mbar + 2 waited first (qk_wait_order)
                         self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
                                 mbar + 3, mbar + 2, par1)
+                    if cutlass.const_expr(tmq is not None):
+                        # tma_producer, the item's last pair: WG1's last S (tile b, waited in its qk just above, or
+                        # for an odd T the previous pair's) is done: release sQ
+                        if ta + 2 >= T:
+                            if tmq.release:
+                                cute.arch.mbarrier_arrive(tmq.empty)
                     # P_a from WG0: O_R = O_R * scale_a + sP_a V_aR (SS), not waited yet;
                     # tma=True: V_R tail rows of tile a zeroed after the P_a barrier if last
                     self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
@@ -2238,8 +2331,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                                 self.qpf_load_next(qpf, kv_src, 1, 1, T, blocks_per_page, mbar)
 
         # fp8_producer: Q, the only group, was waited; q_prefetch: no commit group (KV parts observed by mbarriers)
-        if cutlass.const_expr(not self.fp8_producer and qpf is None):
+        if cutlass.const_expr(not producer and qpf is None):
             cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(tmq is not None):
+            # tma_producer, an item without tiles: no S read sQ; release it for the next request's Q all the same
+            if T == 0:
+                if tmq.release:
+                    cute.arch.mbarrier_arrive(tmq.empty)
 
         # ---------------- epilogue ----------------
         # both warpgroups hold the final running max; the row sum is the sum of the two
@@ -2669,6 +2767,205 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             pg_b = pn3
 
 
+    # ---------------------------------------------------------------- tma_producer=True (16-bit KV, TMA, balanced)
+    @cute.jit
+    def kernel_tmap_balanced(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        g2s: cute.TiledCopy, g2s_wg: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
+        mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr, tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, mRanges: cute.Tensor,
+        q_tma_atom: cute.CopyAtom, mQ_tma: cute.Tensor,
+        tidx: cutlass.Int32, m_block: cutlass.Int32, wi: cutlass.Int32, wg: cutlass.Int32,
+        wg_tidx: cutlass.Int32, lane: cutlass.Int32,
+    ):
+        """tma_producer=True (16-bit KV, tma=True, balanced=True; branch tma-producer, compile-only): CTA (m_block,
+        column wi), 384 threads, 10 mbarriers set up once: full[i] = mbar + i (count 1: the producer's
+        arrive.expect_tx, the part's TMA bytes complete the phase; i = 2 * buffer + part as ``SEESAW_LOAD_BLOCKS``),
+        empty[i] = mbar + 4 + i (count 128: math warpgroup i % 2, the part's last reader, in ``refill_part``), Q full
+        (TMAP_Q_FULL, count 1) and Q empty (TMAP_Q_EMPTY, count 256).  Math warpgroups 0 / 1: ``seesaw_column_tmap``
+        (fp8_producer's balanced stream, Q waited instead of loaded).  Warpgroup 2: setmaxnreg.dec, then its first warp
+        runs ``tmap_producer`` and the other three exit.  Why: the balanced TMA kernel drains its KV pipeline at every
+        item boundary (next tiles 0 / 1 and Q issued only after the epilogue's CTA barrier: ~5 us per boundary fitted
+        on the H200), the producer issues them as soon as the previous item's last readers released the buffers and
+        sQ."""
+        R = mQ.shape[1]
+        blocks_per_page = mKV.shape[1] // BLOCK_N
+        smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
+        mbar = smem[8]
+        if tidx == 0:
+            for i in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(mbar + i, self._mbar_count())  # full: one arrive.expect_tx
+            for i in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(mbar + 4 + i, WG_THREADS)  # empty: the releasing math warpgroup
+            cute.arch.mbarrier_init(mbar + TMAP_Q_FULL, 1)
+            cute.arch.mbarrier_init(mbar + TMAP_Q_EMPTY, NUM_THREADS)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        if wg < 2:
+            cute.arch.setmaxregister_increase(TMAP_MATH_REGS)
+            self.seesaw_column_tmap(
+                mQ, mKV, mPT, mLens, mO, mLSE, mWork, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, smem, mRanges,
+                tidx, m_block, wi, wg, wg_tidx, lane, R, blocks_per_page,
+            )
+        else:
+            cute.arch.setmaxregister_decrease(TMAP_PRODUCER_REGS)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 2 * (WG_THREADS // 32):
+                self.tmap_producer(mKV, mPT, mWork, mRanges, smem, tma_atom, mKV_tma, q_tma_atom, mQ_tma, m_block,
+                                   wi, lane, blocks_per_page)
+
+    @cute.jit
+    def seesaw_column_tmap(
+        self,
+        mQ: cute.Tensor, mKV: cute.Tensor, mPT: cute.Tensor, mLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mWork: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+        scale_log2: cutlass.Float32, scale_ln: cutlass.Float32, v_scale: cutlass.Float32,
+        s_q: cutlass.Int32, num_heads: cutlass.Int32,
+        g2s: cute.TiledCopy, g2s_wg: cute.TiledCopy, r2s_P: cute.TiledCopy,
+        mma_s: cute.TiledMma, mma_s_first: cute.TiledMma,
+        mma_o_rs: cute.TiledMma, mma_o_ss: cute.TiledMma, smem, mRanges: cute.Tensor,
+        tidx: cutlass.Int32, m_block: cutlass.Int32, wi: cutlass.Int32, wg: cutlass.Int32,
+        wg_tidx: cutlass.Int32, lane: cutlass.Int32, R: cutlass.Int32, blocks_per_page: cutlass.Int32,
+    ):
+        """tma_producer, math warpgroups: ``seesaw_item`` per row of column wi with b >= 0, with the producer's
+        bookkeeping (``tmap_producer``): the KV phase counts ph0 / ph1 (``seesaw_item_phases``), and Q: q_of = the
+        request sQ holds (reset to -1 by a row with b < 0: the producer then reloads Q, so that every Q load but the
+        column's first has exactly one Q-empty phase before it), nq = Q loads so far including this item's, the item
+        waiting Q full parity (nq - 1) % 2; ``release``: the next row exists and names another request (or b < 0), so
+        this item is the last reader of sQ before the producer's next Q load and arrives on Q empty (one phase per Q
+        load after the first; a last row before b < 0 rows at the column's end completes a phase nobody waits)."""
+        mbar = smem[8]
+        q_of = cutlass.Int32(-1)
+        nq = cutlass.Int32(0)
+        ph0 = cutlass.Int32(0)
+        ph1 = cutlass.Int32(0)
+        end = mRanges[wi + 1]
+        for it in cutlass.range(mRanges[wi], end, 1):
+            b = mWork[it, 0]
+            if b >= 0:
+                slot = mWork[it, 3]
+                kv_len = mLens[b]
+                n_start = mWork[it, 1] // BLOCK_N
+                T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start
+                q_load = b != q_of
+                if q_load:
+                    nq = nq + 1
+                nb = b
+                if it + 1 < end:
+                    nb = mWork[it + 1, 0]
+                self.seesaw_item(
+                    mQ, mKV, mPT, mO, mLSE, mOp, mLSEp, scale_log2, scale_ln, v_scale, s_q, num_heads,
+                    g2s, g2s_wg, r2s_P, mma_s, mma_s_first, mma_o_rs, mma_o_ss, None, None, smem,
+                    tidx, m_block, wg, wg_tidx, lane, b, slot, kv_len, R, blocks_per_page, n_start, T,
+                    q_load, ph0, ph1,
+                    tmq=TmapQ(mbar + TMAP_Q_FULL, mbar + TMAP_Q_EMPTY, (nq + 1) % 2, nb != b),
+                )
+                q_of = b
+                ph0 = ph0 + (T + 1) // 2
+                ph1 = ph1 + T // 2
+            else:
+                q_of = cutlass.Int32(-1)
+
+    @cute.jit
+    def tmap_issue_part(self, tma_atom: cute.CopyAtom, tKgT: cute.Tensor, tKsT: cute.Tensor, page: cutlass.Int32,
+                        n: cutlass.Int32, stage: cutlass.Constexpr, blocks: cutlass.Constexpr,
+                        blocks_per_page: cutlass.Int32, full_ptr, empty_ptr, wait_empty, parity: cutlass.Int32):
+        """tma_producer, the producer warp: one part of KV block n (cache page ``page``) into sK[:, :, stage]: wait
+        for the part's columns to be free (``wait_empty``: not for a buffer's first tile of the column), then one lane
+        arms ``full_ptr`` with the part's bytes and the warp issues one 64 x 64 box per block (``load_part_tma``'s
+        copies; rows past kv_len as they are: ``zero_v_tail``)."""
+        if wait_empty:
+            cute.arch.mbarrier_wait(empty_ptr, parity)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(full_ptr, len(blocks) * BLOCK_N * KV_BOX * (self.mma_dtype.width // 8))
+        for c in cutlass.range_constexpr(len(blocks)):
+            cute.copy(tma_atom, tKgT[None, n % blocks_per_page, blocks[c], page], tKsT[None, 0, blocks[c], stage],
+                      tma_bar_ptr=full_ptr)
+
+    @cute.jit
+    def tmap_producer(
+        self, mKV: cute.Tensor, mPT: cute.Tensor, mWork: cute.Tensor, mRanges: cute.Tensor, smem,
+        tma_atom: cute.CopyAtom, mKV_tma: cute.Tensor, q_tma_atom: cute.CopyAtom, mQ_tma: cute.Tensor,
+        m_block: cutlass.Int32, wi: cutlass.Int32, lane: cutlass.Int32, blocks_per_page: cutlass.Int32,
+    ):
+        """tma_producer, the producer warp (warp 8): walks column wi's rows as the math side does (b < 0 skipped and
+        resetting q_of).  Per item: Q when the request changes (the nq-th load, nq >= 1, first waits Q empty phase
+        nq - 1: the previous request's last item's 256 arrives after its last S; then one arrive.expect_tx of 73,728
+        bytes (16 bit) on Q full and nine 64 x 64 boxes, rows past R zero-filled by the TMA unit), then its tiles in
+        the math side's wait order, tile a = 2p: parts 0 (blocks 0-3) and 1 (blocks 4-8); tile b = 2p + 1: parts 3
+        (blocks 4-7) and 2 (blocks 0-3 + RoPE); the g-th tile of a buffer in the column (g = ph + p) waits empty
+        phase g - 1 of the part first (none for g = 0), as ``fp8p_producer``.  The pair's pages are read at its
+        start, before its empty waits; with l2_prefetch lane 0 prefetches the next pair's tiles into L2."""
+        sQ, sK = smem[0], smem[1]
+        mbar = smem[8]
+        full = mbar
+        empty = mbar + 4
+        q_full = mbar + TMAP_Q_FULL
+        q_empty = mbar + TMAP_Q_EMPTY
+        # KV boxes (TMA, 1, 9, STAGES) / (TMA, page_size / 64, 9, pages) as seesaw_item's; Q boxes as seesaw_column_qpf's
+        tKsT, tKgT = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1),
+            cute.group_modes(cute.flat_divide(sK, (BLOCK_N, KV_BOX)), 0, 2),
+            cute.group_modes(cute.flat_divide(mKV_tma, (BLOCK_N, KV_BOX)), 0, 2))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            q_tma_atom, 0, cute.make_layout(1),
+            cute.group_modes(cute.flat_divide(sQ, (BLOCK_M, KV_BOX)), 0, 2),
+            cute.group_modes(cute.flat_divide(mQ_tma, (BLOCK_M, KV_BOX)), 0, 2))
+        if lane == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+            cpasync.prefetch_descriptor(q_tma_atom)
+        q_of = cutlass.Int32(-1)
+        nq = cutlass.Int32(0)
+        g0 = cutlass.Int32(0)  # tiles of buffer 0 / 1 the column's earlier items loaded (seesaw_item_phases)
+        g1 = cutlass.Int32(0)
+        for it in cutlass.range(mRanges[wi], mRanges[wi + 1], 1):
+            b = mWork[it, 0]
+            if b >= 0:
+                n_start = mWork[it, 1] // BLOCK_N
+                T = (mWork[it, 2] + BLOCK_N - 1) // BLOCK_N - n_start
+                if b != q_of:
+                    if nq > 0:
+                        cute.arch.mbarrier_wait(q_empty, (nq + 1) % 2)  # Q empty phase nq - 1
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(q_full, BLOCK_M * D_QK * (self.mma_dtype.width // 8))
+                    for k in cutlass.range_constexpr(D_QK // KV_BOX):
+                        cute.copy(q_tma_atom, tQgQ[None, m_block, k, b], tQsQ[None, 0, k], tma_bar_ptr=q_full)
+                    nq = nq + 1
+                q_of = b
+                for p in cutlass.range(0, (T + 1) // 2, 1):
+                    ta = 2 * p
+                    # the buffer's (g + p)-th tile of the column waits on empty phase g + p - 1
+                    e0 = (g0 + p + 1) % 2
+                    e1 = (g1 + p + 1) % 2
+                    # this pair's pages, read before its empty waits (the producer is ahead: those waits hide the
+                    # latency; fewer registers than fp8p_producer's pages kept one pair ahead)
+                    pg_a = mPT[b, (n_start + ta) // blocks_per_page]
+                    pg_b = mPT[b, (n_start + (ta + 1 if ta + 1 < T else ta)) // blocks_per_page]
+                    if cutlass.const_expr(self.l2_prefetch):  # the next pair's tiles -> L2 (off by default)
+                        pn2 = mPT[b, (n_start + (ta + 2 if ta + 2 < T else T - 1)) // blocks_per_page]
+                        pn3 = mPT[b, (n_start + (ta + 3 if ta + 3 < T else T - 1)) // blocks_per_page]
+                        self.prefetch_pair_l2(mKV, lane, pn2, pn3, n_start, ta, T, blocks_per_page)
+                    self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[0][0],
+                                         blocks_per_page, full + 0, empty + 0, g0 + p > 0, e0)
+                    self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[1][1],
+                                         blocks_per_page, full + 1, empty + 1, g0 + p > 0, e0)
+                    if ta + 1 < T:
+                        self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1, SEESAW_LOAD_BLOCKS[1][0],
+                                             blocks_per_page, full + 3, empty + 3, g1 + p > 0, e1)
+                        self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1, SEESAW_LOAD_BLOCKS[0][1],
+                                             blocks_per_page, full + 2, empty + 2, g1 + p > 0, e1)
+                g0 = g0 + (T + 1) // 2
+                g1 = g1 + T // 2
+            else:
+                q_of = cutlass.Int32(-1)
+
 # ---------------------------------------------------------------------- host helpers
 # api.mla_decode_sm90 keeps using sm90_decode; the backend (mla_cute_dsl.backend, option mma) picks
 # this kernel per shape through the helpers below (also used by the tests).
@@ -2721,7 +3018,7 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
 
 
 # kernel-cache key flags after (q, kv, block_m): see seesaw_spec (plus "fp8pr<R>": fp8p_ring = R, seesaw_flag_ring)
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p", "qpf", "wg1of")
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p", "qpf", "wg1of", "tmap")
 #: key flag prefix of the fp8 producer's register ring (``fp8p_ring``): "fp8pr7" for 7 slots
 SEESAW_RING_FLAG = "fp8pr"
 #: key flag prefix of the ring's shared-memory staging (``fp8p_stage``): "fp8ps4" for 4 slots
@@ -2764,7 +3061,8 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
                                     lazy_rescale="lazy" in flags, fp8_producer="fp8p" in flags,
                                     fp8p_ring=seesaw_flag_ring(flags), fp8p_stage=seesaw_flag_stage(flags),
                                     q_prefetch="qpf" in flags,  # balanced only: the constructor refuses it
-                                    wg1_other_first="wg1of" in flags)  # 16-bit KV only: refused with fp8
+                                    wg1_other_first="wg1of" in flags,
+                                    tma_producer="tmap" in flags)  # wg1of: 16-bit KV only; tmap: balanced only
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
@@ -2799,7 +3097,7 @@ def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: s
                 wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
                 lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
                 fp8p_stage: int = 0, q_prefetch: bool = False,
-                wg1_other_first: bool = False) -> tuple[str | int, ...]:
+                wg1_other_first: bool = False, tma_producer: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
@@ -2810,7 +3108,8 @@ def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: s
     and "fp8ps<S>" for its shared-memory staging ``fp8p_stage`` = S (only when set), then "qpf" for
     ``q_prefetch`` (the balanced kernel's next-item Q and tiles 0 / 1 issued in the current item; only when set;
     every existing key is unchanged), then "wg1of" for ``wg1_other_first`` (WG1's QK of its own tile waits WG0's
-    part first; 16-bit KV; only when set: every existing key is unchanged)."""
+    part first; 16-bit KV; only when set: every existing key is unchanged), then "tmap" for ``tma_producer`` (the
+    balanced 16-bit TMA kernel with a producer warpgroup; only when set)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
@@ -2819,7 +3118,8 @@ def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: s
             + (("lazy",) if lazy_rescale else ()) + (("fp8p",) if fp8_producer else ())
             + ((f"{SEESAW_RING_FLAG}{int(fp8p_ring)}",) if fp8p_ring else ())
             + ((f"{SEESAW_STAGE_FLAG}{int(fp8p_stage)}",) if fp8p_stage else ())
-            + (("qpf",) if q_prefetch else ()) + (("wg1of",) if wg1_other_first else ()))
+            + (("qpf",) if q_prefetch else ()) + (("wg1of",) if wg1_other_first else ())
+            + (("tmap",) if tma_producer else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
@@ -2923,7 +3223,8 @@ def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int
                                     tma="tma" in flags, balanced=True, lazy_rescale="lazy" in flags,
                                     fp8_producer="fp8p" in flags, fp8p_ring=seesaw_flag_ring(flags),
                                     fp8p_stage=seesaw_flag_stage(flags), q_prefetch="qpf" in flags,
-                                    wg1_other_first="wg1of" in flags)
+                                    wg1_other_first="wg1of" in flags,
+                                    tma_producer="tmap" in flags)
     return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
 
 
@@ -2932,7 +3233,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
                                              wide_store: bool = False, tma: bool = False,
                                              lazy_rescale: bool = False, fp8_producer: bool = False,
                                              fp8p_ring: int = 0, fp8p_stage: int = 0, q_prefetch: bool = False,
-                                             wg1_other_first: bool = False):
+                                             wg1_other_first: bool = False, tma_producer: bool = False):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
     KV in the q dtype (default) or ``"fp8_e4m3"`` (branch fp8-balanced: the even fp8 seesaw's loads under the
     item loop; GPU-verified in the twenty-second session); kernel cache kind ``partial_wgmma_seesaw_balanced`` with
@@ -2946,7 +3247,11 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     "fp8ps<S>").  ``q_prefetch`` (16-bit cache only, ValueError otherwise; branch q-prefetch, compile-only): each
     item issues the next item's Q (a TMA load) and KV tiles 0 / 1 during its last pairs (``seesaw_column_qpf``),
     key flag "qpf".  ``wg1_other_first`` (16-bit cache only, ValueError otherwise; branch qk-order, compile-only):
-    warpgroup 1's QK of its own tile waits warpgroup 0's part first, key flag "wg1of" (as the even getter's)."""
+    warpgroup 1's QK of its own tile waits warpgroup 0's part first, key flag "wg1of" (as the even getter's).
+
+    ``tma_producer`` (16-bit cache with tma=True only, not with q_prefetch or the fp8 options;
+    ValueError otherwise; branch tma-producer, compile-only): a producer warpgroup issues every KV part and Q by TMA
+    on full / empty mbarriers across the column's items (``kernel_tmap_balanced``), key flag "tmap"."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -2962,13 +3267,20 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     if wg1_other_first and kv_name == "fp8_e4m3":
         raise ValueError("balanced seesaw kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16), got "
                          "fp8_e4m3")
+    if tma_producer:
+        if kv_name == "fp8_e4m3" or not tma:
+            raise ValueError("balanced seesaw kernel: tma_producer=True needs a 16-bit KV cache (bf16 / fp16) and "
+                             f"tma=True, got kv {kv_name}, tma={tma}")
+        if q_prefetch or fp8_producer or fp8p_ring or fp8p_stage:
+            raise ValueError("balanced seesaw kernel: tma_producer=True excludes q_prefetch and the fp8 producer "
+                             "options (fp8_producer, fp8p_ring, fp8p_stage)")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw_balanced",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
                                                  lazy_rescale=lazy_rescale, fp8_producer=fp8_producer,
                                                  fp8p_ring=fp8p_ring, fp8p_stage=fp8p_stage, q_prefetch=q_prefetch,
-                                                 wg1_other_first=wg1_other_first),
+                                                 wg1_other_first=wg1_other_first, tma_producer=tma_producer),
                                      _build_partial_wgmma_seesaw_balanced)
 
 
@@ -2977,7 +3289,8 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
                                           l2_prefetch: bool | None = None, tma: bool = False,
                                           lazy_rescale: bool = False, fp8_producer: bool = False,
                                           fp8p_ring: int = 0, fp8p_stage: int = 0,
-                                          q_prefetch: bool = False, wg1_other_first: bool = False):
+                                          q_prefetch: bool = False, wg1_other_first: bool = False,
+                                          tma_producer: bool = False):
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
@@ -2985,8 +3298,8 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
     bf16/fp16 or fp8 e4m3 cache (ValueError otherwise, also with check=False; fp8: k = kv * kv_scale as in the
     even entry; GPU-verified in the twenty-second session).  ``l2_prefetch``, ``tma``: see
     ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``fp8p_ring``,
-    ``fp8p_stage``, ``q_prefetch``, ``wg1_other_first`` (16-bit cache only; compile-only so far): see
-    ``get_partial_kernel_wgmma_seesaw_balanced``."""
+    ``fp8p_stage``, ``q_prefetch``, ``wg1_other_first`` (16-bit cache only; compile-only so far), ``tma_producer``
+    (16-bit cache with tma=True; compile-only so far): see ``get_partial_kernel_wgmma_seesaw_balanced``."""
     from . import api
 
     api.check_balanced(schedule, kv_cache, fp8_ok=True)
@@ -3001,6 +3314,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
         **({"fp8p_ring": fp8p_ring} if fp8p_ring else {}),
         **({"fp8p_stage": fp8p_stage} if fp8p_stage else {}),
         **({"q_prefetch": True} if q_prefetch else {}),
-        **({"wg1_other_first": True} if wg1_other_first else {}))
+        **({"wg1_other_first": True} if wg1_other_first else {}),
+        **({"tma_producer": True} if tma_producer else {}))
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
