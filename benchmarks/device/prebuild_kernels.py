@@ -109,6 +109,11 @@ def specs():
                         out.append((f"seesaw_balanced {q} {tag} tma{' lazy' if lazy else ''} tmap",
                                     lambda q=q, z=lazy: get_partial_kernel_wgmma_seesaw_balanced(
                                         q, q, partial="fp32", tma=True, lazy_rescale=z, tma_producer=True)))
+                if kv == q and partial == q:  # the backend's default since mla-cute-dsl 0.2.19 (tma_producer auto):
+                    # the balanced TMA lazy seesaw with the producer warpgroup, 16-bit partials and wide stores
+                    out.append((f"seesaw_balanced {q} {tag} tma lazy tmap",
+                                lambda q=q, p=partial, w=wide: get_partial_kernel_wgmma_seesaw_balanced(
+                                    q, q, partial=p, wide_store=w, tma=True, lazy_rescale=True, tma_producer=True)))
                 if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
                     out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))

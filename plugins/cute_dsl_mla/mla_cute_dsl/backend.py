@@ -205,6 +205,19 @@ class CuteDslOptions(BackendOptions):
                     "S=800-4096); at s_q=2 0.97-0.99x up to S=1500 but 1.003-1.017x at S=4096, and through mla "
                     "bench at s_q=2 S=4096 1.03x (B=64 264.0 against 256.4 us, B=128 537.2 against 520.6). "
                     "The even seesaw, fp8 caches and the other kernels ignore it")
+    tma_producer: Optional[bool] = Field(
+        default=None,
+        description="the balanced seesaw kernel with TMA loads (sm_90, seesaw_split=balanced, bf16/fp16 cache; "
+                    f"loads=auto gives TMA from {SEESAW_BALANCED_TMA_MIN_ROWS} packed rows): a producer warpgroup "
+                    "(384 threads, setmaxnreg 232 math / 40 producer) issues every KV part and each work item's Q "
+                    "by TMA on full / empty mbarriers, walking the CTA column's items ahead of the math warpgroups, "
+                    "so an item boundary no longer waits for the next item's Q and first tiles. Default (unset): on "
+                    "wherever the balanced seesaw loads by TMA; q_prefetch is then ignored (the producer fetches "
+                    "ahead itself). On an H200 (kernels alone, docs/results/gpu24_session/tmap_speed.txt, H=128, one "
+                    "run): 0.92-0.93x q_prefetch's time at s_q=1 (B=128 S=4096 265.0 against 287.6 us, fa3 279.2; "
+                    "B=180 386.8 against 419.1, fa3 411.7), 0.92-0.95x the default's at s_q=2 (B=128 S=4096 519.3 "
+                    "against 548.6, fa3 535.2); outputs bitwise equal to the kernel without it. False: 0.2.18's "
+                    "kernels. The even seesaw, cp.async loads, fp8 caches and the other kernels ignore it")
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(
         default="auto",
         description="sm_90 partial kernel: wgmma (s_q*num_heads > 32; 1.4-1.7x faster than mma_sync at H=64/128 on "
@@ -509,12 +522,23 @@ def seesaw_fp8_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
 
 def seesaw_q_prefetch(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether the balanced seesaw runs with its q_prefetch option (the next item's Q and KV tiles 0/1 issued during
-    the current item): option q_prefetch, a bf16/fp16 cache and the seesaw kernel in its balanced mode. A function of
-    the shape class and options only (one session's graphs keep one kernel)."""
+    the current item): option q_prefetch, a bf16/fp16 cache and the seesaw kernel in its balanced mode, where the
+    TMA producer warpgroup does not run (seesaw_tma_producer: it fetches ahead itself). A function of the shape class
+    and options only (one session's graphs keep one kernel)."""
     wanted = (shape.seq_len_q * shape.num_heads <= QPF_AUTO_MAX_ROWS if options.q_prefetch is None
               else options.q_prefetch)
     return (wanted and shape.kv_dtype != "fp8_e4m3"
-            and partial_kernel(shape, options) == SEESAW_BALANCED_KERNEL and balanced_split(shape, options))
+            and partial_kernel(shape, options) == SEESAW_BALANCED_KERNEL and balanced_split(shape, options)
+            and not seesaw_tma_producer(shape, options))
+
+
+def seesaw_tma_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether the balanced seesaw runs with its TMA producer warpgroup (kernel option tma_producer): option
+    tma_producer (unset: on) wherever the seesaw kernel runs balanced with TMA loads and a bf16/fp16 cache. A function
+    of the shape class and options only (one session's graphs keep one kernel)."""
+    return (options.tma_producer is not False and shape.kv_dtype != "fp8_e4m3"
+            and partial_kernel(shape, options) == SEESAW_BALANCED_KERNEL and balanced_split(shape, options)
+            and seesaw_tma(shape, options))
 
 
 def seesaw_fp8p_ring(shape: DecodeShape, options: CuteDslOptions) -> int:
@@ -584,6 +608,9 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
         if options.loads == "auto":
             text += f": TMA from {seesaw_tma_min_rows(shape, options)} rows"
         text += ")"
+        if seesaw_tma_producer(shape, options):
+            text += (", a producer warpgroup issues the KV tiles and each item's Q by TMA ahead of the math warpgroups "
+                     "(tma_producer)")
         if seesaw_q_prefetch(shape, options):
             text += ", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
     if _wgmma_t_auto(shape, options):
@@ -816,7 +843,8 @@ class CuteDslPlanned(Planned):
                  lse_scratch: Optional[torch.Tensor], sm_scale: float, kv_scale: float,
                  kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1,
                  tma: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
-                 fp8p_ring: int = 0, fp8p_stage: int = 0, q_prefetch: bool = False) -> None:
+                 fp8p_ring: int = 0, fp8p_stage: int = 0, q_prefetch: bool = False,
+                 tma_producer: bool = False) -> None:
         run_fn = run_function(kernel, balanced)
         keywords: dict = {}
         if kernel == "fp8reg" and s_accs != 1:  # fp8reg_s_accs; the entry's default is 0.2.8's 1
@@ -834,6 +862,8 @@ class CuteDslPlanned(Planned):
                 keywords["fp8p_stage"] = fp8p_stage
         if kernel == "seesaw" and balanced and q_prefetch:  # option q_prefetch (balanced seesaw, 16-bit cache)
             keywords["q_prefetch"] = True
+        if kernel == "seesaw" and balanced and tma_producer:  # option tma_producer (balanced TMA seesaw, 16-bit)
+            keywords["tma_producer"] = True
         if keywords:
             run_fn = functools.update_wrapper(functools.partial(run_fn, **keywords), run_fn)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
@@ -969,7 +999,8 @@ class CuteDslSession(Session):
                               fp8_producer=seesaw_fp8_producer(problem, self.options),
                               fp8p_ring=seesaw_fp8p_ring(problem, self.options),
                               fp8p_stage=seesaw_fp8p_stage(problem, self.options),
-                              q_prefetch=seesaw_q_prefetch(problem, self.options))
+                              q_prefetch=seesaw_q_prefetch(problem, self.options),
+                              tma_producer=seesaw_tma_producer(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()

@@ -830,11 +830,16 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
     # and option rescale (default lazy) as lazy_rescale=True, with either cache
     # (and option fp8_loader, default ring since the twenty-third session, as fp8_producer=True, fp8p_ring=7 with
     # an fp8 cache; option q_prefetch, default auto, as q_prefetch=True with a 16-bit cache up to 128 packed rows)
+    # (and option tma_producer, default auto: on wherever the balanced seesaw loads by TMA, where q_prefetch then
+    # does not run)
+    tmap = want and kv != "fp8_e4m3"
+    qpf = qpf and not tmap
     assert getattr(planned.run_fn, "keywords", {}) == (({"tma": True} if want else {}) | {"lazy_rescale": True}
                                                        | ({"fp8_producer": True, "fp8p_ring": 7}
                                                           if kv == "fp8_e4m3" else {})
-                                                       | ({"q_prefetch": True} if qpf else {}))
-    assert be.seesaw_q_prefetch(problem, opts) is qpf
+                                                       | ({"q_prefetch": True} if qpf else {})
+                                                       | ({"tma_producer": True} if tmap else {}))
+    assert be.seesaw_q_prefetch(problem, opts) is qpf and be.seesaw_tma_producer(problem, opts) is tmap
     summary = be.kernel_summary(problem, opts)
     head = ("seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan, "
             "whichever is predicted >= 10% faster)")
@@ -842,6 +847,8 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
         loads_text = {"auto": "TMA KV loads (loads=auto: TMA from 33 rows)", "tma": "TMA KV loads (loads=tma)",
                       "cp_async": "cp.async KV loads (loads=cp_async)"}[loads]
         assert summary == (head + ", lazy softmax rescale (rescale=lazy), " + loads_text
+                           + (", a producer warpgroup issues the KV tiles and each item's Q by TMA ahead of the math "
+                              "warpgroups (tma_producer)" if tmap else "")
                            + (", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
                               if qpf else ""))
     else:
@@ -898,8 +905,8 @@ def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch,
         want = {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma, "lazy_rescale": True}
         if split == "even":  # the even entry's A/B knob (branch seesaw-tma-nofence), off under the backend
             want["reader_fences"] = False
-        elif s_q == 1:  # option q_prefetch (default auto: 128 rows on, 256 off): the balanced seesaw's "qpf" kernel
-            want["q_prefetch"] = True
+        else:  # option tma_producer (default auto: the balanced TMA seesaw's producer warpgroup; q_prefetch off)
+            want["tma_producer"] = True
         assert asked[-1] == ("bf16", "bf16", want)
         assert launched[-1] == ("kernel", tma)
 

@@ -14,6 +14,8 @@ from mlacore import StepInputs
 
 # the summary's last clause for the balanced seesaw with a 16-bit cache under option q_prefetch (by default unset:
 # auto, on up to 128 packed rows)
+TMAP = (", a producer warpgroup issues the KV tiles and each item's Q by TMA ahead of the math warpgroups "
+        "(tma_producer)")
 QPF = ", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
 
 
@@ -80,8 +82,10 @@ def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, 
         session, planned = _plan(monkeypatch, opts, lens_l, heads=heads, s_q=s_q, session=session, rec=rec)
         assert planned.kernel == "seesaw" and planned.balanced is True
         assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"
+        # option tma_producer (default auto: on wherever the balanced seesaw loads by TMA; q_prefetch then off)
         assert getattr(planned.run_fn, "keywords", {}) == (({"tma": True} if tma else {}) | {"lazy_rescale": True}
-                                                           | ({"q_prefetch": True} if qpf else {}))
+                                                           | ({"q_prefetch": True} if qpf and not tma else {})
+                                                           | ({"tma_producer": True} if tma else {}))
         sched = planned.schedule
         m_blocks = -(-heads * s_q // 64)
         assert sched.balanced and sched.block_m == 64 and sched.num_cols == 132 // m_blocks
@@ -122,7 +126,8 @@ def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch)
         out = torch.empty(4, s_q, 128, 512, dtype=torch.bfloat16)
         planned.run(q, kv, out, torch.empty(4, s_q, 128))
         assert asked[-1] == ("bf16", "bf16", {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma,
-                                              "lazy_rescale": True} | ({"q_prefetch": True} if qpf else {}))
+                                              "lazy_rescale": True} | ({"q_prefetch": True} if qpf and not tma else {})
+                             | ({"tma_producer": True} if tma else {}))  # tma_producer (auto) where TMA loads run
         partial, args = launched[-1]
         assert partial == "balanced-kernel" and args[-2] is planned.schedule and args[-1] is planned.workspace
 
@@ -153,20 +158,20 @@ def test_kernel_summary_run_function_and_notes():
     bal = CuteDslOptions(seesaw_split="balanced")
     assert be.kernel_summary(prob(num_heads=128), bal).startswith(
         "seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan")
-    # q_prefetch unset (auto): off at 256 rows; True forces it there, False keeps it off
-    assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), bal).endswith(
-        "TMA KV loads (loads=auto: TMA from 33 rows)")
-    assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), CuteDslOptions(q_prefetch=True)).endswith(
-        "TMA KV loads (loads=auto: TMA from 33 rows)" + QPF)
-    assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), CuteDslOptions(q_prefetch=False)).endswith(
-        "TMA KV loads (loads=auto: TMA from 33 rows)")
-    assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(q_prefetch=False)).endswith(
-        "TMA KV loads (loads=auto: TMA from 33 rows)")
-    # since 0.2.14 the balanced seesaw loads by TMA at 128 rows too, since 0.2.17 from 33; the even one
-    # (ctas_per_sm=2) from 256; q_prefetch (auto: up to 128 packed rows) only on the balanced one
-    assert be.kernel_summary(prob(num_heads=128), bal).endswith("TMA KV loads (loads=auto: TMA from 33 rows)" + QPF)
-    assert be.kernel_summary(prob(num_heads=16, seq_len_q=3), bal).endswith(
-        "TMA KV loads (loads=auto: TMA from 33 rows)" + QPF)
+    # tma_producer unset (auto): on wherever the balanced seesaw loads by TMA (from 33 rows under loads=auto), and
+    # q_prefetch then does not run, whatever it says; with tma_producer=False q_prefetch's own rule (auto: on up to
+    # 128 packed rows) applies again
+    tma = "TMA KV loads (loads=auto: TMA from 33 rows)"
+    for shape in (prob(num_heads=128, seq_len_q=2), prob(num_heads=128), prob(num_heads=16, seq_len_q=3)):
+        assert be.kernel_summary(shape, bal).endswith(tma + TMAP)
+        assert be.kernel_summary(shape, CuteDslOptions(q_prefetch=True)).endswith(tma + TMAP)
+    assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(tma_producer=False)).endswith(tma + QPF)
+    assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), CuteDslOptions(tma_producer=False)).endswith(tma)
+    assert be.kernel_summary(prob(num_heads=128, seq_len_q=2),
+                             CuteDslOptions(tma_producer=False, q_prefetch=True)).endswith(tma + QPF)
+    assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(loads="cp_async")).endswith(
+        "cp.async KV loads (loads=cp_async)" + QPF)
+    # the even one (ctas_per_sm=2) loads by TMA from 256 rows, with neither
     assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(ctas_per_sm=2)).endswith(
         "cp.async KV loads (loads=auto: TMA from 256 rows)")
     fp8 = be.kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), bal)

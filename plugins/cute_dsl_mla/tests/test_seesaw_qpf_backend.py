@@ -16,19 +16,25 @@ from mla_cute_dsl import backend as be
 from mla_cute_dsl.backend import CuteDslOptions
 
 
+def _opts(**kw) -> CuteDslOptions:
+    """The options under test with tma_producer=False: where the TMA producer runs (its default, the balanced seesaw
+    with TMA loads) it fetches ahead itself and q_prefetch does not run (test_seesaw_tmap_backend.py)."""
+    return CuteDslOptions(**{"tma_producer": False, **kw})
+
+
 def test_option_default_auto_and_validated():
     assert CuteDslOptions().q_prefetch is None  # auto: on up to QPF_AUTO_MAX_ROWS packed rows
     assert be.QPF_AUTO_MAX_ROWS == 128
-    assert CuteDslOptions(q_prefetch=True).q_prefetch is True
-    assert CuteDslOptions(q_prefetch=False).q_prefetch is False  # `mla bench --backend cute_dsl_mla:q_prefetch=false`
+    assert _opts(q_prefetch=True).q_prefetch is True
+    assert _opts(q_prefetch=False).q_prefetch is False  # `mla bench --backend cute_dsl_mla:q_prefetch=false`
     with pytest.raises(ValueError, match="q_prefetch"):
-        CuteDslOptions(q_prefetch="sometimes")
-    assert be.seesaw_q_prefetch(prob(num_heads=128), CuteDslOptions())  # 128 rows: on under auto
-    assert "(q_prefetch)" in be.kernel_summary(prob(num_heads=128), CuteDslOptions())
-    assert not be.seesaw_q_prefetch(prob(num_heads=128, seq_len_q=2), CuteDslOptions())  # 256 rows: off
-    assert "(q_prefetch)" not in be.kernel_summary(prob(num_heads=128, seq_len_q=2), CuteDslOptions())
-    assert not be.seesaw_q_prefetch(prob(num_heads=128), CuteDslOptions(q_prefetch=False))
-    assert "(q_prefetch)" not in be.kernel_summary(prob(num_heads=128), CuteDslOptions(q_prefetch=False))
+        _opts(q_prefetch="sometimes")
+    assert be.seesaw_q_prefetch(prob(num_heads=128), _opts())  # 128 rows: on under auto
+    assert "(q_prefetch)" in be.kernel_summary(prob(num_heads=128), _opts())
+    assert not be.seesaw_q_prefetch(prob(num_heads=128, seq_len_q=2), _opts())  # 256 rows: off
+    assert "(q_prefetch)" not in be.kernel_summary(prob(num_heads=128, seq_len_q=2), _opts())
+    assert not be.seesaw_q_prefetch(prob(num_heads=128), _opts(q_prefetch=False))
+    assert "(q_prefetch)" not in be.kernel_summary(prob(num_heads=128), _opts(q_prefetch=False))
 
 
 @pytest.mark.parametrize("heads,kv,split,want", [
@@ -37,7 +43,7 @@ def test_option_default_auto_and_validated():
 def test_on_reaches_only_the_balanced_16_bit_seesaw(monkeypatch, heads, kv, split, want):
     from mla_cute_dsl.kernels import api, kernel_cache, sm90_wgmma_decode
 
-    opts = CuteDslOptions(q_prefetch=True, seesaw_split=split)
+    opts = _opts(q_prefetch=True, seesaw_split=split)
     q_dt = "fp16" if kv == "fp16" else "bf16"
     shape = prob(num_heads=heads, kv_dtype=kv, q_dtype=q_dt)
     assert be.seesaw_q_prefetch(shape, opts) is want
@@ -62,7 +68,7 @@ def test_on_reaches_only_the_balanced_16_bit_seesaw(monkeypatch, heads, kv, spli
 
 
 def test_off_keeps_the_plan_keywords_of_before(monkeypatch):
-    _, planned = _plan(monkeypatch, CuteDslOptions(q_prefetch=False), [3000, 17, 0, 4096])
+    _, planned = _plan(monkeypatch, _opts(q_prefetch=False), [3000, 17, 0, 4096])
     assert planned.run_fn.keywords == {"tma": True, "lazy_rescale": True}
 
 
@@ -83,7 +89,7 @@ def test_auto_rule_on_up_to_128_packed_rows_off_from_129(monkeypatch, q_prefetch
     """q_prefetch unset (the default): the balanced bf16 seesaw at s_q * num_heads <= 128 gets q_prefetch=True at
     its entry and the q_prefetch clause in its summary, from 129 rows neither; q_prefetch=True forces it on at 256
     rows, False off at 64 and 128."""
-    opts = CuteDslOptions() if q_prefetch is None else CuteDslOptions(q_prefetch=q_prefetch)
+    opts = _opts() if q_prefetch is None else _opts(q_prefetch=q_prefetch)
     assert opts.q_prefetch is q_prefetch
     shape = prob(num_heads=heads, seq_len_q=s_q)
     if q_prefetch is None:  # the parametrization's rows sit on the side of 128 they claim
