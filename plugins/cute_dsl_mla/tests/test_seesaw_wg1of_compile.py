@@ -159,7 +159,7 @@ def test_wg1of_key_refusals_builders_and_entries(monkeypatch):
     for kw in ({}, {"balanced": True}, {"fp8_producer": True}, {"balanced": True, "fp8_producer": True}):
         with pytest.raises(ValueError, match="wg1_other_first=True needs a 16-bit KV cache"):
             K(cutlass.BFloat16, cutlass.Float8E4M3FN, wg1_other_first=True, **kw)
-    assert "wg1of" in W.SEESAW_FLAGS and W.SEESAW_FLAGS[-1] == "wg1of"
+    assert "wg1of" in W.SEESAW_FLAGS and W.SEESAW_FLAGS[-2:] == ("wg1of", "tmap")  # tmap: branch tma-producer
     assert W.seesaw_spec("bf16", "bf16") == ("bf16", "bf16", 64)
     assert W.seesaw_spec("bf16", "bf16", wg1_other_first=True) == ("bf16", "bf16", 64, "wg1of")
     assert W.seesaw_spec("bf16", "bf16", False, "bf16", True, True, lazy_rescale=True, q_prefetch=True,
