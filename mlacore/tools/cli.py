@@ -94,7 +94,7 @@ class TableSpec:
 
     def __init__(self, title: Optional[str], columns: Sequence[Tuple[str, str]]) -> None:
         self.title = title
-        self.columns = list(columns)  # (header, "name" | "text" | "prose" (3x a text column's share) | "num")
+        self.columns = list(columns)  # (header, "name" | "text" | "short" (a text column of at most 24) | "num")
         self.rows: List[Tuple[List[str], Optional[str]]] = []
 
     def add(self, *cells: object, style: Optional[str] = None) -> None:
@@ -109,20 +109,21 @@ class TableSpec:
 
         console = console or _console()
         plain = console.color_system is None
-        table = Table(title=escape(self.title) if self.title else None, box=box.ASCII if plain else box.HEAVY_HEAD, title_justify="left")
         longest = [max([len(header)] + [len(line) for r, _ in self.rows for line in r[i].splitlines()])
                    for i, (header, _) in enumerate(self.columns)]
         # a text column is made wide enough for its longest word (up to 40 characters) when the terminal has the
         # room, so that a name or a version range ("flashinfer-python>=0.7.2,<0.7.3") wraps whole instead of being
         # folded in the middle; on a narrow terminal folding is what keeps the table inside it
-        text_cols = [i for i, (_, kind) in enumerate(self.columns) if kind in ("text", "prose")]
+        text_cols = [i for i, (_, kind) in enumerate(self.columns) if kind in ("text", "short")]
         word = {i: min(40, max([12] + [len(w) for r, _ in self.rows for w in r[i].split()])) for i in text_cols}
         fixed = sum(longest[i] for i in range(len(self.columns)) if i not in word) + 3 * len(self.columns) + 1
         fits = fixed + sum(word.values()) <= console.width
+        table = Table(title=escape(self.title) if self.title else None, box=box.ASCII if plain else box.HEAVY_HEAD,
+                      title_justify="left")
         for i, (header, kind) in enumerate(self.columns):
-            if i in word:
-                table.add_column(header, overflow="fold", ratio=3 if kind == "prose" else 1,
-                                 min_width=word[i] if fits else 12)
+            if i in word:  # a "short" column (e.g. the accepted values) gives the rest to the text columns
+                table.add_column(header, overflow="fold", ratio=1, min_width=word[i] if fits else 12,
+                                 max_width=max(word[i] if fits else 12, 24) if kind == "short" else None)
             else:  # a name or a number: one piece, never folded or cut
                 table.add_column(header, no_wrap=True, min_width=longest[i],
                                  justify="right" if kind == "num" else "left")
@@ -300,14 +301,15 @@ def cmd_backends_list(args: argparse.Namespace) -> int:
 
 
 def type_text(annotation: Any) -> str:
-    """An option's accepted values as a user writes them in mla.toml: ``auto | 1 | 2``, ``bool or unset``."""
+    """An option's accepted values as a user writes them in mla.toml: ``"auto" | 1 | 2``, ``bool or unset``."""
+    import types
     import typing
 
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
         return " | ".join(json_text(a) if isinstance(a, str) else str(a).lower() if isinstance(a, bool) else str(a)
                           for a in args)
-    if origin is typing.Union:
+    if origin is typing.Union or origin is getattr(types, "UnionType", None):
         parts = [a for a in args if a is not type(None)]
         text = " | ".join(type_text(a) for a in parts)
         return f"{text} or unset" if len(parts) < len(args) else text
@@ -318,9 +320,11 @@ def type_text(annotation: Any) -> str:
 
 def options_rows(handle: Any) -> List[Dict[str, Any]]:
     """Each option a backend takes: name, accepted values, default, description (its Options model's fields)."""
+    model = handle.options_model
+    defaults = model().model_dump(mode="json")  # default_factory fields too; the loader checked that Options() builds
     rows = []
-    for name, field in handle.options_model.model_fields.items():
-        rows.append(dict(name=name, values=type_text(field.annotation), default=json_safe(field.default),
+    for name, field in model.model_fields.items():
+        rows.append(dict(name=name, values=type_text(field.annotation), default=json_safe(defaults.get(name)),
                          description=" ".join((field.description or "").split())))
     return rows
 
@@ -337,22 +341,23 @@ def cmd_backends_options(args: argparse.Namespace) -> int:
     handles = [registry.get(args.backend)] if args.backend else registry.backends()
     out = []
     for h in handles:
+        why = h.load_error or h.disabled_reason or h.refused_reason
         out.append(dict(name=h.name, distribution=h.distribution, version=h.version, loaded=h.loaded,
-                        options=options_rows(h) if h.loaded else []))
+                        reason=None if h.loaded else why, options=options_rows(h) if h.loaded else []))
     if args.json:
         print_json({"backends": out})
         return 0
     table = TableSpec("Backend options (set them in mla.toml under [backend.NAME.options], or NAME:key=value in "
                       "`mla bench --backend`)",
-                      [("backend", "name"), ("option", "name"), ("default", "name"), ("values", "text"),
-                       ("description", "prose")])
+                      [("backend", "name"), ("option", "name"), ("default", "name"), ("values", "short"),
+                       ("description", "text")])
     for b in out:
         if not b["loaded"]:
-            table.add(b["name"], "-", "-", "-", "not loaded: `mla backends list --traceback` shows why")
+            table.add(b["name"], "-", "-", "-", f"not loaded: {b['reason'] or 'see `mla backends list`'}")
         elif not b["options"]:
             table.add(b["name"], "-", "-", "-", "takes no options")
         for o in b["options"]:
-            default = "unset" if o["default"] is None else json_text(o["default"]).strip('"')
+            default = "unset" if o["default"] is None else json.dumps(o["default"]).strip('"')
             table.add(b["name"], o["name"], default, o["values"], o["description"])
     table.render(_console())
     return 0

@@ -611,6 +611,8 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
         if seesaw_tma_producer(shape, options):
             text += (", a producer warpgroup issues the KV tiles and each item's Q by TMA ahead of the math warpgroups "
                      "(tma_producer)")
+            if options.q_prefetch:
+                text += " (q_prefetch=true ignored: the producer fetches ahead itself; tma_producer=false runs it)"
         if seesaw_q_prefetch(shape, options):
             text += ", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
     if _wgmma_t_auto(shape, options):

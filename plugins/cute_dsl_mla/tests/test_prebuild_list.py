@@ -46,6 +46,9 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma")),
         ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "partial_fp16", "wide_store", "tma")),
+        # tma_producer (unset: on, mla-cute-dsl 0.2.19): the default balanced TMA seesaw with the producer warpgroup
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy", "tmap")),
+        ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "partial_fp16", "wide_store", "tma", "lazy", "tmap")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma")),  # test_seesaw_balanced_gpu.py's fp32
         # backend.FP8_SEESAW_BALANCED: the balanced seesaw with an fp8 cache (lazy: rescale=lazy; fp32: the GPU tests)
         ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "partial_bf16", "wide_store")),

@@ -164,7 +164,8 @@ def test_kernel_summary_run_function_and_notes():
     tma = "TMA KV loads (loads=auto: TMA from 33 rows)"
     for shape in (prob(num_heads=128, seq_len_q=2), prob(num_heads=128), prob(num_heads=16, seq_len_q=3)):
         assert be.kernel_summary(shape, bal).endswith(tma + TMAP)
-        assert be.kernel_summary(shape, CuteDslOptions(q_prefetch=True)).endswith(tma + TMAP)
+        assert be.kernel_summary(shape, CuteDslOptions(q_prefetch=True)).endswith(
+            tma + TMAP + " (q_prefetch=true ignored: the producer fetches ahead itself; tma_producer=false runs it)")
     assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(tma_producer=False)).endswith(tma + QPF)
     assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), CuteDslOptions(tma_producer=False)).endswith(tma)
     assert be.kernel_summary(prob(num_heads=128, seq_len_q=2),

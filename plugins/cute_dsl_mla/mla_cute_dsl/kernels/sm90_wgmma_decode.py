@@ -769,7 +769,7 @@ SEESAW_LOAD_BLOCKS = (  # 64-column blocks of a K tile that WG w loads: [owner, 
     ((0, 1, 2, 3), (0, 1, 2, 3, 8)),
     ((4, 5, 6, 7), (4, 5, 6, 7, 8)),
 )
-# wg1_other_first=True (16-bit KV; branch qk-order, compile-only): WG1's QK of its own tile b waits WG0's part
+# wg1_other_first=True (16-bit KV; branch qk-order, GPU-verified): WG1's QK of its own tile b waits WG0's part
 # (mbar + 2: columns 0..255 + RoPE) first and issues these k-blocks first, then its own part (mbar + 3, 256..511)
 SEESAW_QK_ORDER_WG1_OTHER_FIRST = (SEESAW_QK_ORDER[1][1], SEESAW_QK_ORDER[1][0])
 BAR_TAIL_OF = (3, 4)  # seesaw tma=True: named barrier of WG w's 128 threads after zeroing V tail rows
@@ -811,7 +811,7 @@ def fp8p_register_split_fits(math_regs: int = FP8P_MATH_REGS, producer_regs: int
 
 assert fp8p_register_split_fits(), "fp8_producer setmaxnreg split exceeds the CTA's register pool (would hang)"
 
-# tma_producer=True (16-bit KV, tma=True, balanced=True; branch tma-producer, compile-only): 384 threads as fp8_producer,
+# tma_producer=True (16-bit KV, tma=True, balanced=True; branch tma-producer, GPU-verified): 384 threads as fp8_producer,
 # warpgroup 2 the TMA producer (one warp walks the column's items and issues every KV part and every Q load). The
 # pool (168 x 384) pays at most 240 / 24: (168 - 24) * 128 = 18,432 released, (240 - 168) * 2 * 128 = 18,432 taken.
 # But at 24 the producer spills (standalone ptxas 13.0: 4-28 bytes, in the fp32-partial arms too, with its pages
@@ -934,7 +934,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       warpgroup 1's pv_remote of the last pair, when both warpgroups' last S are known to be done; the tiles at the
       slots of tiles a+2 / b+2 that the item does not have; tests/test_seesaw_qpf_protocol.py models it).
     * ``wg1_other_first=True`` (16-bit KV, cp.async or TMA loads, one item per CTA or balanced, with or without
-      q_prefetch; branch qk-order, compile-only, not yet run on a GPU): warpgroup 1's QK of its own tile b waits on
+      q_prefetch; branch qk-order; GPU-verified on an H200 in the twenty-fourth session, 19 tests, not in the
+      backend): warpgroup 1's QK of its own tile b waits on
       warpgroup 0's part (mbar + 2: columns 0..255 and the RoPE block) first and issues those 20 k-blocks, then waits
       on its own part (mbar + 3: columns 256..511) and issues the other 16 (``qk_wait_order``; everything else the
       same).  Why: an ncu profile of the balanced TMA seesaw (H=128 B=128 S=4096) had WG1's wait for its own part of
@@ -952,7 +953,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       after the mbarriers, within the 227 KB) and is read back by the same thread before its conversion, so 9 chunks
       are in flight instead of 6 at no register cost (smem 230,976 B).
     * ``tma_producer=True`` (16-bit KV with tma=True and balanced=True, not with q_prefetch or the fp8 options; branch
-      tma-producer, compile-only, not yet run on a GPU): ``kernel_tmap_balanced``, 384 threads.  The math warpgroups run
+      tma-producer; GPU-verified on an H200 in the twenty-fourth session, 19 tests and a hang probe; the backend's
+      default since mla-cute-dsl 0.2.19): ``kernel_tmap_balanced``, 384 threads.  The math warpgroups run
       fp8_producer's balanced stream (``seesaw_column_tmap``: no KV load, page-table read or L2 prefetch of their own,
       every tile's parts released on the empty mbarriers, ``zero_v_tail`` kept), and instead of loading Q they wait a Q
       "full" mbarrier; each math thread arrives on a Q "empty" mbarrier (count 256) once its own last S of the last item
@@ -969,13 +971,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                  q_prefetch: bool = False, fp8p_ring: int = 0, fp8p_stage: int = 0, wg1_other_first: bool = False,
                  tma_producer: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
-        # wg1_other_first (16-bit KV; branch qk-order, compile-only): WG1's QK of its own tile waits WG0's part first
+        # wg1_other_first (16-bit KV; branch qk-order, GPU-verified): WG1's QK of its own tile waits WG0's part first
         # (qk_wait_order); the fp8 kernels (inline or producer) convert their parts in another order: refused
         self.wg1_other_first = bool(wg1_other_first)
         if self.wg1_other_first and self.is_fp8:
             raise ValueError("seesaw kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16), got "
                              f"{kv_dtype}")
-        # tma_producer (16-bit KV, tma=True, balanced=True; branch tma-producer, compile-only): warpgroup 2 issues every
+        # tma_producer (16-bit KV, tma=True, balanced=True; branch tma-producer, GPU-verified): warpgroup 2 issues every
         # KV part and Q by TMA on full / empty mbarriers, walking the column's items ahead of the math warpgroups
         # (kernel_tmap_balanced); the math warpgroups run fp8_producer's balanced instruction stream
         self.tma_producer = bool(tma_producer)
@@ -2785,7 +2787,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         tidx: cutlass.Int32, m_block: cutlass.Int32, wi: cutlass.Int32, wg: cutlass.Int32,
         wg_tidx: cutlass.Int32, lane: cutlass.Int32,
     ):
-        """tma_producer=True (16-bit KV, tma=True, balanced=True; branch tma-producer, compile-only): CTA (m_block,
+        """tma_producer=True (16-bit KV, tma=True, balanced=True; branch tma-producer, GPU-verified): CTA (m_block,
         column wi), 384 threads, 10 mbarriers set up once: full[i] = mbar + i (count 1: the producer's
         arrive.expect_tx, the part's TMA bytes complete the phase; i = 2 * buffer + part as ``SEESAW_LOAD_BLOCKS``),
         empty[i] = mbar + 4 + i (count 128: math warpgroup i % 2, the part's last reader, in ``refill_part``), Q full
@@ -3140,7 +3142,7 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     ring of that many 16-fp8 chunks, loads issued ring - 1 chunks ahead (``fp8p_producer_ring``; key flag
     "fp8pr<R>"); ``fp8p_stage`` (with a ring; 0 or fp8p_ring.STAGE_SLOTS): every third chunk staged through
     shared memory by cp.async, loads issued ``fp8p_ring.lookahead`` chunks ahead (key flag "fp8ps<S>").
-    ``wg1_other_first`` (16-bit cache only, ValueError with fp8_e4m3; branch qk-order, compile-only): warpgroup 1's
+    ``wg1_other_first`` (16-bit cache only, ValueError with fp8_e4m3; branch qk-order, GPU-verified): warpgroup 1's
     QK of its own tile waits warpgroup 0's part first (``MLADecodePartialWGMMASeesaw.qk_wait_order``), key flag
     "wg1of"; not a backend option (an experiment to be measured first)."""
     from . import kernel_cache
@@ -3173,7 +3175,7 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
     ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``, ``fp8_producer`` (fp8 cache only), ``fp8p_ring``
-    (with fp8_producer), ``fp8p_stage`` (with a ring), ``wg1_other_first`` (16-bit cache only; compile-only so far):
+    (with fp8_producer), ``fp8p_stage`` (with a ring), ``wg1_other_first`` (16-bit cache only; GPU-verified):
     see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
@@ -3246,11 +3248,11 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     producer's register ring and its shared-memory staging, as the even getter's (key flags "fp8pr<R>",
     "fp8ps<S>").  ``q_prefetch`` (16-bit cache only, ValueError otherwise; branch q-prefetch, compile-only): each
     item issues the next item's Q (a TMA load) and KV tiles 0 / 1 during its last pairs (``seesaw_column_qpf``),
-    key flag "qpf".  ``wg1_other_first`` (16-bit cache only, ValueError otherwise; branch qk-order, compile-only):
+    key flag "qpf".  ``wg1_other_first`` (16-bit cache only, ValueError otherwise; branch qk-order, GPU-verified):
     warpgroup 1's QK of its own tile waits warpgroup 0's part first, key flag "wg1of" (as the even getter's).
 
     ``tma_producer`` (16-bit cache with tma=True only, not with q_prefetch or the fp8 options;
-    ValueError otherwise; branch tma-producer, compile-only): a producer warpgroup issues every KV part and Q by TMA
+    ValueError otherwise; branch tma-producer, GPU-verified): a producer warpgroup issues every KV part and Q by TMA
     on full / empty mbarriers across the column's items (``kernel_tmap_balanced``), key flag "tmap"."""
     from . import kernel_cache
 
@@ -3298,8 +3300,8 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
     bf16/fp16 or fp8 e4m3 cache (ValueError otherwise, also with check=False; fp8: k = kv * kv_scale as in the
     even entry; GPU-verified in the twenty-second session).  ``l2_prefetch``, ``tma``: see
     ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``fp8p_ring``,
-    ``fp8p_stage``, ``q_prefetch``, ``wg1_other_first`` (16-bit cache only; compile-only so far), ``tma_producer``
-    (16-bit cache with tma=True; compile-only so far): see ``get_partial_kernel_wgmma_seesaw_balanced``."""
+    ``fp8p_stage``, ``q_prefetch``, ``wg1_other_first`` (16-bit cache only; GPU-verified), ``tma_producer``
+    (16-bit cache with tma=True; GPU-verified): see ``get_partial_kernel_wgmma_seesaw_balanced``."""
     from . import api
 
     api.check_balanced(schedule, kv_cache, fp8_ok=True)
