@@ -31,6 +31,8 @@
     balanced_tma_lazy_tmap  the balanced TMA seesaw (lazy rescale, fp32 partials, as balanced_tma_lazy_qpf) with
                 tma_producer=True (branch tma-producer: a producer warpgroup issues every KV part and Q by TMA across
                 the column's items; 16-bit KV only): compare with balanced_tma_lazy and balanced_tma_lazy_qpf
+    balanced_tma_lazy_tmap_wg1of  balanced_tma_lazy_tmap with wg1_other_first=True too (branch tmap-wg1of: warpgroup
+                1 waits tile b's part 2 first and the producer issues it first): compare with balanced_tma_lazy_tmap
     seesaw_fp8p_ring / seesaw_fp8p_ring_lazy / balanced_fp8p_ring / balanced_fp8p_ring_lazy  the producer kernels
                 above (--kv fp8 only) with the producer's register ring (fp8p_ring, branch fp8p-inflight: every
                 chunk's ld.global issued R - 1 chunks ahead of its conversion; setmaxnreg 208 / 88); R = --fp8p-ring
@@ -87,7 +89,7 @@ WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_t
         "seesaw_lazy", "seesaw_fp8p", "seesaw_fp8p_lazy", "balanced", "balanced_lazy", "balanced_fp8p",
         "balanced_fp8p_lazy", "balanced_tma_qpf", "balanced_tma_lazy_qpf", "balanced_qpf", "balanced_lazy_qpf",
         "balanced_tma_lazy_qpf_wg1of", "balanced_tma_lazy_wg1of",
-        "balanced_tma_lazy_tmap",
+        "balanced_tma_lazy_tmap", "balanced_tma_lazy_tmap_wg1of",
         "seesaw_fp8p_ring", "seesaw_fp8p_ring_lazy", "balanced_fp8p_ring", "balanced_fp8p_ring_lazy",
         "seesaw_fp8p_ring_staged_lazy", "balanced_fp8p_ring_staged_lazy", "mma", "wgmma_t", "ours", "ours_qpf",
         "fa3")
@@ -255,15 +257,17 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
             raise ValueError(f"{name}: wg1_other_first needs a 16-bit KV cache (no --kv fp8)")
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True, lazy_rescale=True,
                                **({"q_prefetch": True} if "_qpf" in name else {}), wg1_other_first=True)
-    elif name == "balanced_tma_lazy_tmap":
-        # the balanced TMA seesaw with the TMA producer warpgroup (16-bit KV), lazy rescale
+    elif name in ("balanced_tma_lazy_tmap", "balanced_tma_lazy_tmap_wg1of"):
+        # the balanced TMA seesaw with the TMA producer warpgroup (16-bit KV), lazy rescale; _wg1of: with
+        # wg1_other_first (branch tmap-wg1of)
         import functools
 
         from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
 
         if KV["kv"] == "fp8":
             raise ValueError(f"{name}: tma_producer needs a 16-bit KV cache (no --kv fp8)")
-        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True, lazy_rescale=True, tma_producer=True)
+        fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, tma=True, lazy_rescale=True, tma_producer=True,
+                               **({"wg1_other_first": True} if name.endswith("_wg1of") else {}))
     elif name == "balanced_tma_nocomb":
         fn = _partial_only_balanced_tma  # the same kernel without its combine launch (unsplit plans only)
     elif name == "wgmma_t":

@@ -109,6 +109,14 @@ def specs():
                         out.append((f"seesaw_balanced {q} {tag} tma{' lazy' if lazy else ''} tmap",
                                     lambda q=q, z=lazy: get_partial_kernel_wgmma_seesaw_balanced(
                                         q, q, partial="fp32", tma=True, lazy_rescale=z, tma_producer=True)))
+                if kv == q == "bf16":  # tma_producer with wg1_other_first (branch tmap-wg1of; ONLY="tmap wg1of"):
+                    # lazy, in the backend's arm (bf16 partials, wide stores) and fp32 narrow (wgmma_speed.py's
+                    # balanced_tma_lazy_tmap_wg1of way, test_seesaw_tmap_gpu.py's wg1of cases; their twins: "tma lazy
+                    # tmap", "tma lazy wg1of")
+                    out.append((f"seesaw_balanced {q} {tag} tma lazy tmap wg1of",
+                                lambda q=q, p=partial, w=wide: get_partial_kernel_wgmma_seesaw_balanced(
+                                    q, q, partial=p, wide_store=w, tma=True, lazy_rescale=True, wg1_other_first=True,
+                                    tma_producer=True)))
                 if kv == q and partial == q:  # the backend's default since mla-cute-dsl 0.2.19 (tma_producer auto):
                     # the balanced TMA lazy seesaw with the producer warpgroup, 16-bit partials and wide stores
                     out.append((f"seesaw_balanced {q} {tag} tma lazy tmap",

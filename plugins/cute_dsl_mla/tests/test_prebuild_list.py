@@ -87,6 +87,11 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "qpf", "wg1of")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "wg1of")),
         ("partial_wgmma_seesaw", ("bf16", "bf16", 64, "wg1of")),
+        # tma_producer with wg1_other_first (branch tmap-wg1of, ONLY="tmap wg1of"): the backend-like arm,
+        # wgmma_speed.py's balanced_tma_lazy_tmap_wg1of way and test_seesaw_tmap_gpu.py's wg1of cases (fp32 narrow)
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy", "wg1of",
+                                           "tmap")),
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "wg1of", "tmap")),
         ("partial_wgmma", ("fp16", "fp16", 64, "partial_fp16", "wide_store")),
         ("partial", ("bf16", "fp8_e4m3", 64, None, "partial_bf16", "wide_store")),
         ("combine", ("bf16", "partial_bf16", "cols128")),  # combine=auto's chunked kernel
@@ -115,8 +120,23 @@ def test_the_script_refuses_to_run_without_a_cache_directory(monkeypatch):
 
 
 def test_only_wg1of_builds_just_the_wg1_other_first_kernels(monkeypatch):
-    """ONLY=wg1of (--only wg1of) selects exactly the kernels with wg1_other_first, and those only."""
+    """ONLY=wg1of (--only wg1of) selects exactly the kernels with wg1_other_first, and those only: the five of
+    branch qk-order (flag last) and the two with tma_producer too (branch tmap-wg1of: "wg1of" then "tmap")."""
     items, asked = _asked(monkeypatch)
     picked = [key for (label, _), key in zip(items, asked) if "wg1of" in label]
-    assert len(picked) == 5 and all(key[1][-1] == "wg1of" for key in picked), picked
+    assert len(picked) == 7 and all("wg1of" in key[1] for key in picked), picked
+    assert sum(key[1][-1] == "wg1of" for key in picked) == 5
     assert all("wg1of" in label for (label, _), key in zip(items, asked) if "wg1of" in key[1])
+
+
+def test_only_tmap_wg1of_builds_just_the_producer_kernels_with_wg1_other_first(monkeypatch):
+    """ONLY="tmap wg1of" selects exactly the tma_producer kernels with wg1_other_first (key flags "wg1of", "tmap"
+    last), and every such kernel; ONLY=tmap still selects them with the other producer kernels."""
+    items, asked = _asked(monkeypatch)
+    picked = [key for (label, _), key in zip(items, asked) if "tmap wg1of" in label]
+    assert sorted(picked) == sorted([
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy", "wg1of",
+                                           "tmap")),
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "wg1of", "tmap"))]), picked
+    assert all("tmap wg1of" in label for (label, _), key in zip(items, asked) if key[1][-2:] == ("wg1of", "tmap"))
+    assert all("tmap" in label for (label, _), key in zip(items, asked) if "tmap" in key[1])

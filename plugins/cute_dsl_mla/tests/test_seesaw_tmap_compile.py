@@ -14,6 +14,10 @@ the protocol is test_seesaw_tmap_protocol.py, the GPU run test_seesaw_tmap_gpu.p
 The PTX of every existing kernel with the option off is pinned elsewhere (test_seesaw_qpf_compile.py,
 test_seesaw_balanced_compile.py, test_seesaw_tma_compile.py, test_seesaw_fp8p_ring_compile.py): unchanged on this
 branch.
+4. With ``wg1_other_first`` (branch tmap-wg1of, compile-only): bf16 lazy, 16-bit wide and fp32 narrow partials, the
+   checks of 1 and 2, the same instructions opcode for opcode as without it, tile b's parts issued 2 then 3 by the
+   producer (each armed on its own full barrier after a wait on its own empty barrier), and the tmap kernel without it
+   pinned to main's PTX (592f979) and with it to the branch's.
 """
 
 from __future__ import annotations
@@ -35,26 +39,73 @@ SPECS = [("bf16", "bf16", True, True), ("bf16", "fp32", False, False), ("fp16", 
          ("fp16", "fp16", True, False)]
 
 
-def _kernel(q, lazy=False, wide=False, tma_producer=True):
+# wg1_other_first with the producer (branch tmap-wg1of): (q, partial dtype, wide stores, lazy rescale) -> ptx_sha256
+# (test_balanced_compile.ptx_sha256; nvidia-cutlass-dsl 4.8.1, sm_90a) of the tmap kernel without the option on main
+# 592f979 (before the combination existed: the option off must stay main's) and with it as written on branch
+# tmap-wg1of (compile-only, NOT GPU-verified when pinned: rerun test_seesaw_tmap_gpu.py before moving a pin)
+TMAP_MAIN_PTX_SHA256 = {
+    ("bf16", "bf16", True, True): "6c56a7d13f3b44cf8d679dcefb248422483e14b76f8b616402bf51d8383eefee",
+    ("bf16", "fp32", False, True): "f98004ad842f0d7562fed54fcbeab0c29bd652a2a847a5d99b84d8fe11029086",
+}
+TMAP_WG1OF_PTX_SHA256 = {
+    ("bf16", "bf16", True, True): "54b65565600dc78f7cc469d05f0e024a7f1845310878d315050863ded6486ca4",
+    ("bf16", "fp32", False, True): "8590c70d4f1e4f59759791bd241a6fd0d592350f876b47c543c3e09716b33f1d",
+}
+
+
+def _kernel(q, lazy=False, wide=False, tma_producer=True, wg1_other_first=False):
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     return MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), api._cutlass_dtype(q), tma=True, balanced=True,
-                                       lazy_rescale=lazy, wide_store=wide, tma_producer=tma_producer)
+                                       lazy_rescale=lazy, wide_store=wide, tma_producer=tma_producer,
+                                       **({"wg1_other_first": True} if wg1_other_first else {}))
+
+
+def producer_parts(ptx):
+    """The producer's loads in program order (after its setmaxnreg.dec): (mbarrier index it waited last before the
+    arm, -1 for none; mbarrier index it arms with expect_tx; TMA boxes under that arm), the indices resolved from the
+    shared-memory offsets (``add.s32 %rX, %r1, N`` or ``[%r1+N]``) relative to full[0], the first KV part's."""
+    prod = ptx[ptx.find("setmaxnreg.dec"):]
+    offs = {m.group(1): int(m.group(2)) for m in re.finditer(r"add\.s32\s+(%r\d+), %r1, (\d+);", ptx)}
+
+    def addr(a):
+        m = re.fullmatch(r"%r1\+(\d+)", a)
+        return int(m.group(1)) if m else offs[a]
+
+    seq, wait = [], None
+    for m in re.finditer(r"mbarrier\.try_wait\.parity\.shared\.b64 \w+, \[([^\]]+)\]"
+                         r"|mbarrier\.arrive\.expect_tx\.shared\.b64 %rd\d+, \[([^\]]+)\]"
+                         r"|cp\.async\.bulk\.tensor", prod):
+        if m.group(1):
+            wait = addr(m.group(1))
+        elif m.group(2):
+            seq.append([wait, addr(m.group(2)), 0])
+            wait = None
+        else:
+            seq[-1][2] += 1
+    base = seq[1][1]  # full[0]: the first KV part's (after Q's)
+    return [(-1 if w is None else (w - base) // 8, (f - base) // 8, n) for w, f, n in seq]
 
 
 @needs_cutlass
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: "-".join(map(str, s)))
 def test_tmap_kernel_ptx_and_ptxas(spec, tmp_path):
     from test_balanced_compile import _dump
-    from test_wgmma_serialization import _assemble, _ptxas
 
     from mla_cute_dsl.kernels import api
-    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
     q, partial, wide, lazy = spec
     ptx, regs, frame = _dump(_kernel(q, lazy, wide).call_balanced, api._fake_args_partial_balanced(q, q, partial),
                              tmp_path)
+    _check_tmap_ptx(ptx, regs, frame)
+    _check_ptxas(ptx, tmp_path)
+
+
+def _check_tmap_ptx(ptx, regs, frame):
+    """The PTX checks of a tma_producer kernel (docstring, 1)."""
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
     flat = re.sub(r"\s+", " ", ptx)
     assert ".reqntid 384, 1, 1" in flat and ".minnctapersm 1" in flat
     assert regs == W.FP8P_REGS_AT_LAUNCH and frame == 0
@@ -82,6 +133,13 @@ def test_tmap_kernel_ptx_and_ptxas(spec, tmp_path):
         assert flat.count(f"bar.arrive {bar}, 256;") == 1 and flat.count(f"bar.sync {bar}, 256;") == 1
     assert flat.count("bar.sync 3, 128;") == 2 and flat.count("bar.sync 4, 128;") == 2
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", flat)) == {"0"}
+
+
+def _check_ptxas(ptx, tmp_path):
+    """Standalone ptxas (as test_wgmma_serialization.py): no C7518, no spill, <= 168 registers (docstring, 2)."""
+    from test_wgmma_serialization import _assemble, _ptxas
+
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
     ptxas = _ptxas()
     if ptxas is None:
@@ -194,3 +252,86 @@ def test_tmap_refusals_key_builder_and_entry(monkeypatch):
                           tma_producer=True),
                      dict(l2_prefetch=None, partial="fp32", wide_store=False, tma=True, lazy_rescale=False)]
     assert launched == ["kernel", "kernel"]
+
+
+@needs_cutlass
+@pytest.mark.parametrize("spec", sorted(TMAP_WG1OF_PTX_SHA256), ids=lambda s: "-".join(map(str, s)))
+def test_tmap_with_wg1_other_first_compiles_and_the_option_off_is_mains(spec, tmp_path):
+    """tma_producer + wg1_other_first: the tmap kernel's checks (PTX and ptxas: no spill, no C7518), the same opcodes
+    as without the option (only the producer's two tile-b parts and WG1's two QK halves swap), the producer's parts
+    in the math side's wait order (Q, tile a: 0, 1; tile b: 2, 3, each waiting its own empty barrier: index 4 + i);
+    the option off is main's PTX."""
+    from test_balanced_compile import _dump, ptx_sha256
+    from test_seesaw_wg1of_compile import _opcodes
+
+    from mla_cute_dsl.kernels import api
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
+    q, partial, wide, lazy = spec
+    (tmp_path / "off").mkdir()
+    (tmp_path / "on").mkdir()
+    args = api._fake_args_partial_balanced(q, q, partial)
+    off, _, _ = _dump(_kernel(q, lazy, wide).call_balanced, args, tmp_path / "off")
+    assert ptx_sha256(off) == TMAP_MAIN_PTX_SHA256[spec], "the tmap kernel without wg1_other_first changed"
+    k = _kernel(q, lazy, wide, wg1_other_first=True)
+    assert k.tma_producer and k.wg1_other_first
+    ptx, regs, frame = _dump(k.call_balanced, args, tmp_path / "on")
+    print(f"tmap wg1of {spec}: {regs} registers, stack frame {frame} B, ptx_sha256 {ptx_sha256(ptx)}")
+    assert ptx_sha256(ptx) == TMAP_WG1OF_PTX_SHA256[spec]
+    _check_tmap_ptx(ptx, regs, frame)
+    assert ptx != off and _opcodes(ptx) == _opcodes(off)
+    q_part = (W.TMAP_Q_EMPTY, W.TMAP_Q_FULL, 9)
+    assert producer_parts(off) == [q_part, (4, 0, 4), (5, 1, 5), (7, 3, 4), (6, 2, 5)]
+    assert producer_parts(ptx) == [q_part, (4, 0, 4), (5, 1, 5), (6, 2, 5), (7, 3, 4)]
+    _check_ptxas(ptx, tmp_path)
+
+
+def test_tmap_with_wg1_other_first_key_builder_and_entry(monkeypatch):
+    """The combination is built (no ValueError any more): key flags "wg1of" then "tmap" (both last, only when set),
+    the builder makes the kernel with both options from the key, the host entry passes both keywords only when
+    asked; an fp8 cache is still refused (by the wg1_other_first check first)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from mla_cute_dsl.kernels import kernel_cache
+    from mla_cute_dsl.kernels import sm90_wgmma_decode as W
+
+    bf = cutlass.BFloat16
+    k = W.MLADecodePartialWGMMASeesaw(bf, bf, tma=True, balanced=True, tma_producer=True, wg1_other_first=True)
+    assert k.tma_producer and k.wg1_other_first and k._num_mbars() == 10
+    with pytest.raises(ValueError, match="wg1_other_first=True needs a 16-bit KV cache"):
+        W.MLADecodePartialWGMMASeesaw(bf, cutlass.Float8E4M3FN, tma=True, balanced=True, tma_producer=True,
+                                      wg1_other_first=True)
+    built = []
+    monkeypatch.setattr(kernel_cache, "get_or_build", lambda kind, spec, build: built.append((kind, spec)))
+    G = W.get_partial_kernel_wgmma_seesaw_balanced
+    G("bf16", partial="bf16", wide_store=True, tma=True, lazy_rescale=True, wg1_other_first=True, tma_producer=True)
+    G("bf16", tma=True, lazy_rescale=True, wg1_other_first=True, tma_producer=True)
+    assert built == [
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy", "wg1of",
+                                           "tmap")),
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "wg1of", "tmap"))]
+    compiled = []
+    monkeypatch.setattr(cute, "compile", lambda fn, *a, **kw: compiled.append(fn))
+    W._build_partial_wgmma_seesaw_balanced("bf16", "bf16", 64, "tma", "lazy", "wg1of", "tmap")
+    (fn,) = compiled
+    assert fn.__self__.tma_producer and fn.__self__.wg1_other_first and fn.__self__.lazy_rescale
+
+    import torch
+
+    from mla_cute_dsl.kernels import alloc_workspace, api, make_schedule
+
+    B, s_q, H = 3, 1, 128
+    args = (torch.zeros(B, s_q, H, 576, dtype=torch.bfloat16), torch.zeros(8, 64, 576, dtype=torch.bfloat16),
+            torch.zeros(B, 4, dtype=torch.int32), torch.tensor([100, 0, 64], dtype=torch.int32), 0.1, 1.0,
+            torch.zeros(B, s_q, H, 512, dtype=torch.bfloat16), torch.zeros(B, s_q, H))
+    asked = []
+    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw_balanced",
+                        lambda q_name, kv_name, **kw: asked.append(kw) or "kernel")
+    monkeypatch.setattr(api, "launch_balanced", lambda partial, *a: None)
+    bal = make_schedule([100, 0, 64], s_q, H, 132, device="cpu", balanced=True)
+    ws = alloc_workspace(bal, device="cpu", partial_dtype=torch.float32)
+    W.mla_decode_sm90_wgmma_seesaw_balanced(*args, bal, ws, tma=True, lazy_rescale=True, wg1_other_first=True,
+                                            tma_producer=True)
+    assert asked == [dict(l2_prefetch=None, partial="fp32", wide_store=False, tma=True, lazy_rescale=True,
+                          wg1_other_first=True, tma_producer=True)]

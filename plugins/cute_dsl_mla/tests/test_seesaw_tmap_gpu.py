@@ -19,8 +19,12 @@ printed: run with -s to see it).
   two items of one request (Q kept, no Q-empty phase between them).
 * A CUDA graph captured at one plan form, re-planned in place to the other with new lengths, replayed: equal to eager
   bit for bit and to the reference.
+* With wg1_other_first too (branch tmap-wg1of, compile-only: warpgroup 1 waits tile b's part 2 first and the producer
+  issues it first): the smallest cases, the bf16 lazy cases of the table and the few-column walks, against the
+  reference and against the balanced TMA kernel with wg1_other_first alone (the same arithmetic: bitwise expected).
 Skipped without an sm_90 GPU.  Kernels: fp32 partials, narrow stores, TMA, tma_producer, eager / lazy, bf16 / fp16
-(benchmarks/device/prebuild_kernels.py labels "... tmap").
+(benchmarks/device/prebuild_kernels.py labels "... tmap"), and bf16 lazy with wg1_other_first ("... tmap wg1of"; its
+twin without the producer: "... tma lazy wg1of").
 
     PYTHONPATH=plugins/cute_dsl_mla:plugins/cute_dsl_mla/tests:. timeout 300 python -m pytest -q -p no:cacheprovider \\
         -rfs plugins/cute_dsl_mla/tests/test_seesaw_tmap_gpu.py
@@ -53,15 +57,16 @@ def _schedule(case, form="auto", num_sms=None):
     return sched, ws
 
 
-def _run(case, lazy, tmap, form="auto", num_sms=None):
-    """One call of the balanced TMA seesaw (tma_producer on or off) on a fresh schedule and NaN-poisoned buffers."""
+def _run(case, lazy, tmap, form="auto", num_sms=None, wg1of=False):
+    """One call of the balanced TMA seesaw (tma_producer on or off; wg1of: wg1_other_first) on a fresh schedule and
+    NaN-poisoned buffers."""
     from mla_cute_dsl.kernels.sm90_wgmma_decode import mla_decode_sm90_wgmma_seesaw_balanced
 
     sched, ws = _schedule(case, form, num_sms)
     out, lse = _outs(case)
     mla_decode_sm90_wgmma_seesaw_balanced(case["q"], case["kv"], case["page_table"], case["lens"], case["sm_scale"],
                                           case["kv_scale"], out, lse, sched, ws, tma=True, lazy_rescale=lazy,
-                                          tma_producer=tmap)
+                                          tma_producer=tmap, **({"wg1_other_first": True} if wg1of else {}))
     torch.cuda.synchronize()
     return out, lse, sched
 
@@ -76,15 +81,15 @@ def _close(a, b, rtol=1e-3):
     return bool((d <= rtol * b[fin].abs().clamp_min(1.0)).all()), float(d.max()) if d.numel() else 0.0
 
 
-def _check_both(case, lazy, form="auto", num_sms=None, tol=1e-2):
+def _check_both(case, lazy, form="auto", num_sms=None, tol=1e-2, wg1of=False):
     """tma_producer on: against the reference; then off (the default balanced TMA kernel) on the same schedule:
-    close (and reported whether bitwise equal)."""
-    out, lse, sched = _run(case, lazy, True, form, num_sms)
+    close (and reported whether bitwise equal).  ``wg1of``: wg1_other_first in both calls."""
+    out, lse, sched = _run(case, lazy, True, form, num_sms, wg1of)
     check(case, out, lse, tol=tol)
-    out0, lse0, _ = _run(case, lazy, False, form, num_sms)
+    out0, lse0, _ = _run(case, lazy, False, form, num_sms, wg1of)
     ok_o, d_o = _close(out, out0)
     ok_l, d_l = _close(lse, lse0)
-    print(f"tmap vs default: out max diff {d_o:.3g}, lse {d_l:.3g}, bitwise "
+    print(f"tmap{' wg1of' if wg1of else ''} vs default: out max diff {d_o:.3g}, lse {d_l:.3g}, bitwise "
           f"{torch.equal(out, out0) and torch.equal(lse, lse0)}")
     assert ok_o and ok_l, (d_o, d_l)
     return sched
@@ -186,3 +191,36 @@ def test_tmap_graph_replays_the_other_form_equal_to_eager(first, second):
         case["q"].copy_(torch.randn_like(case["q"], dtype=torch.float32).to(case["q"].dtype))
 
     graph_replay_equals_eager(call, out, lse, refresh=refresh, check=lambda o, l: check(case, o, l), scratch=ws)
+
+
+# wg1_other_first with the producer (branch tmap-wg1of): bf16, lazy (the kernels prebuilt as "... tmap wg1of")
+WG1OF_CASES = [c for c in CASES if c[6] == "bf16" and c[8]]
+
+
+@needs_sm90
+@pytest.mark.parametrize("label,lens,s_q,H,sms,form", SMALL, ids=[c[0] for c in SMALL])
+def test_tmap_wg1of_smallest_cases_first(label, lens, s_q, H, sms, form):
+    case = make_case_lens(lens, s_q, H, torch.bfloat16, 64, seed=random.randrange(1 << 30))
+    _check_both(case, True, form, sms, wg1of=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("B,s_q,H,kind,S,page,dtype,form,lazy", WG1OF_CASES)
+def test_tmap_wg1of_against_fp64_reference_and_wg1of_alone(B, s_q, H, kind, S, page, dtype, form, lazy):
+    rng = random.Random()
+    q_std = 100.0 if (B, kind) == (12, "skewed") else 1.0
+    case = make_case_lens(_lengths(kind, B, S, s_q, rng), s_q, H, DT[dtype], page, seed=rng.randrange(1 << 30),
+                          q_std=q_std)
+    _check_both(case, lazy, form, tol=2e-2 if q_std > 1 else 1e-2, wg1of=True)
+
+
+@needs_sm90
+@pytest.mark.parametrize("num_sms,s_q,H", [(1, 1, 64), (5, 1, 128)])
+def test_tmap_wg1of_few_columns_walk_many_items(num_sms, s_q, H):
+    """As test_tmap_few_columns_walk_many_items with wg1_other_first: odd and even tile counts across dozens of item
+    boundaries, so tile b's parts 2 / 3 are issued in the new order on every buffer phase parity."""
+    rng = random.Random()
+    lens = [rng.choice([0, 1, 63, 64, 65, 128, 129, 192, 200, 320, 384]) for _ in range(24)]
+    case = make_case_lens(lens, s_q, H, torch.bfloat16, 64, seed=rng.randrange(1 << 30))
+    for form in ("even", "balanced"):
+        _check_both(case, True, form, num_sms, wg1of=True)

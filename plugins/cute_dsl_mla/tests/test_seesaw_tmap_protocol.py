@@ -28,6 +28,12 @@ pass at once on the hardware, as in this model: the kernel skips it); Q issued w
 with the wrong parity; the Q-empty arrive before the last S (WG1 before its qk); no Q-empty arrive after a row
 followed by b < 0; the math side's Q-full parity restarted per item; Q kept after b < 0 by the producer only; releases
 only for tiles < T - 2; zero_v_tail dropped.
+
+With ``wg1of`` (``wg1_other_first``, branch tmap-wg1of): WG1's S of tile b waits full[2] before full[3]
+(``qk_wait_order``) and the producer issues tile b's part 2 before part 3, each after the wait on its own empty
+barrier at the same phase: the same checks pass, every mutation above is still caught, and so are two of this order's
+own (WG1's k-blocks swapped without its waits; the producer's parts swapped without their empty waits); per barrier,
+every program's waits, loads and releases are the default order's sequences.
 """
 
 from __future__ import annotations
@@ -49,8 +55,9 @@ FULL = {i: ("F", i) for i in range(4)}
 EMPTY = {i: ("E", i) for i in range(4)}
 
 
-def math_item(w, T, g, ph, req, nq, tail, release, mutate=None):
-    """Math warpgroup w, one item of T tiles (column tiles g ..), after phases ph = [ph0, ph1]; Q is the nq-th load."""
+def math_item(w, T, g, ph, req, nq, tail, release, mutate=None, wg1of=False):
+    """Math warpgroup w, one item of T tiles (column tiles g ..), after phases ph = [ph0, ph1]; Q is the nq-th load.
+    ``wg1of`` (wg1_other_first): WG1's S of tile b waits full[2] (WG0's part: blocks 0-3 + RoPE) first, then full[3]."""
     own = LOAD[w][0]  # the V half warpgroup w reads in P V (its zero_v_tail blocks)
     qpar = (nq % 2) if mutate == "q_full_parity" else (nq + 1) % 2
     out = [("mwait", QF, qpar), ("ctabar",)]
@@ -87,8 +94,14 @@ def math_item(w, T, g, ph, req, nq, tail, release, mutate=None):
             if last and release and mutate == "q_release_early":
                 out.append(("arrive_q",))
             if ta + 1 < T:
-                out += [("mwait", FULL[3], par1)] + s_reads(1, ta + 1, (4, 5, 6, 7))
-                out += [("mwait", FULL[2], par1)] + s_reads(1, ta + 1, (0, 1, 2, 3, 8)) + [("wait_reads",)]
+                halves = [(3, (4, 5, 6, 7)), (2, (0, 1, 2, 3, 8))]
+                if wg1of:  # qk_wait_order: WG0's part first
+                    halves.reverse()
+                    if mutate == "wg1of_waits_unswapped":  # the k-blocks swapped, the two waits not
+                        halves = [(3, halves[0][1]), (2, halves[1][1])]
+                for i, blocks in halves:
+                    out += [("mwait", FULL[i], par1)] + s_reads(1, ta + 1, blocks)
+                out.append(("wait_reads",))
             if last and release and mutate != "q_release_early":
                 out.append(("arrive_q",))
             out += [("sync", 1)] + zero(0, ta, par0)
@@ -108,9 +121,10 @@ def math_item(w, T, g, ph, req, nq, tail, release, mutate=None):
     return out
 
 
-def producer_item(T, g, ph, req, q_load, nq, mutate=None):
+def producer_item(T, g, ph, req, q_load, nq, mutate=None, wg1of=False):
     """The producer's events for one item: Q (when q_load: the nq-th load, after waiting Q empty phase nq - 1 when nq
-    >= 1), then every part; ``nq`` counts the loads before this one."""
+    >= 1), then every part; ``nq`` counts the loads before this one.  Tile b's parts in the math side's wait order:
+    3, 2, or with ``wg1of`` 2, 3 (each after a wait on its own empty barrier, at the same phase either way)."""
     out = []
     if q_load:
         if nq > 0 and mutate != "q_no_wait":
@@ -120,20 +134,24 @@ def producer_item(T, g, ph, req, q_load, nq, mutate=None):
         ta = 2 * p
         parts = [(ta, 0, LOAD[0][0], 0), (ta, 0, LOAD[1][1], 1)]
         if ta + 1 < T:
-            parts += [(ta + 1, 1, LOAD[1][0], 3), (ta + 1, 1, LOAD[0][1], 2)]
+            tile_b = [(ta + 1, 1, LOAD[1][0], 3), (ta + 1, 1, LOAD[0][1], 2)]
+            parts += tile_b[::-1] if wg1of else tile_b
         for t, buf, blocks, i in parts:
+            e = i
+            if wg1of and mutate == "wg1of_empty_swapped" and i in (2, 3):  # parts 2 / 3 issued after the other's
+                e = 5 - i
             gb = ph[buf] + p
             if mutate == "first_tiles_waited" and gb == 0:  # phase 0 of empty: released only after this tile
-                out.append(("pwait", EMPTY[i], 0))
+                out.append(("pwait", EMPTY[e], 0))
             if gb > 0 and mutate != "no_empty_wait":
-                out.append(("pwait", EMPTY[i], (gb % 2) if mutate == "empty_parity" else (gb + 1) % 2))
+                out.append(("pwait", EMPTY[e], (gb % 2) if mutate == "empty_parity" else (gb + 1) % 2))
             out.append(("load", g + t, buf, blocks, FULL[i]))
     return out
 
 
-def column(rows, mutate=None):
+def column(rows, mutate=None, wg1of=False):
     """The three programs of a column of rows [(T, request, tail), ...] (request < 0: a row with b < 0, skipped by
-    both sides) and the expected completed phases per mbarrier at the end."""
+    both sides) and the expected completed phases per mbarrier at the end; ``wg1of``: wg1_other_first's order."""
     progs = [[], [], []]
     g, ph = 0, [0, 0]
     q_of = [-1, -1]  # math side, producer
@@ -149,9 +167,9 @@ def column(rows, mutate=None):
         if req != q_of[0]:
             nq[0] += 1
         for w in (0, 1):
-            progs[w].extend(math_item(w, T, g, ph, req, nq[0], tail, release, mutate))
+            progs[w].extend(math_item(w, T, g, ph, req, nq[0], tail, release, mutate, wg1of))
         q_load = req != q_of[1]
-        progs[2].extend(producer_item(T, g, ph, req, q_load, nq[1], mutate))
+        progs[2].extend(producer_item(T, g, ph, req, q_load, nq[1], mutate, wg1of))
         nq[1] += q_load
         q_of = [req, req]
         d0, d1 = seesaw_item_phases(T)
@@ -175,9 +193,9 @@ class Mbar:
         return self.done % 2 != parity
 
 
-def run(rows, seed, mutate=None):
+def run(rows, seed, mutate=None, wg1of=False):
     """Interleave the three programs at random; return the violations (empty: fine)."""
-    progs_l, expect = column(rows, mutate)
+    progs_l, expect = column(rows, mutate, wg1of)
     progs = [iter(p) for p in progs_l]
     rng = random.Random(seed)
     sm = SmemModel(N)
@@ -316,20 +334,27 @@ def _columns(n, seed=7):
     return cols
 
 
+@pytest.mark.parametrize("wg1of", [False, True], ids=["default", "wg1of"])
 @pytest.mark.parametrize("rows", _columns(30), ids=repr)
-def test_tmap_column_has_no_deadlock_or_hazard(rows):
-    bad = {seed: e for seed in range(40) if (e := run(rows, seed))}
+def test_tmap_column_has_no_deadlock_or_hazard(rows, wg1of):
+    bad = {seed: e for seed in range(40) if (e := run(rows, seed, wg1of=wg1of))}
     assert not bad, (rows, next(iter(bad.items())))
 
 
-@pytest.mark.parametrize("mutate", ["no_empty_wait", "empty_parity", "first_tiles_waited", "q_no_wait",
-                                    "q_empty_parity", "q_release_early", "no_release_before_invalid",
-                                    "q_full_parity", "producer_keeps_q", "release_in_item_only", "no_zero"])
-def test_the_model_catches_broken_tmap_columns(mutate):
+MUTATIONS = ["no_empty_wait", "empty_parity", "first_tiles_waited", "q_no_wait", "q_empty_parity", "q_release_early",
+             "no_release_before_invalid", "q_full_parity", "producer_keeps_q", "release_in_item_only", "no_zero"]
+
+
+@pytest.mark.parametrize("mutate,wg1of", [(m, False) for m in MUTATIONS] + [(m, True) for m in MUTATIONS]
+                         + [("wg1of_waits_unswapped", True), ("wg1of_empty_swapped", True)])
+def test_the_model_catches_broken_tmap_columns(mutate, wg1of):
+    """Every mutation is caught in the default order and with wg1_other_first's; and two of the new order's own:
+    WG1 reading part 2's blocks under the full[3] wait (k-blocks swapped, waits not), the producer issuing part 2
+    after empty[3]'s wait and part 3 after empty[2]'s (issue order swapped, empty waits not)."""
     found = []
     for rows in _columns(30):
         for seed in range(12):
-            e = run(rows, seed, mutate)
+            e = run(rows, seed, mutate, wg1of)
             if e:
                 found.append((rows, e[0]))
                 break
@@ -355,6 +380,35 @@ def test_every_q_load_but_the_first_has_one_q_empty_phase_before_it():
             assert arrives == len(waits) + dangling, (rows, w, arrives, len(waits))
 
 
+def test_wg1of_keeps_every_barriers_phase_sequence():
+    """wg1_other_first only reorders tile b's two parts, which sit on different barriers: per mbarrier, the producer's
+    waits (parities) and loads and each math warpgroup's waits and releases are the same sequences in either order;
+    only WG1's full[2] / full[3] waits and the producer's empty[2] / empty[3] waits interleave the other way."""
+    def per_barrier(prog):
+        seq = {}
+        for e in prog:
+            if e[0] in ("mwait", "pwait", "release"):
+                seq.setdefault(e[1], []).append(e[0:3:2] if e[0] != "release" else ("release",))
+            elif e[0] == "load":
+                seq.setdefault(e[4], []).append(("load", e[1], e[3]))
+        return seq
+
+    swapped = 0
+    for rows in _columns(60):
+        default, expect = column(rows)
+        wg1of, expect1 = column(rows, wg1of=True)
+        assert expect == expect1
+        for w in range(N):
+            assert per_barrier(default[w]) == per_barrier(wg1of[w]), (rows, w)
+        assert default[0] == wg1of[0]  # WG0 unchanged
+        swapped += default[2] != wg1of[2]
+        order = [e[1] for e in wg1of[1] if e[0] == "mwait" and e[1] in (FULL[2], FULL[3])]
+        assert order == [FULL[2], FULL[3]] * (len(order) // 2)
+        loads = [e[4] for e in wg1of[2] if e[0] == "load" and e[4] in (FULL[2], FULL[3])]
+        assert loads == [FULL[2], FULL[3]] * (len(loads) // 2)
+    assert swapped > 40
+
+
 def test_the_kernel_runs_what_the_model_checks():
     """Source check: the column walks (math and producer) keep the model's bookkeeping; seesaw_item's Q-empty arrives
     sit where the model puts them (WG0 right after its qk, before softmax_publish; WG1 after its qk and before its
@@ -370,8 +424,13 @@ def test_the_kernel_runs_what_the_model_checks():
                  "e0 = (g0 + p + 1) % 2", "e1 = (g1 + p + 1) % 2", "g0 = g0 + (T + 1) // 2", "g1 = g1 + T // 2",
                  "q_of = cutlass.Int32(-1)"):
         assert line in prod, line
-    parts = re.findall(r"full \+ (\d), empty \+ (\d), (g\d) \+ p > 0, (e\d)\)", prod)
-    assert parts == [("0", "0", "g0", "e0"), ("1", "1", "g0", "e0"), ("3", "3", "g1", "e1"), ("2", "2", "g1", "e1")]
+    parts = re.findall(r"full \+ (\d), empty \+ (\d),\s+(g\d) \+ p > 0, (e\d)\)", prod)
+    # tile a; tile b with wg1_other_first (part 2 first), then without (part 3 first)
+    assert parts == [("0", "0", "g0", "e0"), ("1", "1", "g0", "e0"), ("2", "2", "g1", "e1"), ("3", "3", "g1", "e1"),
+                     ("3", "3", "g1", "e1"), ("2", "2", "g1", "e1")]
+    tile_b = prod[prod.index("if ta + 1 < T:"):]
+    assert re.match(r"if ta \+ 1 < T:\s+if cutlass\.const_expr\(self\.wg1_other_first\):", tile_b)
+    assert tile_b.index("full + 2, empty + 2") < tile_b.index("full + 3, empty + 3") < tile_b.index("else:")
     issue = src[src.index("    def tmap_issue_part("):src.index("    def tmap_producer(")]
     assert issue.index("mbarrier_wait(empty_ptr") < issue.index("mbarrier_arrive_and_expect_tx(full_ptr")
     item = src[src.index("    def seesaw_item("):src.index("    def kernel_fp8p(")]

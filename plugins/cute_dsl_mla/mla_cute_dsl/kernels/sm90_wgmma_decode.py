@@ -963,6 +963,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       by TMA, so the next item's Q and tiles 0 / 1 are in flight while the current item finishes (the balanced TMA
       kernel issues them after the epilogue's barrier).  setmaxnreg 232 / 40; smem 222,800 B (10 mbarriers);
       tests/test_seesaw_tmap_protocol.py models it; NOTES.md "Balanced 16-bit seesaw with a TMA producer warpgroup".
+      With ``wg1_other_first`` (branch tmap-wg1of, compile-only, not yet run on a GPU): warpgroup 1 waits full[2]
+      before full[3] for its tile (``qk_wait_order``) and the producer issues tile b's part 2 before part 3 (each
+      part on its own empty barrier and phase; the protocol model's ``wg1of``).
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
@@ -988,9 +991,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             if q_prefetch or fp8_producer or fp8p_ring or fp8p_stage:
                 raise ValueError("seesaw kernel: tma_producer=True excludes q_prefetch and the fp8 producer options "
                                  "(fp8_producer, fp8p_ring, fp8p_stage)")
-            if self.wg1_other_first:
-                raise ValueError("seesaw kernel: tma_producer=True and wg1_other_first=True together are not built (the "
-                                 "producer issues tile b's parts in the default wait order)")
+            # with wg1_other_first (branch tmap-wg1of, compile-only): WG1 waits full[2] before full[3] for its tile
+            # (qk_wait_order) and the producer issues tile b's part 2 before part 3 (tmap_producer); every empty
+            # barrier keeps its own phase sequence (tests/test_seesaw_tmap_protocol.py, wg1of)
         # q_prefetch (balanced, 16-bit KV; branch q-prefetch, compile-only): the next work item's Q (TMA, a fifth
         # mbarrier) and its KV tiles 0 / 1 are issued during the current item's last pairs (seesaw_column_qpf)
         self.q_prefetch = bool(q_prefetch)
@@ -2902,8 +2905,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         nq - 1: the previous request's last item's 256 arrives after its last S; then one arrive.expect_tx of 73,728
         bytes (16 bit) on Q full and nine 64 x 64 boxes, rows past R zero-filled by the TMA unit), then its tiles in
         the math side's wait order, tile a = 2p: parts 0 (blocks 0-3) and 1 (blocks 4-8); tile b = 2p + 1: parts 3
-        (blocks 4-7) and 2 (blocks 0-3 + RoPE); the g-th tile of a buffer in the column (g = ph + p) waits empty
-        phase g - 1 of the part first (none for g = 0), as ``fp8p_producer``.  The pair's pages are read at its
+        (blocks 4-7) and 2 (blocks 0-3 + RoPE), or with ``wg1_other_first`` (WG1 waits part 2 first) parts 2 and 3
+        (each on its own empty barrier and phase: only the order of the two waits changes); the g-th tile of a
+        buffer in the column (g = ph + p) waits empty phase g - 1 of the part first (none for g = 0), as
+        ``fp8p_producer``.  The pair's pages are read at its
         start, before its empty waits; with l2_prefetch lane 0 prefetches the next pair's tiles into L2."""
         sQ, sK = smem[0], smem[1]
         mbar = smem[8]
@@ -2959,10 +2964,23 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[1][1],
                                          blocks_per_page, full + 1, empty + 1, g0 + p > 0, e0)
                     if ta + 1 < T:
-                        self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1, SEESAW_LOAD_BLOCKS[1][0],
-                                             blocks_per_page, full + 3, empty + 3, g1 + p > 0, e1)
-                        self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1, SEESAW_LOAD_BLOCKS[0][1],
-                                             blocks_per_page, full + 2, empty + 2, g1 + p > 0, e1)
+                        if cutlass.const_expr(self.wg1_other_first):
+                            # wg1_other_first: WG1's qk waits part 2 (WG0's columns + RoPE, released by WG0 after
+                            # its pv_remote) first: issue it first, then part 3 (released by WG1 after P_b V_R);
+                            # each part keeps its own empty barrier and phase (e1), only the two waits swap
+                            self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1,
+                                                 SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, full + 2, empty + 2,
+                                                 g1 + p > 0, e1)
+                            self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1,
+                                                 SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, full + 3, empty + 3,
+                                                 g1 + p > 0, e1)
+                        else:
+                            self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1,
+                                                 SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, full + 3, empty + 3,
+                                                 g1 + p > 0, e1)
+                            self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1,
+                                                 SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, full + 2, empty + 2,
+                                                 g1 + p > 0, e1)
                 g0 = g0 + (T + 1) // 2
                 g1 = g1 + T // 2
             else:
@@ -3253,7 +3271,8 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
 
     ``tma_producer`` (16-bit cache with tma=True only, not with q_prefetch or the fp8 options;
     ValueError otherwise; branch tma-producer, GPU-verified): a producer warpgroup issues every KV part and Q by TMA
-    on full / empty mbarriers across the column's items (``kernel_tmap_balanced``), key flag "tmap"."""
+    on full / empty mbarriers across the column's items (``kernel_tmap_balanced``), key flag "tmap"; with
+    ``wg1_other_first`` too (branch tmap-wg1of, compile-only) the key ends "wg1of", "tmap"."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
