@@ -225,12 +225,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="build only the kernels whose label contains this (several "
                                                  "substrings separated by '|': any of them)")
+    ap.add_argument("--reverse", action="store_true",
+                    help="build the list from its end: a second process on a 2-core machine fills the same cache "
+                         "from the other side (a kernel the other one stored is loaded, not built again)")
     a = ap.parse_args()
     if not os.environ.get("MLA_CUTE_DSL_CACHE_DIR"):
         sys.exit("set MLA_CUTE_DSL_CACHE_DIR to the cache directory to fill")
     from mla_cute_dsl.kernels import kernel_cache
 
     todo = [(label, fn) for label, fn in specs() if any(s in label for s in a.only.split("|"))]
+    if a.reverse:
+        todo.reverse()
     start = time.time()
     for i, (label, fn) in enumerate(todo, 1):
         t = time.time()
