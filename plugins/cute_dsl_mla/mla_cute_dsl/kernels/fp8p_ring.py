@@ -30,6 +30,9 @@ tile a + 2 past the item) are issued with a row limit of 0: no load, the slot ze
 kv_len of an existing tile are not loaded either and their slot is zero-filled at issue (e4m3 zero -> f16 zero: what
 the one-part producer's select gives; page tails may hold NaN), so the conversion needs no selects.
 
+Block release (``fp8p_block_release``, ``ring_schedule(..., block_release=True)``): part 3's 8 chunks block-major, each
+64-column block its own barrier unit (``BLOCK_RELEASE_*`` below); slots, look-ahead and rotation unchanged.
+
 Balanced (``kernel_fp8p_balanced``): the ring is per item (the prologue at the item's start, nothing issued past
 its last tile), so nothing is in flight across an item boundary; the producer still runs into the next item's
 tiles as soon as their empty barriers allow.

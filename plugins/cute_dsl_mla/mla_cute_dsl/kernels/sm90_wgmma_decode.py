@@ -966,6 +966,15 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       With ``wg1_other_first`` (branch tmap-wg1of, compile-only, not yet run on a GPU): warpgroup 1 waits full[2]
       before full[3] for its tile (``qk_wait_order``) and the producer issues tile b's part 2 before part 3 (each
       part on its own empty barrier and phase; the protocol model's ``wg1of``).
+    * ``fp8p_block_release=True`` (with fp8_producer and fp8p_ring, no fp8p_stage; one item or balanced; branch
+      fp8-block-release, compile-only, not yet run on a GPU): the part warpgroup 1 releases at the end of a pair (tile
+      b's columns 256..511, part 3) is released, refilled and waited per 64-column block on mbarriers of its own
+      (``fp8p_ring.BLOCK_RELEASE_FULL`` / ``BLOCK_RELEASE_EMPTY``: 14 mbarriers): WG1 issues its P_b V_R as four
+      commit groups (``pv_blocks_release``: wait_group(3 - j), then arrive on block j's empty barrier), the producer
+      converts part 3 block-major with a wait / arrive per block, WG1's next S waits each block right before its
+      k-blocks (``qk_blocks``).  Every P V is issued as N = 64 WGMMAs (``pv_rs`` / ``pv_remote`` with ``pv64``):
+      ptxas serializes all WGMMAs (C7511) when acc_O is an N = 256 accumulator in some and N = 64 ones in others.
+      tests/test_seesaw_fp8p_blockrel_protocol.py models it; NOTES.md "fp8 ring producer with per-block release".
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
