@@ -168,18 +168,6 @@ def specs():
                                         get_partial_kernel_wgmma_seesaw_balanced(
                                             q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z, fp8_producer=True,
                                             fp8p_ring=r, fp8p_stage=s)))
-                    # the default ring with fp8p_block_release (branch fp8-block-release; ONLY=fp8pbr): one item and
-                    # balanced, every arm the ring kernels above are built in (test_seesaw_fp8p_blockrel_gpu.py,
-                    # wgmma_speed.py's *_fp8p_ring_blk* ways); their option-off twins: the "r7" entries above
-                    for lazy in ((False, True) if partial == "fp32" else (True,)):
-                        z = " lazy" if lazy else ""
-                        for bal in (False, True):
-                            get = get_partial_kernel_wgmma_seesaw_balanced if bal else get_partial_kernel_wgmma_seesaw
-                            out.append((f"seesaw_fp8p_ring{'_balanced' if bal else ''} {q} {tag} r{RING_DEFAULT}{z}"
-                                        " fp8pbr",
-                                        lambda q=q, p=partial, w=wide, z=lazy, g=get: g(
-                                            q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z, fp8_producer=True,
-                                            fp8p_ring=RING_DEFAULT, fp8p_block_release=True)))
                 if q == "bf16" and partial == "fp32" and (kv == "fp8_e4m3" or kv == q):
                     # seesaw_nofence_gpu.sh's reader_fences=True arms (wgmma_speed.py seesaw_tma_fenced /
                     # seesaw_fenced --kv fp8)

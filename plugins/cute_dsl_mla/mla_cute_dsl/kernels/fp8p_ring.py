@@ -30,9 +30,6 @@ tile a + 2 past the item) are issued with a row limit of 0: no load, the slot ze
 kv_len of an existing tile are not loaded either and their slot is zero-filled at issue (e4m3 zero -> f16 zero: what
 the one-part producer's select gives; page tails may hold NaN), so the conversion needs no selects.
 
-Block release (``fp8p_block_release``, ``ring_schedule(..., block_release=True)``): part 3's 8 chunks block-major, each
-64-column block its own barrier unit (``BLOCK_RELEASE_*`` below); slots, look-ahead and rotation unchanged.
-
 Balanced (``kernel_fp8p_balanced``): the ring is per item (the prologue at the item's start, nothing issued past
 its last tile), so nothing is in flight across an item boundary; the producer still runs into the next item's
 tiles as soon as their empty barriers allow.
@@ -70,20 +67,6 @@ RING_DEFAULT = 7
 STAGE_EVERY = 3
 STAGE_SLOTS = 4
 STAGE_SLOT_BYTES = 16 * 128
-#: ``fp8p_block_release`` (with a ring, no staging; branch fp8-block-release, compile-only): the part warpgroup 1
-#: releases at the end of a pair (tile b's columns 256..511, mbarrier index 3: blocks 4..7 of buffer 1) goes per
-#: 64-column block: block BLOCK_RELEASE_BLOCKS[j] has its own full mbarrier BLOCK_RELEASE_FULL[j] and empty mbarrier
-#: BLOCK_RELEASE_EMPTY[j] (indices in the kernel's mbarrier array; block 4 keeps part 3's full[3] / empty[3] = 3 / 7,
-#: blocks 5..7 take 8..10 / 11..13: 14 mbarriers in all, each count 128 as the others).  The producer converts the
-#: part block-major (pass 0 and pass 1 of block 4, then of block 5, ...), each block's first chunk waiting its empty
-#: barrier and its last arriving on its full barrier; warpgroup 1 issues its P_b V_R as four commit groups of
-#: N = 64 (block 4's first), arrives on each block's empty barrier as wait_group(3 - j) retires its group, and its
-#: next S waits each block's full barrier right before that block's four k-blocks
-BLOCK_RELEASE_PART = 3
-BLOCK_RELEASE_BLOCKS = (4, 5, 6, 7)
-BLOCK_RELEASE_FULL = (3, 8, 9, 10)
-BLOCK_RELEASE_EMPTY = (7, 11, 12, 13)
-BLOCK_RELEASE_MBARS = 14
 
 
 @dataclass(frozen=True)
@@ -99,18 +82,6 @@ class Chunk:
     blk: int
     first: bool
     last: bool
-    #: the full / empty mbarrier indices (in the kernel's array) this chunk's part waits and arrives on: 2 x buffer +
-    #: part and 4 + that, or with block release a block of part 3's own (BLOCK_RELEASE_FULL / BLOCK_RELEASE_EMPTY)
-    fbar: int = -1
-    ebar: int = -1
-
-    @property
-    def full_bar(self) -> int:
-        return self.mbar if self.fbar < 0 else self.fbar
-
-    @property
-    def empty_bar(self) -> int:
-        return 4 + self.mbar if self.ebar < 0 else self.ebar
 
 
 @dataclass(frozen=True)
@@ -148,20 +119,11 @@ def pair_parts(load_blocks) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]
             (1, 3, 1, tuple(load_blocks[1][0])), (1, 2, 1, tuple(load_blocks[0][1])))
 
 
-def pair_chunks(load_blocks, block_release: bool = False) -> tuple[Chunk, ...]:
+def pair_chunks(load_blocks) -> tuple[Chunk, ...]:
     """The 36 chunks of a pair in conversion order: parts in ``pair_parts`` order, inside a part pass-major (pass
-    0's blocks, then pass 1's: the one-part producer's store order).  ``block_release``: part
-    BLOCK_RELEASE_PART block-major instead (both passes of a block, then the next block), each block a barrier
-    unit of its own (first: wait its empty barrier; last: arrive on its full barrier)."""
+    0's blocks, then pass 1's: the one-part producer's store order)."""
     out = []
     for off, mbar, stage, blocks in pair_parts(load_blocks):
-        if block_release and mbar == BLOCK_RELEASE_PART:
-            assert tuple(blocks) == BLOCK_RELEASE_BLOCKS, blocks
-            for j, blk in enumerate(blocks):
-                for m in range(PASSES):
-                    out.append(Chunk(off, mbar, stage, m, blk, m == 0, m == PASSES - 1,
-                                     BLOCK_RELEASE_FULL[j], BLOCK_RELEASE_EMPTY[j]))
-            continue
         seq = [(m, blk) for m in range(PASSES) for blk in blocks]
         for k, (m, blk) in enumerate(seq):
             out.append(Chunk(off, mbar, stage, m, blk, k == 0, k == len(seq) - 1))
@@ -197,8 +159,8 @@ def _slot(c: int, ring: int, stage: int) -> int:
     return (c - (c // STAGE_EVERY if stage else 0)) % ring
 
 
-def ring_schedule(ring: int, load_blocks, stage: int = 0,
-                  block_release: bool = False) -> tuple[tuple[Issue, ...], tuple[Step, ...], tuple[int, ...]]:
+def ring_schedule(ring: int, load_blocks, stage: int = 0) -> tuple[tuple[Issue, ...], tuple[Step, ...],
+                                                                   tuple[int, ...]]:
     """(prologue, steps, rotation) of a ring of ``ring`` register slots (and ``stage`` shared-memory staging slots):
     the prologue issues chunks 0 .. D - 1 of the item's first pair (tile 0) before the pair loop (D = ``lookahead``);
     step j (0..35) of every pair issues chunk j + D (of this pair, or of the next pair's tile a when past 35) into
@@ -210,9 +172,7 @@ def ring_schedule(ring: int, load_blocks, stage: int = 0,
         raise ValueError(f"fp8p_ring must be one of {tuple(sorted(RING_REGS))}, got {ring}")
     if stage not in (0, STAGE_SLOTS):
         raise ValueError(f"fp8p_stage must be 0 or {STAGE_SLOTS}, got {stage}")
-    if block_release and stage:
-        raise ValueError("fp8p_block_release does not take fp8p_stage")
-    chunks = pair_chunks(load_blocks, block_release)
+    chunks = pair_chunks(load_blocks)
     ahead = lookahead(ring, stage)
 
     def issue(c):

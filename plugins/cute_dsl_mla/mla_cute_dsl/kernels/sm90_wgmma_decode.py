@@ -966,22 +966,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       With ``wg1_other_first`` (branch tmap-wg1of, compile-only, not yet run on a GPU): warpgroup 1 waits full[2]
       before full[3] for its tile (``qk_wait_order``) and the producer issues tile b's part 2 before part 3 (each
       part on its own empty barrier and phase; the protocol model's ``wg1of``).
-    * ``fp8p_block_release=True`` (with fp8_producer and fp8p_ring, no fp8p_stage; one item or balanced; branch
-      fp8-block-release, compile-only, not yet run on a GPU): the part warpgroup 1 releases at the end of a pair (tile
-      b's columns 256..511, part 3) is released, refilled and waited per 64-column block on mbarriers of its own
-      (``fp8p_ring.BLOCK_RELEASE_FULL`` / ``BLOCK_RELEASE_EMPTY``: 14 mbarriers): WG1 issues its P_b V_R as four
-      commit groups (``pv_blocks_release``: wait_group(3 - j), then arrive on block j's empty barrier), the producer
-      converts part 3 block-major with a wait / arrive per block, WG1's next S waits each block right before its
-      k-blocks (``qk_blocks``).  Every P V is issued as N = 64 WGMMAs (``pv_rs`` / ``pv_remote`` with ``pv64``):
-      ptxas serializes all WGMMAs (C7511) when acc_O is an N = 256 accumulator in some and N = 64 ones in others.
-      tests/test_seesaw_fp8p_blockrel_protocol.py models it; NOTES.md "fp8 ring producer with per-block release".
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
                  wide_store: bool = False, tma: bool = False, balanced: bool = False,
                  reader_fences: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
                  q_prefetch: bool = False, fp8p_ring: int = 0, fp8p_stage: int = 0, wg1_other_first: bool = False,
-                 tma_producer: bool = False, fp8p_block_release: bool = False):
+                 tma_producer: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
         # wg1_other_first (16-bit KV; branch qk-order, GPU-verified): WG1's QK of its own tile waits WG0's part first
         # (qk_wait_order); the fp8 kernels (inline or producer) convert their parts in another order: refused
@@ -1032,16 +1023,6 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         if self.fp8p_stage not in (0, _ring.STAGE_SLOTS):
             raise ValueError(f"seesaw kernel: fp8p_stage must be 0 or {_ring.STAGE_SLOTS}, got {fp8p_stage}")
         assert fp8p_register_split_fits(*self.fp8p_regs), self.fp8p_regs
-        # fp8p_block_release (with fp8_producer and fp8p_ring, no fp8p_stage; even or balanced; branch
-        # fp8-block-release, compile-only): the part warpgroup 1 frees at the end of a pair (tile b's columns
-        # 256..511) released, refilled and waited per 64-column block on mbarriers of its own (fp8p_ring.BLOCK_RELEASE_*;
-        # pv_blocks_release, qk_blocks, the ring's block-major part 3)
-        self.fp8p_block_release = bool(fp8p_block_release)
-        if self.fp8p_block_release and not (self.fp8_producer and self.fp8p_ring) or (
-                self.fp8p_block_release and self.fp8p_stage):
-            raise ValueError("seesaw kernel: fp8p_block_release=True needs an fp8 cache with fp8_producer=True and "
-                             f"fp8p_ring, without fp8p_stage, got kv {kv_dtype}, fp8_producer={fp8_producer}, "
-                             f"fp8p_ring={fp8p_ring}, fp8p_stage={fp8p_stage}")
         # fp8_producer with balanced=True (branch fp8-balanced-producer, GPU-verified in the twenty-second
         # session): both sides walk the column's items; the full and empty mbarriers count one phase per tile of their
         # buffer across items (the math side releases every tile's parts, not only tiles < T - 2), so the producer
@@ -1106,8 +1087,6 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             return 10
         if getattr(self, "q_prefetch", False):
             return 5  # q_prefetch: + the Q mbarrier (TMA, index 4)
-        if getattr(self, "fp8p_block_release", False):
-            return _ring.BLOCK_RELEASE_MBARS  # + full / empty of part 3's blocks 5..7 (fp8p_ring.BLOCK_RELEASE_*)
         return 8 if getattr(self, "fp8_producer", False) else 4
 
     def _stage_words(self) -> int:
@@ -1535,64 +1514,6 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             warpgroup.wait_group(0)
 
     @cute.jit
-    def qk_blocks(
-        self, mma_s_first: cute.TiledMma, mma_s: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor,
-        tSrK: cute.Tensor, mbar, parity: cutlass.Int32,
-    ):
-        """fp8p_block_release: warpgroup 1's S of its own tile (buffer 1), ``qk`` with its own part (columns
-        256..511, k-blocks 16..31) waited per 64-column block: block 4 + j's full mbarrier
-        (fp8p_ring.BLOCK_RELEASE_FULL[j], the producer's 128 arrives after both passes of that block) right before its
-        four k-blocks, one commit group each; then WG0's part (full[2]: blocks 0..3 + RoPE) and its 20 k-blocks;
-        then all waited.  Same parity as ``qk``'s (each block barrier completes one phase per tile of buffer 1)."""
-        order = SEESAW_QK_ORDER[1]
-        for j in cutlass.range_constexpr(len(_ring.BLOCK_RELEASE_BLOCKS)):
-            cute.arch.mbarrier_wait(mbar + _ring.BLOCK_RELEASE_FULL[j], parity)
-            if cutlass.const_expr(self.reader_fences):
-                cute.arch.fence_view_async_shared()
-            warpgroup.fence()
-            for i in cutlass.range_constexpr(4):
-                k = order[0][4 * j + i]
-                assert k // 4 == _ring.BLOCK_RELEASE_BLOCKS[j]  # 16-column k-blocks of 64-column block 4 + j
-                mma = mma_s_first if j == 0 and i == 0 else mma_s
-                cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, 1], acc_S)
-            warpgroup.commit_group()
-        cute.arch.mbarrier_wait(mbar + 2, parity)
-        if cutlass.const_expr(self.reader_fences):
-            cute.arch.fence_view_async_shared()
-        warpgroup.fence()
-        for i in cutlass.range_constexpr(len(order[1])):
-            k = order[1][i]
-            cute.gemm(mma_s, acc_S, tSrQ[None, None, k], tSrK[None, None, k, 1], acc_S)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-
-    @cute.jit
-    def pv_blocks_release(self, pv64, tOrP: cute.Tensor, mbar, ta: cutlass.Int32, T: cutlass.Int32,
-                          every_tile: cutlass.Constexpr):
-        """fp8p_block_release: warpgroup 1's O_R += P_b V_R (P in registers) of its own tile (buffer 1) as four
-        commit groups, one per 64-column block 4 + j (four WGMMAs 64 x 64 x 16 each, block 4 first: the block its
-        next S reads first), then for j = 0..3: wait_group(3 - j) (block j's group and those before it retired:
-        no WGMMA reads those columns any more) and arrive on block j's empty mbarrier
-        (fp8p_ring.BLOCK_RELEASE_EMPTY[j]) under ``refill_part``'s condition (the buffer's next tile b + 2 exists,
-        or every tile with ``every_tile``), so the producer converts block 4 of tile b + 2 while the WGMMAs of
-        blocks 5..7 still run.  The waits are outside the condition (a WGMMA wait in a divergent branch makes
-        ptxas serialize every WGMMA, C7518)."""
-        mma_o64, _, blocks = pv64
-        warpgroup.fence()
-        for j in cutlass.range_constexpr(len(_ring.BLOCK_RELEASE_BLOCKS)):
-            tOrV_j, acc_j = blocks[j]
-            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                cute.gemm(mma_o64, acc_j, tOrP[None, None, k], tOrV_j[None, None, k, 1], acc_j)
-            warpgroup.commit_group()
-        for j in cutlass.range_constexpr(len(_ring.BLOCK_RELEASE_BLOCKS)):
-            warpgroup.wait_group(len(_ring.BLOCK_RELEASE_BLOCKS) - 1 - j)
-            if cutlass.const_expr(every_tile):
-                cute.arch.mbarrier_arrive(mbar + _ring.BLOCK_RELEASE_EMPTY[j])
-            else:
-                if ta + 3 < T:
-                    cute.arch.mbarrier_arrive(mbar + _ring.BLOCK_RELEASE_EMPTY[j])
-
-    @cute.jit
     def softmax_publish(
         self, mma_o_rs: cute.TiledMma, r2s_P: cute.TiledCopy, acc_S: cute.Tensor, tOrP: cute.Tensor,
         tScS: cute.Tensor, sP: cute.Tensor, sScale: cute.Tensor, sMax: cute.Tensor,
@@ -1672,28 +1593,13 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             else:
                 acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_corr[r]
 
-    def pv64_kw(self, pv64) -> dict:
-        """The keyword that hands ``pv64`` (fp8p_block_release's N = 64 P V operands) to ``pv_rs`` / ``pv_remote``
-        (plain Python: nothing at all without the option, so the other kernels' calls are unchanged)."""
-        return {"pv64": pv64} if self.fp8p_block_release else {}
-
     @cute.jit
     def pv_rs(self, mma_o_rs: cute.TiledMma, acc_O: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
-              stage: cutlass.Constexpr, pv64=None):
-        """O += P V (P in registers), wait.  ``pv64`` (fp8p_block_release): as 16 WGMMAs of N = 64 (four per
-        64-column block, one commit group): every WGMMA on acc_O of that kernel is N = 64, so that ptxas never sees
-        the accumulator both as one N = 256 range and as four N = 64 ranges (it serializes the WGMMAs then, C7511,
-        at any register budget)."""
+              stage: cutlass.Constexpr):
+        """O += P V (P in registers), wait."""
         warpgroup.fence()
-        if cutlass.const_expr(pv64 is None):
-            for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                cute.gemm(mma_o_rs, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
-        else:
-            mma_o64, _, blocks = pv64
-            for j in cutlass.range_constexpr(len(blocks)):
-                tOrV_j, acc_j = blocks[j]
-                for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                    cute.gemm(mma_o64, acc_j, tOrP[None, None, k], tOrV_j[None, None, k, stage], acc_j)
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.gemm(mma_o_rs, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
@@ -1702,7 +1608,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         self, mma_o_ss: cute.TiledMma, acc_O: cute.Tensor, acc_O_mn: cute.Tensor, tScS: cute.Tensor,
         sP: cute.Tensor, sScale: cute.Tensor, sMax: cute.Tensor, tOrV: cute.Tensor,
         row_max: cute.Tensor, row_sum: cute.Tensor, buf: cutlass.Constexpr, wg_tidx: cutlass.Int32,
-        bar_id: cutlass.Constexpr, wait: cutlass.Constexpr, tail=None, pv64=None,
+        bar_id: cutlass.Constexpr, wait: cutlass.Constexpr, tail=None,
     ):
         """Non-owner: wait for the owner's P, take its scale and max, O *= scale, O += sP V (SS).
 
@@ -1727,22 +1633,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             else:
                 row_sum[r] = row_sum[r] * corr
                 acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
-        if cutlass.const_expr(pv64 is None):
-            thr_o = mma_o_ss.get_slice(wg_tidx)
-            tOrPs = thr_o.make_fragment_A(thr_o.partition_A(sP))  # (MMA, 1, 4)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tOrPs.shape[2])):
-                cute.gemm(mma_o_ss, acc_O, tOrPs[None, None, k], tOrV[None, None, k, buf], acc_O)
-        else:
-            # fp8p_block_release: 16 WGMMAs of N = 64 (pv_rs's docstring), one commit group
-            _, mma_o64_ss, blocks = pv64
-            thr_o64 = mma_o64_ss.get_slice(wg_tidx)
-            tOrPs = thr_o64.make_fragment_A(thr_o64.partition_A(sP))  # (MMA, 1, 4)
-            warpgroup.fence()
-            for j in cutlass.range_constexpr(len(blocks)):
-                tOrV_j, acc_j = blocks[j]
-                for k in cutlass.range_constexpr(cute.size(tOrPs.shape[2])):
-                    cute.gemm(mma_o64_ss, acc_j, tOrPs[None, None, k], tOrV_j[None, None, k, buf], acc_j)
+        thr_o = mma_o_ss.get_slice(wg_tidx)
+        tOrPs = thr_o.make_fragment_A(thr_o.partition_A(sP))  # (MMA, 1, 4)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrPs.shape[2])):
+            cute.gemm(mma_o_ss, acc_O, tOrPs[None, None, k], tOrV[None, None, k, buf], acc_O)
         warpgroup.commit_group()
         if cutlass.const_expr(wait):
             warpgroup.wait_group(0)
@@ -2224,30 +2119,6 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_M, D_V_HALF)), cutlass.Float32)
         acc_O.fill(0.0)
         acc_O_mn = _acc_mn_view(acc_O)
-        pv64 = None
-        if cutlass.const_expr(self.fp8p_block_release):
-            # warpgroup 1's P_b V_R per 64-column block (pv_blocks_release): an RS MMA of N = 64, its B operand
-            # (MMA, 4 blocks, 4 k, STAGES) over the same V half, and acc_O seen as four N = 64 accumulators: the
-            # WGMMA accumulator keeps N / 2 registers per thread, 8 columns per 4 of them, so block j (columns 64 j ..
-            # 64 j + 63 of the half) is exactly registers 32 j .. 32 j + 31 of the N = 256 fragment
-            mma_o64 = cute.make_tiled_mma(
-                warpgroup.MmaF16BF16Op(mt, cutlass.Float32, (BLOCK_M, KV_BOX, 16), warpgroup.OperandSource.RMEM,
-                                       cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN))
-            mma_o64.set(warpgroup.Field.ACCUMULATE, True)
-            mma_o64_ss = cute.make_tiled_mma(
-                warpgroup.MmaF16BF16Op(mt, cutlass.Float32, (BLOCK_M, KV_BOX, 16), warpgroup.OperandSource.SMEM,
-                                       cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN))
-            mma_o64_ss.set(warpgroup.Field.ACCUMULATE, True)
-            thr_o64 = mma_o64.get_slice(wg_tidx)
-            acc_O64 = cute.make_tensor(acc_O.iterator,
-                                       cute.make_layout(thr_o64.partition_shape_C((BLOCK_M, D_V_HALF))))  # (MMA, 1, 4)
-            c64 = cute.make_layout(thr_o64.partition_shape_C((BLOCK_M, KV_BOX)))  # (MMA, 1, 1)
-            # per block j: (B operand (MMA, 1, 4 k, STAGES) of columns 64 j .. of the half, accumulator (MMA, 1, 1))
-            pv64 = (mma_o64, mma_o64_ss, tuple(
-                (thr_o64.make_fragment_B(thr_o64.partition_B(
-                    cute.local_tile(sV_half, (KV_BOX, BLOCK_N, STAGES), (j, 0, 0)))),
-                 cute.make_tensor(acc_O64[None, 0, j].iterator, c64))
-                for j in range(D_V_HALF // KV_BOX)))
         acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
         # P of the own tile (16 bit): the RS A operand (its values in S's C order)
         tOrP = cute.make_rmem_tensor(thr_o.partition_shape_A((BLOCK_M, BLOCK_N)), mt)
@@ -2390,7 +2261,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     # tma=True, request's last tile: zero its V_L tail rows (zero_v_tail)
                     if cutlass.const_expr(self.tma):
                         self.zero_v_tail(tKcK, tKsK, n_start + ta, 0, 0, kv_len, mbar + 0, par0)
-                    self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0, **self.pv64_kw(pv64))
+                    self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 0)
                     # columns 0..255 of buffer 0 are free (only WG0 reads them): load tile a+2's
                     self.refill_part(kv_src, pg2, n_start, ta, 2, T, 0, SEESAW_LOAD_BLOCKS[0][0], blocks_per_page,
                                      kv_len, refill_bars, 0, every_tile)
@@ -2404,7 +2275,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                         self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP1, sScale, sMax, tOrV,
                                        row_max, row_sum, 1, wg_tidx, BAR_P_OF[1], True,
                                        (tKcK, tKsK, n_start + ta + 1, 1, 0, kv_len, mbar + 2, par1)
-                                       if self.tma else None, **self.pv64_kw(pv64))
+                                       if self.tma else None)
                         # columns 0..255 and P's block of buffer 1 are free: tile b+2's
                         self.refill_part(kv_src, pg3, n_start, ta, 3, T, 1, SEESAW_LOAD_BLOCKS[0][1],
                                          blocks_per_page, kv_len, refill_bars, 2, every_tile)
@@ -2415,12 +2286,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                 else:
                     if ta + 1 < T:
                         # S_b (runs while WG0 does softmax_a); wg1_other_first: mbar + 2 waited first (qk_wait_order)
-                        if cutlass.const_expr(self.fp8p_block_release):
-                            # each block of its own part waited on its own full mbarrier (qk_blocks)
-                            self.qk_blocks(mma_s_first, mma_s, acc_S, tSrQ, tSrK, mbar, par1)
-                        else:
-                            self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
-                                    mbar + 3, mbar + 2, par1)
+                        self.qk(mma_s_first, mma_s, acc_S, tSrQ, tSrK, 1, SEESAW_QK_ORDER[1],
+                                mbar + 3, mbar + 2, par1)
                     if cutlass.const_expr(tmq is not None):
                         # tma_producer, the item's last pair: WG1's last S (tile b, waited in its qk just above, or
                         # for an odd T the previous pair's) is done: release sQ
@@ -2432,7 +2299,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     self.pv_remote(mma_o_ss, acc_O, acc_O_mn, tScS, sP0, sScale, sMax, tOrV,
                                    row_max, row_sum, 0, wg_tidx, BAR_P_OF[0], False,
                                    (tKcK, tKsK, n_start + ta, 0, 1, kv_len, mbar + 1, par0)
-                                   if self.tma else None, **self.pv64_kw(pv64))
+                                   if self.tma else None)
                     if cutlass.const_expr(qpf is not None):
                         # q_prefetch, the item's last pair: WG0's last S (tile a) was waited before its P_a arrive
                         # (synced on in pv_remote), WG1's own last S in its qk: sQ is free, the next item's Q
@@ -2458,15 +2325,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                             self.zero_v_tail(tKcK, tKsK, n_start + ta + 1, 1, 1, kv_len, mbar + 3,
                                              par1)
                         self.rescale_rows(acc_O_mn, row_corr, n_rows)
-                        if cutlass.const_expr(self.fp8p_block_release):
-                            # P_b V_R as four N = 64 commit groups, each block of columns 256..511 of buffer 1
-                            # released on its own empty mbarrier as its group retires (pv_blocks_release)
-                            self.pv_blocks_release(pv64, tOrP, mbar, ta, T, every_tile)
-                        else:
-                            self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
-                            # columns 256..511 of buffer 1 are free: tile b+2's
-                            self.refill_part(kv_src, pg3, n_start, ta, 3, T, 1, SEESAW_LOAD_BLOCKS[1][0],
-                                             blocks_per_page, kv_len, refill_bars, 3, every_tile)
+                        self.pv_rs(mma_o_rs, acc_O, tOrP, tOrV, 1)
+                        # columns 256..511 of buffer 1 are free: tile b+2's
+                        self.refill_part(kv_src, pg3, n_start, ta, 3, T, 1, SEESAW_LOAD_BLOCKS[1][0],
+                                         blocks_per_page, kv_len, refill_bars, 3, every_tile)
 
                         if cutlass.const_expr(qpf is not None):
                             # q_prefetch: the item's last tile of buffer 1: the next item's tile 1 there instead
@@ -2549,7 +2411,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
         mbar = smem[8]
         if tidx == 0:
-            for i in cutlass.range_constexpr(self._num_mbars()):  # 8; fp8p_block_release 14
+            for i in cutlass.range_constexpr(8):
                 cute.arch.mbarrier_init(mbar + i, WG_THREADS)
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
@@ -2599,7 +2461,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         smem = self.seesaw_smem(SharedStorage, sQ_layout, sK_layout, sP_layout, sV_layout)
         mbar = smem[8]
         if tidx == 0:
-            for i in cutlass.range_constexpr(self._num_mbars()):  # 8; fp8p_block_release 14
+            for i in cutlass.range_constexpr(8):
                 cute.arch.mbarrier_init(mbar + i, WG_THREADS)
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
@@ -2734,9 +2596,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         tKgK0 = thr_g2r.partition_S(cute.local_tile(mKV[0, None, None], (BLOCK_N, D_QK), (0, 0)))
         tKsK = r2s.get_slice(ptid).partition_D(sK)  # (CPY, passes, 9, STAGES)
         rRing = cute.make_rmem_tensor((cute.size(tKcK.shape[0]), self.fp8p_ring), cutlass.Float8E4M3FN)
-        # fp8p_block_release: part 3 block-major, each block on its own full / empty mbarriers (fp8p_ring.pair_chunks)
-        prologue, steps, rotation = _ring.ring_schedule(self.fp8p_ring, SEESAW_LOAD_BLOCKS, self.fp8p_stage,
-                                                        self.fp8p_block_release)
+        prologue, steps, rotation = _ring.ring_schedule(self.fp8p_ring, SEESAW_LOAD_BLOCKS, self.fp8p_stage)
         full = mbar
         empty = mbar + 4
         sStage = None  # fp8p_stage: this thread's 16 bytes of each staging slot (after the 8 mbarriers)
@@ -2844,18 +2704,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         self.fp8p_ring_issue(g2r, src, tKcK, valid, st.issue, rRing, sStage, cpa)
         if cutlass.const_expr(st.chunk.first):
             if wait_empty:
-                if cutlass.const_expr(self.fp8p_block_release):
-                    # a block of part 3 has an empty mbarrier of its own (full is the array's base)
-                    cute.arch.mbarrier_wait(full + st.chunk.empty_bar, parity)
-                else:
-                    cute.arch.mbarrier_wait(empty + st.chunk.mbar, parity)
+                cute.arch.mbarrier_wait(empty + st.chunk.mbar, parity)
         self.fp8p_ring_convert(r2s, tKsK, rRing, sStage, st)
         if cutlass.const_expr(st.chunk.last):
             cute.arch.fence_view_async_shared()
-            if cutlass.const_expr(self.fp8p_block_release):
-                cute.arch.mbarrier_arrive(full + st.chunk.full_bar)
-            else:
-                cute.arch.mbarrier_arrive(full + st.chunk.mbar)
+            cute.arch.mbarrier_arrive(full + st.chunk.mbar)
 
     @cute.jit
     def fp8p_producer(
@@ -3185,7 +3038,7 @@ def mla_decode_sm90_wgmma(q, kv_cache, page_table, kv_lens, sm_scale: float, kv_
 
 
 # kernel-cache key flags after (q, kv, block_m): see seesaw_spec (plus "fp8pr<R>": fp8p_ring = R, seesaw_flag_ring)
-SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p", "qpf", "wg1of", "tmap", "fp8pbr")
+SEESAW_FLAGS = ("l2pf", "wide_store", "tma", "rfence", "lazy", "fp8p", "qpf", "wg1of", "tmap")
 #: key flag prefix of the fp8 producer's register ring (``fp8p_ring``): "fp8pr7" for 7 slots
 SEESAW_RING_FLAG = "fp8pr"
 #: key flag prefix of the ring's shared-memory staging (``fp8p_stage``): "fp8ps4" for 4 slots
@@ -3229,21 +3082,14 @@ def _build_partial_wgmma_seesaw(q_name: str, kv_name: str, block_m: int, *flags:
                                     fp8p_ring=seesaw_flag_ring(flags), fp8p_stage=seesaw_flag_stage(flags),
                                     q_prefetch="qpf" in flags,  # balanced only: the constructor refuses it
                                     wg1_other_first="wg1of" in flags,
-                                    tma_producer="tmap" in flags,  # wg1of: 16-bit KV only; tmap: balanced only
-                                    fp8p_block_release="fp8pbr" in flags)
+                                    tma_producer="tmap" in flags)  # wg1of: 16-bit KV only; tmap: balanced only
     return api.compile_partial(k, q_name, kv_name, flags)
 
 
-def _check_fp8p_ring(fp8p_ring: int, fp8_producer: bool, fp8p_stage: int = 0,
-                     fp8p_block_release: bool = False) -> None:
+def _check_fp8p_ring(fp8p_ring: int, fp8_producer: bool, fp8p_stage: int = 0) -> None:
     """Getter-side refusal (before any compile) of a register ring without the producer or of a size the kernel
-    does not take (fp8p_ring.RING_SIZES: those ptxas assembles without spills), of staging without a ring or
-    with another slot count than fp8p_ring.STAGE_SLOTS, and of fp8p_block_release without a ring or with
-    staging."""
-    if fp8p_block_release and not (fp8_producer and fp8p_ring) or (fp8p_block_release and fp8p_stage):
-        raise ValueError("seesaw WGMMA kernel: fp8p_block_release=True needs fp8_producer=True and fp8p_ring, "
-                         f"without fp8p_stage, got fp8_producer={fp8_producer}, fp8p_ring={fp8p_ring}, "
-                         f"fp8p_stage={fp8p_stage}")
+    does not take (fp8p_ring.RING_SIZES: those ptxas assembles without spills), and of staging without a ring or
+    with another slot count than fp8p_ring.STAGE_SLOTS."""
     if fp8p_ring and not fp8_producer:
         raise ValueError(f"seesaw WGMMA kernel: fp8p_ring={fp8p_ring} needs fp8_producer=True")
     if fp8p_ring and fp8p_ring not in _ring.RING_REGS:
@@ -3271,8 +3117,7 @@ def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: s
                 wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
                 lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
                 fp8p_stage: int = 0, q_prefetch: bool = False,
-                wg1_other_first: bool = False, tma_producer: bool = False,
-                fp8p_block_release: bool = False) -> tuple[str | int, ...]:
+                wg1_other_first: bool = False, tma_producer: bool = False) -> tuple[str | int, ...]:
     """Kernel cache key of a seesaw kernel: (q, kv, 64), then "l2pf" when ``l2_prefetch`` is set, then the
     partial-O dtype's tag unless fp32 (api.partial_spec; the default kernel keeps the three-part key), then
     "wide_store" for 16-byte epilogue stores (api.store_spec), then "tma" for TMA KV loads (only when set:
@@ -3284,8 +3129,7 @@ def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: s
     ``q_prefetch`` (the balanced kernel's next-item Q and tiles 0 / 1 issued in the current item; only when set;
     every existing key is unchanged), then "wg1of" for ``wg1_other_first`` (WG1's QK of its own tile waits WG0's
     part first; 16-bit KV; only when set: every existing key is unchanged), then "tmap" for ``tma_producer`` (the
-    balanced 16-bit TMA kernel with a producer warpgroup; only when set), then "fp8pbr" for ``fp8p_block_release``
-    (the fp8 ring producer's per-block release of warpgroup 1's end-of-pair part; only when set)."""
+    balanced 16-bit TMA kernel with a producer warpgroup; only when set)."""
     from . import api
 
     return ((q_name, kv_name, BLOCK_M) + (("l2pf",) if l2_prefetch else ()) + api.partial_spec(partial)
@@ -3295,15 +3139,14 @@ def seesaw_spec(q_name: str, kv_name: str, l2_prefetch: bool = False, partial: s
             + ((f"{SEESAW_RING_FLAG}{int(fp8p_ring)}",) if fp8p_ring else ())
             + ((f"{SEESAW_STAGE_FLAG}{int(fp8p_stage)}",) if fp8p_stage else ())
             + (("qpf",) if q_prefetch else ()) + (("wg1of",) if wg1_other_first else ())
-            + (("tmap",) if tma_producer else ()) + (("fp8pbr",) if fp8p_block_release else ()))
+            + (("tmap",) if tma_producer else ()))
 
 
 def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
                                     l2_prefetch: bool | None = None, partial: str = "fp32",
                                     wide_store: bool = False, tma: bool = False, reader_fences: bool = False,
                                     lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
-                                    fp8p_stage: int = 0, wg1_other_first: bool = False,
-                                    fp8p_block_release: bool = False):
+                                    fp8p_stage: int = 0, wg1_other_first: bool = False):
     """Compiled seesaw WGMMA partial kernel, KV in the q dtype (default) or ``"fp8_e4m3"``
     (per-warpgroup ld.global -> fp16 conversion, branch wgmma-fp8-seesaw); kernel cache kind
     ``partial_wgmma_seesaw``, key ``seesaw_spec``.  ``l2_prefetch``: the L2 bulk prefetch of the
@@ -3319,10 +3162,7 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     shared memory by cp.async, loads issued ``fp8p_ring.lookahead`` chunks ahead (key flag "fp8ps<S>").
     ``wg1_other_first`` (16-bit cache only, ValueError with fp8_e4m3; branch qk-order, GPU-verified): warpgroup 1's
     QK of its own tile waits warpgroup 0's part first (``MLADecodePartialWGMMASeesaw.qk_wait_order``), key flag
-    "wg1of"; not a backend option (an experiment to be measured first).  ``fp8p_block_release`` (with fp8_producer
-    and fp8p_ring, not fp8p_stage; ValueError otherwise; branch fp8-block-release, compile-only): warpgroup 1's
-    end-of-pair part released, refilled and waited per 64-column block (the class docstring), key flag "fp8pbr";
-    not a backend option."""
+    "wg1of"; not a backend option (an experiment to be measured first)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -3332,7 +3172,7 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
         raise ValueError("seesaw WGMMA kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if fp8_producer and kv_name != "fp8_e4m3":
         raise ValueError(f"seesaw WGMMA kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
-    _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage, fp8p_block_release)
+    _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage)
     if wg1_other_first and kv_name == "fp8_e4m3":
         raise ValueError("seesaw WGMMA kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16), got "
                          "fp8_e4m3")
@@ -3341,8 +3181,7 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
                                                  reader_fences, lazy_rescale, fp8_producer, fp8p_ring, fp8p_stage,
-                                                 wg1_other_first=wg1_other_first,
-                                                 fp8p_block_release=fp8p_block_release),
+                                                 wg1_other_first=wg1_other_first),
                                      _build_partial_wgmma_seesaw)
 
 
@@ -3350,13 +3189,12 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
                                  out, lse, schedule, workspace, *, check: bool = True,
                                  l2_prefetch: bool | None = None, tma: bool = False, reader_fences: bool = False,
                                  lazy_rescale: bool = False, fp8_producer: bool = False, fp8p_ring: int = 0,
-                                 fp8p_stage: int = 0, wg1_other_first: bool = False,
-                                 fp8p_block_release: bool = False):
+                                 fp8p_stage: int = 0, wg1_other_first: bool = False):
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
     ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``, ``fp8_producer`` (fp8 cache only), ``fp8p_ring``
-    (with fp8_producer), ``fp8p_stage`` (with a ring), ``wg1_other_first`` (16-bit cache only; GPU-verified),
-    ``fp8p_block_release`` (with a ring; compile-only): see ``get_partial_kernel_wgmma_seesaw``."""
+    (with fp8_producer), ``fp8p_stage`` (with a ring), ``wg1_other_first`` (16-bit cache only; GPU-verified):
+    see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
@@ -3368,8 +3206,7 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
                                               **({"fp8_producer": True} if fp8_producer else {}),  # opt-in only
                                               **({"fp8p_ring": fp8p_ring} if fp8p_ring else {}),
                                               **({"fp8p_stage": fp8p_stage} if fp8p_stage else {}),
-                                              **({"wg1_other_first": True} if wg1_other_first else {}),
-                                              **({"fp8p_block_release": True} if fp8p_block_release else {}))
+                                              **({"wg1_other_first": True} if wg1_other_first else {}))
     return api.launch(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                       workspace)
 
@@ -3407,7 +3244,7 @@ def _build_partial_wgmma_seesaw_balanced(q_name: str, kv_name: str, block_m: int
                                     fp8_producer="fp8p" in flags, fp8p_ring=seesaw_flag_ring(flags),
                                     fp8p_stage=seesaw_flag_stage(flags), q_prefetch="qpf" in flags,
                                     wg1_other_first="wg1of" in flags,
-                                    tma_producer="tmap" in flags, fp8p_block_release="fp8pbr" in flags)
+                                    tma_producer="tmap" in flags)
     return api.compile_partial(k.call_balanced, q_name, kv_name, flags, balanced=True)
 
 
@@ -3416,8 +3253,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
                                              wide_store: bool = False, tma: bool = False,
                                              lazy_rescale: bool = False, fp8_producer: bool = False,
                                              fp8p_ring: int = 0, fp8p_stage: int = 0, q_prefetch: bool = False,
-                                             wg1_other_first: bool = False, tma_producer: bool = False,
-                                             fp8p_block_release: bool = False):
+                                             wg1_other_first: bool = False, tma_producer: bool = False):
     """Compiled balanced seesaw partial kernel (``MLADecodePartialWGMMASeesaw(balanced=True).call_balanced``),
     KV in the q dtype (default) or ``"fp8_e4m3"`` (branch fp8-balanced: the even fp8 seesaw's loads under the
     item loop; GPU-verified in the twenty-second session); kernel cache kind ``partial_wgmma_seesaw_balanced`` with
@@ -3436,8 +3272,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     ``tma_producer`` (16-bit cache with tma=True only, not with q_prefetch or the fp8 options;
     ValueError otherwise; branch tma-producer, GPU-verified): a producer warpgroup issues every KV part and Q by TMA
     on full / empty mbarriers across the column's items (``kernel_tmap_balanced``), key flag "tmap"; with
-    ``wg1_other_first`` too (branch tmap-wg1of, compile-only) the key ends "wg1of", "tmap".  ``fp8p_block_release``
-    (with fp8_producer and fp8p_ring; compile-only): as the even getter's, key flag "fp8pbr" (last)."""
+    ``wg1_other_first`` too (branch tmap-wg1of, compile-only) the key ends "wg1of", "tmap"."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -3447,7 +3282,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
         raise ValueError("balanced seesaw kernel: tma=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if fp8_producer and kv_name != "fp8_e4m3":
         raise ValueError(f"balanced seesaw kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
-    _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage, fp8p_block_release)
+    _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage)
     if q_prefetch and kv_name == "fp8_e4m3":
         raise ValueError("balanced seesaw kernel: q_prefetch=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
     if wg1_other_first and kv_name == "fp8_e4m3":
@@ -3466,8 +3301,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
                                      seesaw_spec(q_name, kv_name, l2_prefetch, partial, wide_store, tma,
                                                  lazy_rescale=lazy_rescale, fp8_producer=fp8_producer,
                                                  fp8p_ring=fp8p_ring, fp8p_stage=fp8p_stage, q_prefetch=q_prefetch,
-                                                 wg1_other_first=wg1_other_first, tma_producer=tma_producer,
-                                                 fp8p_block_release=fp8p_block_release),
+                                                 wg1_other_first=wg1_other_first, tma_producer=tma_producer),
                                      _build_partial_wgmma_seesaw_balanced)
 
 
@@ -3477,7 +3311,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
                                           lazy_rescale: bool = False, fp8_producer: bool = False,
                                           fp8p_ring: int = 0, fp8p_stage: int = 0,
                                           q_prefetch: bool = False, wg1_other_first: bool = False,
-                                          tma_producer: bool = False, fp8p_block_release: bool = False):
+                                          tma_producer: bool = False):
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
@@ -3486,8 +3320,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
     even entry; GPU-verified in the twenty-second session).  ``l2_prefetch``, ``tma``: see
     ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``fp8p_ring``,
     ``fp8p_stage``, ``q_prefetch``, ``wg1_other_first`` (16-bit cache only; GPU-verified), ``tma_producer``
-    (16-bit cache with tma=True; GPU-verified), ``fp8p_block_release`` (with a ring; compile-only): see
-    ``get_partial_kernel_wgmma_seesaw_balanced``."""
+    (16-bit cache with tma=True; GPU-verified): see ``get_partial_kernel_wgmma_seesaw_balanced``."""
     from . import api
 
     api.check_balanced(schedule, kv_cache, fp8_ok=True)
@@ -3503,7 +3336,6 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
         **({"fp8p_stage": fp8p_stage} if fp8p_stage else {}),
         **({"q_prefetch": True} if q_prefetch else {}),
         **({"wg1_other_first": True} if wg1_other_first else {}),
-        **({"tma_producer": True} if tma_producer else {}),
-        **({"fp8p_block_release": True} if fp8p_block_release else {}))
+        **({"tma_producer": True} if tma_producer else {}))
     return api.launch_balanced(partial, q, kv_cache, page_table, kv_lens, sm_scale, kv_scale, out, lse, schedule,
                                workspace)
