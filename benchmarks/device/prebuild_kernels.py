@@ -221,6 +221,13 @@ def specs():
     return out
 
 
+def selected(items: list, only: str = "", reverse: bool = False) -> list:
+    """The (label, thunk) pairs to build: those whose label contains any '|'-separated substring of ``only`` (all
+    for ""), in the list's order or, for the second of two processes filling one cache, from its end."""
+    todo = [(label, fn) for label, fn in items if any(s in label for s in only.split("|"))]
+    return todo[::-1] if reverse else todo
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="build only the kernels whose label contains this (several "
@@ -233,9 +240,7 @@ def main() -> None:
         sys.exit("set MLA_CUTE_DSL_CACHE_DIR to the cache directory to fill")
     from mla_cute_dsl.kernels import kernel_cache
 
-    todo = [(label, fn) for label, fn in specs() if any(s in label for s in a.only.split("|"))]
-    if a.reverse:
-        todo.reverse()
+    todo = selected(specs(), a.only, a.reverse)
     start = time.time()
     for i, (label, fn) in enumerate(todo, 1):
         t = time.time()

@@ -14,12 +14,17 @@ pytest.importorskip("cutlass")  # the kernel modules the list's getters live in 
 SCRIPT = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "device" / "prebuild_kernels.py"
 
 
-def _asked(monkeypatch):
-    from mla_cute_dsl.kernels import kernel_cache
-
+def _module():
     spec = importlib.util.spec_from_file_location("prebuild_kernels", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def _asked(monkeypatch):
+    from mla_cute_dsl.kernels import kernel_cache
+
+    mod = _module()
     asked = []
     monkeypatch.setattr(kernel_cache, "get_or_build", lambda kind, key, build: asked.append((kind, key)))
     items = mod.specs()
@@ -140,3 +145,19 @@ def test_only_tmap_wg1of_builds_just_the_producer_kernels_with_wg1_other_first(m
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "wg1of", "tmap"))]), picked
     assert all("tmap wg1of" in label for (label, _), key in zip(items, asked) if key[1][-2:] == ("wg1of", "tmap"))
     assert all("tmap" in label for (label, _), key in zip(items, asked) if "tmap" in key[1])
+
+
+def test_only_and_reverse_select_the_same_kernels_from_either_end(monkeypatch):
+    """prebuild_kcache.sh runs two processes on one cache, one with --reverse: they must build the same set, in
+    opposite orders, and ONLY ('a|b') must keep the labels containing any of its substrings."""
+    items, _ = _asked(monkeypatch)
+    mod = _module()
+    labels = [label for label, _ in mod.selected(items)]
+    assert labels == [label for label, _ in items]
+    back = [label for label, _ in mod.selected(items, reverse=True)]
+    assert back == labels[::-1] and back[0] != labels[0]
+    only = [label for label, _ in mod.selected(items, "tmap|combine")]
+    assert only and all("tmap" in label or "combine" in label for label in only)
+    assert set(only) == {label for label in labels if "tmap" in label or "combine" in label}
+    assert [label for label, _ in mod.selected(items, "tmap|combine", reverse=True)] == only[::-1]
+
