@@ -14,7 +14,7 @@ the protocol is test_seesaw_tmap_protocol.py, the GPU run test_seesaw_tmap_gpu.p
 The PTX of every existing kernel with the option off is pinned elsewhere (test_seesaw_qpf_compile.py,
 test_seesaw_balanced_compile.py, test_seesaw_tma_compile.py, test_seesaw_fp8p_ring_compile.py): unchanged on this
 branch.
-4. With ``wg1_other_first`` (branch tmap-wg1of, compile-only): bf16 lazy, 16-bit wide and fp32 narrow partials, the
+4. With ``wg1_other_first`` (branch tmap-wg1of; GPU-verified in the twenty-fifth session): bf16 lazy, 16-bit wide and fp32 narrow partials, the
    checks of 1 and 2, the same instructions opcode for opcode as without it, tile b's parts issued 2 then 3 by the
    producer (each armed on its own full barrier after a wait on its own empty barrier), and the tmap kernel without it
    pinned to main's PTX (592f979) and with it to the branch's.
@@ -42,7 +42,8 @@ SPECS = [("bf16", "bf16", True, True), ("bf16", "fp32", False, False), ("fp16", 
 # wg1_other_first with the producer (branch tmap-wg1of): (q, partial dtype, wide stores, lazy rescale) -> ptx_sha256
 # (test_balanced_compile.ptx_sha256; nvidia-cutlass-dsl 4.8.1, sm_90a) of the tmap kernel without the option on main
 # 592f979 (before the combination existed: the option off must stay main's) and with it as written on branch
-# tmap-wg1of (compile-only, NOT GPU-verified when pinned: rerun test_seesaw_tmap_gpu.py before moving a pin)
+# tmap-wg1of (pinned compile-only; these kernels then passed test_seesaw_tmap_gpu.py on the H200, twenty-fifth
+# session: rerun it before moving a pin)
 TMAP_MAIN_PTX_SHA256 = {
     ("bf16", "bf16", True, True): "6c56a7d13f3b44cf8d679dcefb248422483e14b76f8b616402bf51d8383eefee",
     ("bf16", "fp32", False, True): "f98004ad842f0d7562fed54fcbeab0c29bd652a2a847a5d99b84d8fe11029086",

@@ -19,8 +19,8 @@ printed: run with -s to see it).
   two items of one request (Q kept, no Q-empty phase between them).
 * A CUDA graph captured at one plan form, re-planned in place to the other with new lengths, replayed: equal to eager
   bit for bit and to the reference.
-* With wg1_other_first too (branch tmap-wg1of, compile-only: warpgroup 1 waits tile b's part 2 first and the producer
-  issues it first): the smallest cases, the bf16 lazy cases of the table and the few-column walks, against the
+* With wg1_other_first too (branch tmap-wg1of: warpgroup 1 waits tile b's part 2 first and the producer issues it
+  first; these 11 passed on the H200 in the twenty-fifth session): the smallest cases, the bf16 lazy cases of the table and the few-column walks, against the
   reference and against the balanced TMA kernel with wg1_other_first alone (the same arithmetic: bitwise expected).
 Skipped without an sm_90 GPU.  Kernels: fp32 partials, narrow stores, TMA, tma_producer, eager / lazy, bf16 / fp16
 (benchmarks/device/prebuild_kernels.py labels "... tmap"), and bf16 lazy with wg1_other_first ("... tmap wg1of"; its

@@ -46,7 +46,7 @@ import pytest
 
 from test_seesaw_protocol import LOAD, SmemModel, _hb  # noqa: E402  (same directory)
 
-from mla_cute_dsl.kernels.sm90_wgmma_decode import seesaw_item_phases
+from mla_cute_dsl.kernels.sm90_wgmma_decode import seesaw_item_phases, tmap_tile_b_parts
 
 KERNEL_SRC = Path(__file__).resolve().parents[1] / "mla_cute_dsl" / "kernels" / "sm90_wgmma_decode.py"
 N = 3  # programs: math WG0, math WG1, producer
@@ -123,8 +123,9 @@ def math_item(w, T, g, ph, req, nq, tail, release, mutate=None, wg1of=False):
 
 def producer_item(T, g, ph, req, q_load, nq, mutate=None, wg1of=False):
     """The producer's events for one item: Q (when q_load: the nq-th load, after waiting Q empty phase nq - 1 when nq
-    >= 1), then every part; ``nq`` counts the loads before this one.  Tile b's parts in the math side's wait order:
-    3, 2, or with ``wg1of`` 2, 3 (each after a wait on its own empty barrier, at the same phase either way)."""
+    >= 1), then every part; ``nq`` counts the loads before this one.  Tile b's parts in the kernel's own order
+    (``tmap_tile_b_parts``, the math side's wait order): 3, 2, or with ``wg1of`` 2, 3 (each after a wait on its own
+    empty barrier, at the same phase either way)."""
     out = []
     if q_load:
         if nq > 0 and mutate != "q_no_wait":
@@ -134,8 +135,7 @@ def producer_item(T, g, ph, req, q_load, nq, mutate=None, wg1of=False):
         ta = 2 * p
         parts = [(ta, 0, LOAD[0][0], 0), (ta, 0, LOAD[1][1], 1)]
         if ta + 1 < T:
-            tile_b = [(ta + 1, 1, LOAD[1][0], 3), (ta + 1, 1, LOAD[0][1], 2)]
-            parts += tile_b[::-1] if wg1of else tile_b
+            parts += [(ta + 1, 1, blocks, i) for blocks, i in tmap_tile_b_parts(wg1of)]
         for t, buf, blocks, i in parts:
             e = i
             if wg1of and mutate == "wg1of_empty_swapped" and i in (2, 3):  # parts 2 / 3 issued after the other's
@@ -425,12 +425,16 @@ def test_the_kernel_runs_what_the_model_checks():
                  "q_of = cutlass.Int32(-1)"):
         assert line in prod, line
     parts = re.findall(r"full \+ (\d), empty \+ (\d),\s+(g\d) \+ p > 0, (e\d)\)", prod)
-    # tile a; tile b with wg1_other_first (part 2 first), then without (part 3 first)
-    assert parts == [("0", "0", "g0", "e0"), ("1", "1", "g0", "e0"), ("2", "2", "g1", "e1"), ("3", "3", "g1", "e1"),
-                     ("3", "3", "g1", "e1"), ("2", "2", "g1", "e1")]
+    assert parts == [("0", "0", "g0", "e0"), ("1", "1", "g0", "e0")]  # tile a
+    # tile b: the two parts of tmap_tile_b_parts (which producer_item above models), in its order, on the part's own
+    # full / empty barrier, at tile b's phase
     tile_b = prod[prod.index("if ta + 1 < T:"):]
-    assert re.match(r"if ta \+ 1 < T:\s+if cutlass\.const_expr\(self\.wg1_other_first\):", tile_b)
-    assert tile_b.index("full + 2, empty + 2") < tile_b.index("full + 3, empty + 3") < tile_b.index("else:")
+    assert re.match(r"if ta \+ 1 < T:\s+tile_b = tmap_tile_b_parts\(self\.wg1_other_first\)\s+"
+                    r"for k in cutlass\.range_constexpr\(2\):", tile_b)
+    assert re.search(r"tile_b\[k\]\[0\],\s+blocks_per_page, full \+ tile_b\[k\]\[1\], empty \+ tile_b\[k\]\[1\],"
+                     r"\s+g1 \+ p > 0, e1\)", tile_b)
+    assert tmap_tile_b_parts(False) == ((LOAD[1][0], 3), (LOAD[0][1], 2))  # WG1's default wait order: its own first
+    assert tmap_tile_b_parts(True) == ((LOAD[0][1], 2), (LOAD[1][0], 3))
     issue = src[src.index("    def tmap_issue_part("):src.index("    def tmap_producer(")]
     assert issue.index("mbarrier_wait(empty_ptr") < issue.index("mbarrier_arrive_and_expect_tx(full_ptr")
     item = src[src.index("    def seesaw_item("):src.index("    def kernel_fp8p(")]

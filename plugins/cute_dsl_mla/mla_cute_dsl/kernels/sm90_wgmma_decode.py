@@ -832,6 +832,15 @@ TMAP_Q_EMPTY = 9
 TmapQ = collections.namedtuple("TmapQ", "full empty qpar release")
 
 
+def tmap_tile_b_parts(wg1_other_first: bool) -> tuple:
+    """tma_producer: tile b's two parts as (load blocks, mbarrier index) in the order the producer issues them, which
+    is warpgroup 1's wait order: part 3 (blocks 4-7) then part 2 (blocks 0-3 + RoPE), or with ``wg1_other_first``
+    part 2 first (WG0 frees it after its pv_remote, before WG1 frees part 3).  Each part keeps its own empty
+    barrier and phase, so only the order of the two waits changes (tests/test_seesaw_tmap_protocol.py, wg1of)."""
+    parts = ((SEESAW_LOAD_BLOCKS[1][0], 3), (SEESAW_LOAD_BLOCKS[0][1], 2))
+    return parts[::-1] if wg1_other_first else parts
+
+
 class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
     """Split-KV partial kernel, WGMMA, "seesaw" schedule (both warpgroups compute S).
 
@@ -928,8 +937,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       releases every tile's parts, the producer's g-th tile of a buffer waits empty phase g - 1), Q reloaded by the
       math warpgroups on a request change after the previous epilogue's BAR_MATH; NOTES.md "Balanced fp8 seesaw
       with the producer warpgroup".
-    * ``q_prefetch=True`` (balanced, 16-bit KV, cp.async or TMA KV loads; branch q-prefetch, compile-only, not yet run
-      on a GPU): each item issues the next row's Q and KV tiles 0 / 1 during its own last pairs, so the next item does
+    * ``q_prefetch=True`` (balanced, 16-bit KV, cp.async or TMA KV loads; branch q-prefetch; on the H200 since the
+      twenty-third session): each item issues the next row's Q and KV tiles 0 / 1 during its own last pairs, so the next item does
       not start by waiting for them (``seesaw_column_qpf``; Q by TMA on a fifth mbarrier, issued by warp 4 right after
       warpgroup 1's pv_remote of the last pair, when both warpgroups' last S are known to be done; the tiles at the
       slots of tiles a+2 / b+2 that the item does not have; tests/test_seesaw_qpf_protocol.py models it).
@@ -963,9 +972,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       by TMA, so the next item's Q and tiles 0 / 1 are in flight while the current item finishes (the balanced TMA
       kernel issues them after the epilogue's barrier).  setmaxnreg 232 / 40; smem 222,800 B (10 mbarriers);
       tests/test_seesaw_tmap_protocol.py models it; NOTES.md "Balanced 16-bit seesaw with a TMA producer warpgroup".
-      With ``wg1_other_first`` (branch tmap-wg1of, compile-only, not yet run on a GPU): warpgroup 1 waits full[2]
-      before full[3] for its tile (``qk_wait_order``) and the producer issues tile b's part 2 before part 3 (each
-      part on its own empty barrier and phase; the protocol model's ``wg1of``).
+      With ``wg1_other_first`` (branch tmap-wg1of; H200, twenty-fifth session: 11 GPU tests, 0.965x at H=128 s_q=2,
+      1.01-1.03x at s_q=1, not in the backend): warpgroup 1 waits full[2] before full[3] for its tile
+      (``qk_wait_order``) and the producer issues tile b's part 2 before part 3 (``tmap_tile_b_parts``).
     """
 
     def __init__(self, q_dtype, kv_dtype, block_m: int = BLOCK_M, l2_prefetch: bool = False,
@@ -991,9 +1000,9 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
             if q_prefetch or fp8_producer or fp8p_ring or fp8p_stage:
                 raise ValueError("seesaw kernel: tma_producer=True excludes q_prefetch and the fp8 producer options "
                                  "(fp8_producer, fp8p_ring, fp8p_stage)")
-            # with wg1_other_first (branch tmap-wg1of, compile-only): WG1 waits full[2] before full[3] for its tile
-            # (qk_wait_order) and the producer issues tile b's part 2 before part 3 (tmap_producer); every empty
-            # barrier keeps its own phase sequence (tests/test_seesaw_tmap_protocol.py, wg1of)
+            # with wg1_other_first: WG1 waits full[2] before full[3] for its tile (qk_wait_order) and the producer
+            # issues tile b's part 2 before part 3 (tmap_tile_b_parts); every empty barrier keeps its own phase
+            # sequence (tests/test_seesaw_tmap_protocol.py, wg1of)
         # q_prefetch (balanced, 16-bit KV; branch q-prefetch, compile-only): the next work item's Q (TMA, a fifth
         # mbarrier) and its KV tiles 0 / 1 are issued during the current item's last pairs (seesaw_column_qpf)
         self.q_prefetch = bool(q_prefetch)
@@ -2964,22 +2973,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                     self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_a, n_start + ta, 0, SEESAW_LOAD_BLOCKS[1][1],
                                          blocks_per_page, full + 1, empty + 1, g0 + p > 0, e0)
                     if ta + 1 < T:
-                        if cutlass.const_expr(self.wg1_other_first):
-                            # wg1_other_first: WG1's qk waits part 2 (WG0's columns + RoPE, released by WG0 after
-                            # its pv_remote) first: issue it first, then part 3 (released by WG1 after P_b V_R);
-                            # each part keeps its own empty barrier and phase (e1), only the two waits swap
-                            self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1,
-                                                 SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, full + 2, empty + 2,
-                                                 g1 + p > 0, e1)
-                            self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1,
-                                                 SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, full + 3, empty + 3,
-                                                 g1 + p > 0, e1)
-                        else:
-                            self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1,
-                                                 SEESAW_LOAD_BLOCKS[1][0], blocks_per_page, full + 3, empty + 3,
-                                                 g1 + p > 0, e1)
-                            self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1,
-                                                 SEESAW_LOAD_BLOCKS[0][1], blocks_per_page, full + 2, empty + 2,
+                        tile_b = tmap_tile_b_parts(self.wg1_other_first)
+                        for k in cutlass.range_constexpr(2):
+                            self.tmap_issue_part(tma_atom, tKgT, tKsT, pg_b, n_start + ta + 1, 1, tile_b[k][0],
+                                                 blocks_per_page, full + tile_b[k][1], empty + tile_b[k][1],
                                                  g1 + p > 0, e1)
                 g0 = g0 + (T + 1) // 2
                 g1 = g1 + T // 2
@@ -3272,7 +3269,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     ``tma_producer`` (16-bit cache with tma=True only, not with q_prefetch or the fp8 options;
     ValueError otherwise; branch tma-producer, GPU-verified): a producer warpgroup issues every KV part and Q by TMA
     on full / empty mbarriers across the column's items (``kernel_tmap_balanced``), key flag "tmap"; with
-    ``wg1_other_first`` too (branch tmap-wg1of, compile-only) the key ends "wg1of", "tmap"."""
+    ``wg1_other_first`` too (branch tmap-wg1of, GPU-verified) the key ends "wg1of", "tmap"."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
