@@ -14,8 +14,8 @@ the protocol is test_seesaw_tmap_protocol.py, the GPU run test_seesaw_tmap_gpu.p
 The PTX of every existing kernel with the option off is pinned elsewhere (test_seesaw_qpf_compile.py,
 test_seesaw_balanced_compile.py, test_seesaw_tma_compile.py, test_seesaw_fp8p_ring_compile.py): unchanged on this
 branch.
-4. With ``wg1_other_first`` (branch tmap-wg1of; GPU-verified in the twenty-fifth session): bf16 lazy, 16-bit wide and fp32 narrow partials, the
-   checks of 1 and 2, the same instructions opcode for opcode as without it, tile b's parts issued 2 then 3 by the
+4. With ``wg1_other_first`` (branch tmap-wg1of; GPU-verified in the twenty-fifth session): bf16 lazy, 16-bit wide
+   and fp32 narrow partials, the checks of 1 and 2, the same instructions opcode for opcode as without it, tile b's parts issued 2 then 3 by the
    producer (each armed on its own full barrier after a wait on its own empty barrier), and the tmap kernel without it
    pinned to main's PTX (592f979) and with it to the branch's.
 """
