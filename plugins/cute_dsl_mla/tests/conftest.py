@@ -16,6 +16,11 @@ _KEEP = os.environ.get("MLA_CUTE_DSL_TEST_CACHE_DIR", "").strip()
 _SESSION_CACHE = _KEEP or tempfile.mkdtemp(prefix="mla-cute-dsl-test-cache-")
 os.environ["MLA_CUTE_DSL_CACHE_DIR"] = _SESSION_CACHE
 os.environ.pop("MLA_CUTE_DSL_DISK_CACHE", None)
+# The kernels are sm_90a's; the DSL reads CUTE_DSL_ARCH when cutlass is first imported, which a protocol test's
+# import of the kernel modules can do during collection before a compile test's own module-level setdefault runs
+# (on a CPU machine the DSL then targets sm_100a and every later compile fails: seen with an explicit file order
+# that put the protocol files first). Set it here, before any test module is imported.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
 def pytest_sessionfinish(session, exitstatus):
