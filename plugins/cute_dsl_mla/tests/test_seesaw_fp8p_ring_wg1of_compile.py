@@ -12,7 +12,9 @@ fp8p_ring=R, wg1_other_first=True)``; branch fp8-wg1of, compile-only, NOT run on
    setmaxnreg 208 / 88, 8 mbarriers, 88 WGMMAs, 8 waits / 8 arrives, 288 cvt and 42 ld.global.v4 in the producer),
    the same opcodes as without the option, and the producer's parts resolved from the PTX's mbarrier offsets:
    (empty 4 -> full 0), (5 -> 1), (6 -> 2), (7 -> 3) (without: ..., (7 -> 3), (6 -> 2)), with each part's chunk
-   conversions (8 cvt per chunk: 8, 10, 10, 8 chunks) between its wait and its arrive; PTX pinned.
+   conversions (8 cvt per chunk: 8, 10, 10, 8 chunks) between its wait and its arrive; PTX pinned; with a
+   cuobjdump at hand ($CUOBJDUMP, PATH, CUDA, triton's), the DSL's cubins of both: 88 HGMMA, 6 WARPGROUP.DEPBAR, no
+   LDL / STL.
 5. Standalone ptxas (-O3, sm_90a) on every kind the option can build with R = 7 (bf16 / fp16 q, eager / lazy, even /
    balanced, fp32 and 16-bit wide partials), R = 5 and R = 7 staged (fp8p_stage=4): no C7511 / C7518 (serialized
    WGMMAs), 0 spill bytes, no stack frame, <= 168 registers.
@@ -21,11 +23,13 @@ The protocol: test_seesaw_fp8p_ring_protocol.py (wg1of); the GPU run: test_seesa
 
 from __future__ import annotations
 
+import glob
+import os
 import re
+import shutil
+import subprocess
 
 import pytest
-
-import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -223,6 +227,25 @@ def test_wg1of_ring_ptx_and_the_option_off_is_mains(spec, tmp_path):
     assert producer_parts(off) == [(4, 0, 64), (5, 1, 80), (7, 3, 64), (6, 2, 80)]
     assert producer_parts(ptx) == [(4, 0, 64), (5, 1, 80), (6, 2, 80), (7, 3, 64)]
     assert ptx_sha256(ptx) == RING_WG1OF_PTX_SHA256[spec]
+    cuobjdump = _cuobjdump()
+    if cuobjdump is not None:  # the DSL's own cubins (its ptxas): not serialized, no local memory, as without it
+        for d in ("off", "on"):
+            (cubin,) = (tmp_path / d).glob("*.cubin")
+            sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout
+            assert sass.count("HGMMA") == 88 and len(re.findall(r"WARPGROUP\.DEPBAR", sass)) == 6, d
+            assert not re.search(r"\b(LDL|STL)\b", sass), d
+
+
+def _cuobjdump():
+    """$CUOBJDUMP, PATH, /usr/local/cuda*/bin, or the one a triton install ships (None: the SASS check skipped)."""
+    cands = [os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"), *sorted(glob.glob("/usr/local/cuda*/bin/cuobjdump"))]
+    try:
+        import triton
+
+        cands.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+    except Exception:  # noqa: BLE001 - optional
+        pass
+    return next((c for c in cands if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
 def _kinds():
