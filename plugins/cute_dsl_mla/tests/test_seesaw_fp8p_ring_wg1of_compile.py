@@ -11,7 +11,8 @@ fp8p_ring=R, wg1_other_first=True)``; branch fp8-wg1of, compile-only, NOT run on
 4. Option on, the same four kernels: the ring kernel's structure (384 threads, 168 registers at launch, no stack,
    setmaxnreg 208 / 88, 8 mbarriers, 88 WGMMAs, 8 waits / 8 arrives, 288 cvt and 42 ld.global.v4 in the producer),
    the same opcodes as without the option, and the producer's parts resolved from the PTX's mbarrier offsets:
-   (empty 4 -> full 0), (5 -> 1), (6 -> 2), (7 -> 3) (without: ..., (7 -> 3), (6 -> 2)), with each part's chunk
+   (empty 4 -> full 0), (5 -> 1), (6 -> 2), (7 -> 3) (without: ..., (7 -> 3), (6 -> 2)), and the math side's waits
+   full 0, 1 (WG0), 2, 3 (WG1; without: 3, 2) with the same releases (empty 4, 6, 5, 7), with each part's chunk
    conversions (8 cvt per chunk: 8, 10, 10, 8 chunks) between its wait and its arrive; PTX pinned; with a
    cuobjdump at hand ($CUOBJDUMP, PATH, CUDA, triton's), the DSL's cubins of both: 88 HGMMA, 6 WARPGROUP.DEPBAR, no
    LDL / STL.
@@ -86,6 +87,27 @@ def _dump(tmp_path, *a, **kw):
     regs = max(v for a_, v in attrs if a_ == 0x2F)  # EIATTR_REGCOUNT
     frame = max((v for a_, v in attrs if a_ == 0x11), default=0)  # EIATTR_FRAME_SIZE
     return ptx, regs, frame
+
+
+def _mbar_index(ptx):
+    """mbarrier index (relative to mbar + 0, the first one inited) of a shared address operand of the PTX."""
+    offs = {m.group(1): int(m.group(2)) for m in re.finditer(r"add\.s32\s+(%r\d+), %r1, (\d+);", ptx)}
+
+    def addr(a):
+        m = re.fullmatch(r"%r1\+(\d+)", a)
+        return int(m.group(1)) if m else offs[a]
+
+    base = addr(re.search(r"mbarrier\.init\.shared\.b64\s+\[([^\]]+)\]", ptx).group(1))
+    return lambda a: (addr(a) - base) // 8
+
+
+def math_barriers(ptx):
+    """The math warpgroups' mbarrier waits and arrives in program order (before the producer's setmaxnreg.dec):
+    (full indices waited, empty indices arrived on)."""
+    idx = _mbar_index(ptx)
+    math = ptx[:ptx.find("setmaxnreg.dec")]
+    return ([idx(m.group(1)) for m in re.finditer(r"mbarrier\.try_wait\.parity\.shared\.b64 \w+, \[([^\]]+)\]", math)],
+            [idx(m.group(1)) for m in re.finditer(r"mbarrier\.arrive\.shared\.b64 %rd\d+, \[([^\]]+)\]", math)])
 
 
 def producer_parts(ptx):
@@ -226,6 +248,10 @@ def test_wg1of_ring_ptx_and_the_option_off_is_mains(spec, tmp_path):
     # (empty index waited, full index arrived, conversions in between): 8 cvt per chunk, 2 passes x blocks
     assert producer_parts(off) == [(4, 0, 64), (5, 1, 80), (7, 3, 64), (6, 2, 80)]
     assert producer_parts(ptx) == [(4, 0, 64), (5, 1, 80), (6, 2, 80), (7, 3, 64)]
+    # the math side: WG0's qk waits full 0, 1; WG1's qk full 3, 2 (off) / 2, 3 (on: qk_wait_order); the releases
+    # (WG0: empty 0 after P_a V_L, 2 after P_b V_L; WG1: empty 1, 3) unchanged
+    assert math_barriers(off) == ([0, 1, 3, 2], [4, 6, 5, 7])
+    assert math_barriers(ptx) == ([0, 1, 2, 3], [4, 6, 5, 7])
     assert ptx_sha256(ptx) == RING_WG1OF_PTX_SHA256[spec]
     cuobjdump = _cuobjdump()
     if cuobjdump is not None:  # the DSL's own cubins (its ptxas): not serialized, no local memory, as without it
