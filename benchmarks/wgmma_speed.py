@@ -39,6 +39,10 @@
                 (default fp8p_ring.RING_DEFAULT), or per way with the size in the name: seesaw_fp8p_ring5_lazy;
                 _staged (seesaw_fp8p_ring_staged_lazy, balanced_fp8p_ring7_staged_lazy, ...): with the ring's
                 shared-memory staging (fp8p_stage = fp8p_ring.STAGE_SLOTS: every third chunk by cp.async)
+    seesaw_fp8p_ring_wg1of_lazy / balanced_fp8p_ring_wg1of_lazy  the ring ways with wg1_other_first=True (branch
+                fp8-wg1of: warpgroup 1's QK of its tile waits full[2] first and the ring converts tile b's part 2
+                before part 3); _wg1of before _staged / _lazy's end (seesaw_fp8p_ring5_staged_wg1of_lazy): compare
+                with seesaw_fp8p_ring_lazy / balanced_fp8p_ring_lazy
     mma    mla_cute_dsl's mma.sync partial kernel + combine (api.mla_decode_sm90)
     wgmma_t  the transposed WGMMA kernel (sm90_wgmma_t_decode: tokens = M, query rows = N; s_q*H <= 32,
            one CTA per SM)
@@ -91,13 +95,14 @@ WAYS = ("wgmma", "seesaw", "seesaw_l2pf", "seesaw_nopf", "seesaw_tma", "seesaw_t
         "balanced_tma_lazy_qpf_wg1of", "balanced_tma_lazy_wg1of",
         "balanced_tma_lazy_tmap", "balanced_tma_lazy_tmap_wg1of",
         "seesaw_fp8p_ring", "seesaw_fp8p_ring_lazy", "balanced_fp8p_ring", "balanced_fp8p_ring_lazy",
-        "seesaw_fp8p_ring_staged_lazy", "balanced_fp8p_ring_staged_lazy", "mma", "wgmma_t", "ours", "ours_qpf",
+        "seesaw_fp8p_ring_staged_lazy", "balanced_fp8p_ring_staged_lazy",
+        "seesaw_fp8p_ring_wg1of_lazy", "balanced_fp8p_ring_wg1of_lazy", "mma", "wgmma_t", "ours", "ours_qpf",
         "fa3")
 DEFAULT_WAYS = ("wgmma", "seesaw", "mma", "fa3")
 MAX_SETS = 8
 KV = {"kv": "bf16"}  # set by --kv: "bf16" or "fp8"
 FP8P_RING = {"ring": None}  # set by --fp8p-ring: the ring ways' size (None: fp8p_ring.RING_DEFAULT)
-RING_WAY = re.compile(r"^(seesaw|balanced)_fp8p_ring(\d*)(_staged)?(_lazy)?$")
+RING_WAY = re.compile(r"^(seesaw|balanced)_fp8p_ring(\d*)(_staged)?(_wg1of)?(_lazy)?$")
 
 
 def ring_of(name):
@@ -122,6 +127,12 @@ def stage_of(name):
     from mla_cute_dsl.kernels.fp8p_ring import STAGE_SLOTS
 
     return STAGE_SLOTS
+
+
+def wg1of_of(name):
+    """Whether a ring way asks for wg1_other_first (its name has _wg1of before _lazy; branch fp8-wg1of)."""
+    m = RING_WAY.match(name)
+    return bool(m and m.group(4))
 
 
 def known_way(name):
@@ -214,7 +225,8 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
                                reader_fences=name.endswith("_fenced"), lazy_rescale=name.endswith("_lazy"),
                                fp8_producer=name.startswith("seesaw_fp8p"),
                                **({"fp8p_ring": ring_of(name)} if ring_of(name) else {}),
-                               **({"fp8p_stage": stage_of(name)} if stage_of(name) else {}))
+                               **({"fp8p_stage": stage_of(name)} if stage_of(name) else {}),
+                               **({"wg1_other_first": True} if wg1of_of(name) else {}))
     elif name in ("balanced_tma", "balanced_tma_lazy", "balanced_tma_pdl"):
         # the balanced TMA seesaw; _lazy: with lazy_rescale; _pdl: its combine launched with programmatic dependent
         # launch (the schedule's pdl_combine, set below)
@@ -236,7 +248,8 @@ def way_cute(torch, name, sets, table, lens, lens_cpu, s_q, H):
         fn = functools.partial(mla_decode_sm90_wgmma_seesaw_balanced, lazy_rescale=name.endswith("_lazy"),
                                **({"fp8_producer": True} if name.startswith("balanced_fp8p") else {}),
                                **({"fp8p_ring": ring_of(name)} if ring_of(name) else {}),
-                               **({"fp8p_stage": stage_of(name)} if stage_of(name) else {}))
+                               **({"fp8p_stage": stage_of(name)} if stage_of(name) else {}),
+                               **({"wg1_other_first": True} if wg1of_of(name) else {}))
     elif name in ("balanced_tma_qpf", "balanced_tma_lazy_qpf", "balanced_qpf", "balanced_lazy_qpf"):
         # the balanced seesaw with q_prefetch (16-bit KV): TMA or cp.async loads, eager or lazy rescale
         import functools

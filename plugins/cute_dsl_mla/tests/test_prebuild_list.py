@@ -126,12 +126,33 @@ def test_the_script_refuses_to_run_without_a_cache_directory(monkeypatch):
 
 def test_only_wg1of_builds_just_the_wg1_other_first_kernels(monkeypatch):
     """ONLY=wg1of (--only wg1of) selects exactly the kernels with wg1_other_first, and those only: the five of
-    branch qk-order (flag last) and the two with tma_producer too (branch tmap-wg1of: "wg1of" then "tmap")."""
+    branch qk-order (flag last), the two with tma_producer too (branch tmap-wg1of: "wg1of" then "tmap") and the
+    twenty fp8 ring kernels of branch fp8-wg1of (flag last, after "fp8p", "fp8pr<R>"[, "fp8ps4"])."""
     items, asked = _asked(monkeypatch)
     picked = [key for (label, _), key in zip(items, asked) if "wg1of" in label]
-    assert len(picked) == 7 and all("wg1of" in key[1] for key in picked), picked
-    assert sum(key[1][-1] == "wg1of" for key in picked) == 5
+    assert len(picked) == 27 and all("wg1of" in key[1] for key in picked), picked
+    assert sum(key[1][-1] == "wg1of" for key in picked) == 25
+    assert sum(key[1][1] == "fp8_e4m3" for key in picked) == 20
     assert all("wg1of" in label for (label, _), key in zip(items, asked) if "wg1of" in key[1])
+
+
+def test_only_ring_wg1of_builds_just_the_fp8_ring_kernels_with_wg1_other_first(monkeypatch):
+    """ONLY=ring_wg1of selects exactly the fp8 ring producer kernels with wg1_other_first (branch fp8-wg1of): ring 7
+    in the backend-like arm (q partials, wide, lazy) and fp32 narrow eager / lazy, ring 5 and the staged ring 7 in
+    fp32 narrow lazy, bf16 / fp16 q, one item and balanced; each has its option-off twin in the list."""
+    items, asked = _asked(monkeypatch)
+    picked = [key for (label, _), key in zip(items, asked) if "ring_wg1of" in label]
+    assert len(picked) == 20 and len(set(picked)) == 20
+    for kind, key in picked:
+        assert key[1] == "fp8_e4m3" and key[-1] == "wg1of" and "fp8p" in key
+        assert (kind, key[:-1]) in asked  # the option-off twin
+    assert ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "partial_bf16", "wide_store", "lazy",
+                                              "fp8p", "fp8pr7", "wg1of")) in picked
+    assert ("partial_wgmma_seesaw", ("bf16", "fp8_e4m3", 64, "l2pf", "lazy", "fp8p", "fp8pr7", "wg1of")) in picked
+    assert ("partial_wgmma_seesaw_balanced", ("fp16", "fp8_e4m3", 64, "l2pf", "lazy", "fp8p", "fp8pr7", "fp8ps4",
+                                              "wg1of")) in picked
+    assert all("ring_wg1of" in label for (label, _), key in zip(items, asked)
+               if "wg1of" in key[1] and key[1][1] == "fp8_e4m3")
 
 
 def test_only_tmap_wg1of_builds_just_the_producer_kernels_with_wg1_other_first(monkeypatch):

@@ -37,7 +37,7 @@ from mla_cute_dsl.kernels.sm90_wgmma_decode import seesaw_item_phases
 KERNEL_SRC = Path(__file__).resolve().parents[1] / "mla_cute_dsl" / "kernels" / "sm90_wgmma_decode.py"
 
 
-def math_item(w, T, g, ph, req, mutate=None):
+def math_item(w, T, g, ph, req, mutate=None, wg1of=False):
     """``seesaw_item`` (fp8_producer) events of math warpgroup w for one item of T tiles, column tiles g .. g + T - 1,
     after the column's earlier phases ph = [ph0, ph1] (full waits (ph + p) % 2), its S WGMMAs reading sQ (request
     req)."""
@@ -61,9 +61,12 @@ def math_item(w, T, g, ph, req, mutate=None):
                     out.append(("release", 2))
         else:
             if ta + 1 < T:
-                out += [("mwait", 3, par1), ("read", 1, g + ta + 1, (4, 5, 6, 7), "K"),
-                        ("mwait", 2, par1), ("read", 1, g + ta + 1, (0, 1, 2, 3, 8), "K"),
-                        ("read", "Q", req, (0, 1), "Q"), ("wait_reads",)]
+                # WG1's QK of tile b: own part (full[3]) first, or with wg1of (wg1_other_first) WG0's (full[2])
+                qk = [[("mwait", 3, par1), ("read", 1, g + ta + 1, (4, 5, 6, 7), "K")],
+                      [("mwait", 2, par1), ("read", 1, g + ta + 1, (0, 1, 2, 3, 8), "K")]]
+                if wg1of:
+                    qk.reverse()
+                out += qk[0] + qk[1] + [("read", "Q", req, (0, 1), "Q"), ("wait_reads",)]
             out += [("sync", 1), ("read_scale", 0, g + ta), ("read", 0, g + ta, (4, 5, 6, 7), "K"),
                     ("read", 0, g + ta, (8,), "P")]
             if ta + 1 < T:
@@ -78,15 +81,17 @@ def math_item(w, T, g, ph, req, mutate=None):
     return out
 
 
-def producer_item(T, g, ph, mutate=None):
+def producer_item(T, g, ph, mutate=None, wg1of=False):
     """``fp8p_producer`` events for one item: per part an empty wait on phase (ph + p) - 1 unless that is the
-    buffer's first tile in the column, then the load (convert, st.shared, fence, arrive on full)."""
+    buffer's first tile in the column, then the load (convert, st.shared, fence, arrive on full); ``wg1of``: tile
+    b's parts in the order 2, 3."""
     out = []
     for p in range((T + 1) // 2):
         ta = 2 * p
         parts = [(ta, 0, LOAD[0][0], 0), (ta, 0, LOAD[1][1], 1)]
         if ta + 1 < T:
-            parts += [(ta + 1, 1, LOAD[1][0], 3), (ta + 1, 1, LOAD[0][1], 2)]
+            tile_b = [(ta + 1, 1, LOAD[1][0], 3), (ta + 1, 1, LOAD[0][1], 2)]
+            parts += tile_b[::-1] if wg1of else tile_b
         for t, buf, blocks, mb in parts:
             gb = (p if mutate == "restart" else ph[buf] + p)
             wait = gb > 0 and not (mutate == "first_tiles_unwaited" and p == 0)
@@ -96,7 +101,7 @@ def producer_item(T, g, ph, mutate=None):
     return out
 
 
-def column(items, mutate=None):
+def column(items, mutate=None, wg1of=False):
     """The three programs for a column of items [(T, request), ...] and the expected (full, empty arrives, empty
     waits) per mbarrier at the end."""
     progs = [[], [], []]
@@ -107,12 +112,12 @@ def column(items, mutate=None):
         q_load = req != q_of and not (mutate == "q_kept" and q_of is not None)
         for w in (0, 1):
             evs = [("write_q", req)] if q_load else []
-            evs += [("ctabar",)] + math_item(w, T, g, ph, req, mutate) + [("ctabar",)]
+            evs += [("ctabar",)] + math_item(w, T, g, ph, req, mutate, wg1of) + [("ctabar",)]
             if mutate == "q_early" and q_load and any(e[:2] == ("read", "Q") for e in progs[w]):
                 last = max(i for i, e in enumerate(progs[w]) if e[:2] == ("read", "Q"))
                 progs[w].insert(last + 1, evs.pop(0))
             progs[w].extend(evs)
-        progs[2].extend(producer_item(T, g, ph, mutate))
+        progs[2].extend(producer_item(T, g, ph, mutate, wg1of))
         q_of = req
         d0, d1 = seesaw_item_phases(T)
         ph = [ph[0] + d0, ph[1] + d1]

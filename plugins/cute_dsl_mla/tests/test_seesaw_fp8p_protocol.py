@@ -31,10 +31,11 @@ from test_seesaw_protocol import LOAD, SmemModel, _hb, wg_program  # same direct
 N = 3  # programs: math WG0, math WG1, producer WG2
 
 
-def math_program(w, T, mutate=None):
+def math_program(w, T, mutate=None, wg1of=False):
     """``seesaw_item`` (fp8_producer) of warpgroup w: ``wg_program(w, T)`` (16-bit cp.async) with its in-loop loads
-    as releases."""
-    evs = list(wg_program(w, T))
+    as releases; ``wg1of`` (``wg1_other_first`` with the ring producer, branch fp8-wg1of): WG1's QK of its tile
+    waits full[2] first (``wg_program``'s ``wg1of``)."""
+    evs = list(wg_program(w, T, wg1of=wg1of))
     first_bar = evs.index(("ctabar",))
     out = []
     for e in evs[first_bar:]:
@@ -59,14 +60,15 @@ def math_program(w, T, mutate=None):
     return out
 
 
-def producer_program(T, mutate=None):
-    """``fp8p_producer``: (ewait, load) per part in the math side's wait order."""
+def producer_program(T, mutate=None, wg1of=False):
+    """``fp8p_producer``: (ewait, load) per part in the math side's wait order (``wg1of``: tile b's parts 2, 3)."""
     out = []
     for p in range((T + 1) // 2):
         ta = 2 * p
         parts = [(ta, 0, LOAD[0][0], 0), (ta, 0, LOAD[1][1], 1)]
         if ta + 1 < T:
-            parts += [(ta + 1, 1, LOAD[1][0], 3), (ta + 1, 1, LOAD[0][1], 2)]
+            tile_b = [(ta + 1, 1, LOAD[1][0], 3), (ta + 1, 1, LOAD[0][1], 2)]
+            parts += tile_b[::-1] if wg1of else tile_b
         for t, buf, blocks, mb in parts:
             if mutate == "producer_waits_first" or (p > 0 and mutate != "no_empty_wait"):
                 par = p % 2 if mutate in ("wrong_parity", "producer_waits_first") else (p - 1) % 2

@@ -34,12 +34,14 @@ from mla_cute_dsl.kernels import fp8p_ring
 from mla_cute_dsl.kernels.sm90_wgmma_decode import SEESAW_LOAD_BLOCKS, seesaw_item_phases
 
 
-def ring_events(T, ring, ph=None, g=0, mutate=None, stage=0):
+def ring_events(T, ring, ph=None, g=0, mutate=None, stage=0, wg1of=False):
     """``fp8p_producer_ring``'s events for one item of T tiles (column tiles g .. g + T - 1; ``ph`` = [ph0, ph1]
-    for balanced, None for one item per CTA; ``stage``: shared-memory staging slots): ("issue", tile, m, blk, slot,
-    real, smem), ("ewait", mbar, parity), ("cvt", tile, m, blk, slot, stage, mbar, smem, wait), ("arrive", mbar),
-    ("rotate", rotation), ("end",)."""
-    prologue, steps, rotation = fp8p_ring.ring_schedule(ring, SEESAW_LOAD_BLOCKS, stage)
+    for balanced, None for one item per CTA; ``stage``: shared-memory staging slots; ``wg1of``: the schedule of
+    ``wg1_other_first``, tile b's parts 2 then 3): ("issue", tile, m, blk, slot, real, smem), ("ewait", mbar,
+    parity), ("cvt", tile, m, blk, slot, stage, mbar, smem, wait), ("arrive", mbar), ("rotate", rotation),
+    ("end",).  Mutation "waits_swapped" (wg1of): tile b's parts converted 2, 3 but their empty waits left in the
+    default order (empty[3] before part 2's first chunk, empty[2] before part 3's)."""
+    prologue, steps, rotation = fp8p_ring.ring_schedule(ring, SEESAW_LOAD_BLOCKS, stage, wg1_other_first=wg1of)
     if mutate == "ahead_plus_one":  # every register issue one slot further: into a chunk not yet converted
         steps = tuple(type(st)(type(st.issue)(st.issue.off, st.issue.m, st.issue.blk,
                                               st.issue.slot if st.issue.smem else (st.issue.slot + 1) % ring,
@@ -68,7 +70,8 @@ def ring_events(T, ring, ph=None, g=0, mutate=None, stage=0):
             issue(ta + st.issue.off, st.issue)
             c = st.chunk
             if c.first and waits[c.stage] and mutate != "wait_late":
-                ev.append(("ewait", c.mbar, pars[c.stage]))
+                ev.append(("ewait", {2: 3, 3: 2}.get(c.mbar, c.mbar) if mutate == "waits_swapped" else c.mbar,
+                           pars[c.stage]))
             ev.append(("cvt", g + ta + c.off, c.m, c.blk, st.slot, c.stage, c.mbar, st.smem, st.wait))
             if c.first and waits[c.stage] and mutate == "wait_late":
                 ev.append(("ewait", c.mbar, pars[c.stage]))
@@ -86,7 +89,7 @@ def ring_events(T, ring, ph=None, g=0, mutate=None, stage=0):
     return ev
 
 
-def check_registers(ev, ring, items, stage=0):
+def check_registers(ev, ring, items, stage=0, wg1of=False):
     """Register- and staging-level violations of a producer event list (one or more items): ``items`` = [(g, T),
     ...].  Staged chunks: each issue commits one cp.async group (an empty one when nothing is loaded); a conversion
     after cp.async.wait_group(w) may read a staged chunk only if at least w groups were committed after its own."""
@@ -139,7 +142,7 @@ def check_registers(ev, ring, items, stage=0):
     first = set()
     for g0, T in items:
         if T > 0:
-            chunks = fp8p_ring.pair_chunks(SEESAW_LOAD_BLOCKS)
+            chunks = fp8p_ring.pair_chunks(SEESAW_LOAD_BLOCKS, wg1of)
             first |= {(g0 + c.off, c.m, c.blk) for c in chunks[:ahead]}
     bad = {k: d for k, d in dist.items() if k not in first and d != ahead}
     if bad:
@@ -276,3 +279,151 @@ def test_schedule_shape():
         assert all(st.wait <= fp8p_ring.STAGE_SLOTS - 1 for st in steps)
     with pytest.raises(ValueError, match="fp8p_ring"):
         fp8p_ring.ring_schedule(36, SEESAW_LOAD_BLOCKS)
+
+
+# ---------------------------------------------------------------- wg1_other_first with the ring (branch fp8-wg1of)
+# WG1's QK of its tile b waits full[2] (WG0's columns + RoPE) first, and the ring converts tile b's parts 2 then 3
+# (fp8p_ring.pair_parts(..., wg1_other_first=True)); every part keeps its own empty / full barrier and parity.
+
+
+def _per_barrier(events, kinds):
+    """Per mbarrier index, the sequence of its events of the given kinds (kind, then what it carries but the
+    index): what must not change between the two orders."""
+    out = {}
+    for e in events:
+        if e[0] in kinds:
+            mb = e[1] if e[0] in ("ewait", "mwait", "release") else e[4]
+            out.setdefault((e[0], mb), []).append(e[2:] if e[0] != "load" else e[1:4])
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("ring", fp8p_ring.RING_SIZES)
+@pytest.mark.parametrize("T", range(14))
+def test_wg1of_ring_is_the_one_part_producer_in_the_new_order(ring, T, stage):
+    """The ring with wg1of: registers as in the default order (loaded chunk per conversion, no slot overwritten
+    before its conversion, look-ahead D, nothing in flight at the end), projected on parts it is the one-part
+    producer's program with tile b's parts 2, 3, and per barrier the same waits (parities) and loads (tiles) as the
+    default ring: only the interleaving of the two tile-b parts changes."""
+    ev = ring_events(T, ring, stage=stage, wg1of=True)
+    assert check_registers(ev, ring, [(0, T)], stage, wg1of=True) == []
+    parts, errors = project(ev)
+    assert errors == []
+    assert parts == producer_program(T, wg1of=True)
+    ref, _ = project(ring_events(T, ring, stage=stage))
+    assert _per_barrier(parts, ("ewait", "load")) == _per_barrier(ref, ("ewait", "load"))
+    if T >= 2:
+        assert parts != ref
+        order = [e[4] for e in parts if e[0] == "load"]
+        assert order[:4] == [0, 1, 2, 3]
+    assert (T == 0) == (ev == [("end",)])
+
+
+def test_wg1of_math_programs_keep_every_barriers_sequence():
+    """The math side with wg1of (``wg_program``'s ``wg1of``, as ``qk_wait_order`` does for the fp8 producer path):
+    WG1 waits full[2] before full[3] in its QK; per barrier the waits (parities) and releases are the default's."""
+    for T in range(12):
+        for w in (0, 1):
+            on, off = math_program(w, T, wg1of=True), math_program(w, T)
+            kinds = ("mwait", "release")
+            assert _per_barrier(on, kinds) == _per_barrier(off, kinds)
+            if w == 1 and T >= 2:
+                waits = [e[1] for e in on if e[0] == "mwait"]
+                assert waits[:2] == [2, 3] and on != off
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("ring", fp8p_ring.RING_SIZES)
+def test_wg1of_ring_runs_with_the_math_warpgroups(ring, stage):
+    """Both orders (producer and WG1's waits together) interleaved with vector clocks: no deadlock, no hazard, every
+    phase count; also the mixed pairs (new producer order with WG1's default waits and the converse: slower, never
+    wrong)."""
+    for T in (1, 2, 3, 4, 6, 7):
+        for prod_wg1of, math_wg1of in ((True, True), (False, False), (True, False), (False, True)):
+            parts, _ = project(ring_events(T, ring, stage=stage, wg1of=prod_wg1of))
+            for seed in range(25):
+                progs = [math_program(0, T, wg1of=math_wg1of), math_program(1, T, wg1of=math_wg1of), parts]
+                assert run(T, seed, programs=progs) == [], (T, seed, prod_wg1of, math_wg1of)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("ring", fp8p_ring.RING_SIZES)
+@pytest.mark.parametrize("items", COLUMNS)
+def test_wg1of_ring_on_balanced_columns(ring, items, stage):
+    """``kernel_fp8p_balanced`` with the ring and wg1of: per item the new order's events with the column's phases,
+    registers clean, the projection equal to the balanced producer's program in the new order (and per barrier to
+    the default's), the column interleaved with the balanced math programs whose WG1 waits full[2] first."""
+    ev, spans, parts_ref, parts_off = [], [], [], []
+    g, ph = 0, [0, 0]
+    for T, _ in items:
+        ev += ring_events(T, ring, ph=list(ph), g=g, stage=stage, wg1of=True)
+        parts_ref += producer_item(T, g, ph, wg1of=True)
+        parts_off += producer_item(T, g, ph)
+        spans.append((g, T))
+        d0, d1 = seesaw_item_phases(T)
+        ph = [ph[0] + d0, ph[1] + d1]
+        g += T
+    assert check_registers(ev, ring, spans, stage, wg1of=True) == []
+    parts, errors = project(ev)
+    assert errors == [] and parts == parts_ref
+    assert _per_barrier(parts, ("ewait", "load")) == _per_barrier(parts_off, ("ewait", "load"))
+    progs, counts = column(items, wg1of=True)
+    for seed in range(25):
+        assert run(0, seed, programs=[progs[0], progs[1], parts], counts=counts) == [], seed
+
+
+def _wg1_reads_swapped(evs):
+    """Mutation: WG1 waits full[2] then full[3] but issues its k-blocks in the default order (its own columns under
+    the wait on WG0's part only)."""
+    out = list(evs)
+    for i in range(len(out) - 3):
+        a, r1, b, r2 = out[i:i + 4]
+        if a[:2] == ("mwait", 2) and b[:2] == ("mwait", 3) and r1[0] == r2[0] == "read":
+            out[i + 1], out[i + 3] = r2, r1
+    return out
+
+
+def test_the_model_catches_broken_wg1of_orders():
+    """Mutations of the new order, each caught on some tile count and interleaving: the producer's tile-b parts
+    swapped without their empty waits (part 2 written after waiting only empty[3]: WAR against WG0's pv_remote
+    reads), WG1's k-blocks swapped without its waits (RAW: part 3's columns read after waiting only full[2])."""
+    hits = {"waits_swapped": 0, "reads_swapped": 0}
+    for T in (2, 3, 4, 5, 6):
+        for seed in range(40):
+            parts, _ = project(ring_events(T, 7, mutate="waits_swapped", wg1of=True))
+            progs = [math_program(0, T, wg1of=True), math_program(1, T, wg1of=True), parts]
+            hits["waits_swapped"] += bool(run(T, seed, programs=progs))
+            parts, _ = project(ring_events(T, 7, wg1of=True))
+            progs = [math_program(0, T, wg1of=True), _wg1_reads_swapped(math_program(1, T, wg1of=True)), parts]
+            hits["reads_swapped"] += bool(run(T, seed, programs=progs))
+    assert all(hits.values()), hits
+
+
+def test_wg1of_schedule_shape():
+    """The new schedule: parts 0, 1, 2, 3 (tile a's 18 chunks first, as before, so the kernel's two 18-step halves
+    and their issue sources hold), the same slots, prologue and rotation as the default (only which chunk a step
+    converts and issues changes in tile b's half and in the look-ahead issues that reach into it)."""
+    for ring in fp8p_ring.RING_SIZES:
+        for stage in STAGES:
+            on = fp8p_ring.ring_schedule(ring, SEESAW_LOAD_BLOCKS, stage, wg1_other_first=True)
+            off = fp8p_ring.ring_schedule(ring, SEESAW_LOAD_BLOCKS, stage)
+            assert on[0] == off[0] and on[2] == off[2]  # prologue (tile 0's first chunks), rotation
+            assert [st.slot for st in on[1]] == [st.slot for st in off[1]]
+            assert [st.issue.slot for st in on[1]] == [st.issue.slot for st in off[1]]
+            assert on[1][:18 - fp8p_ring.lookahead(ring, stage)] == off[1][:18 - fp8p_ring.lookahead(ring, stage)]
+            assert [st.chunk.mbar for st in on[1] if st.chunk.first] == [0, 1, 2, 3]
+            assert all(st.chunk.off == (j >= 18) for j, st in enumerate(on[1]))
+            assert all(st.issue.off in ((0, 1) if j < 18 else (1, 2)) for j, st in enumerate(on[1]))
+    assert fp8p_ring.ring_schedule(7, SEESAW_LOAD_BLOCKS) == fp8p_ring.ring_schedule(7, SEESAW_LOAD_BLOCKS, 0, False)
+
+
+def test_the_kernel_passes_wg1of_to_the_ring_schedule():
+    """Source check: ``fp8p_producer_ring`` builds its schedule with the kernel's wg1_other_first (the model's
+    ``wg1of``), and WG1's qk on buffer 1 goes through ``qk_wait_order`` (the model's math side)."""
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[1] / "mla_cute_dsl" / "kernels" / "sm90_wgmma_decode.py").read_text()
+    ring = src[src.index("    def fp8p_producer_ring("):src.index("    def fp8p_ring_step(")]
+    assert "wg1_other_first=self.wg1_other_first)" in ring
+    qk = src[src.index("    def qk("):src.index("    def softmax_publish(")]
+    assert "self.qk_wait_order(stage, order, mbar_own, mbar_other)" in qk

@@ -110,20 +110,26 @@ class Step:
     wait: int = 0
 
 
-def pair_parts(load_blocks) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
+def pair_parts(load_blocks, wg1_other_first: bool = False) -> tuple[tuple[int, int, int, tuple[int, ...]], ...]:
     """The pair's parts in the math side's wait order, (tile offset, mbarrier index, K buffer, blocks): tile a's
     full[0] (WG0's S waits it first: the columns WG0 loads in the 16-bit kernel, ``load_blocks[0][0]``) then
     full[1] (``load_blocks[1][1]``), tile b's full[3] (WG1's S waits it first, ``load_blocks[1][0]``) then full[2]
-    (``load_blocks[0][1]``): ``fp8p_producer``'s order."""
-    return ((0, 0, 0, tuple(load_blocks[0][0])), (0, 1, 0, tuple(load_blocks[1][1])),
-            (1, 3, 1, tuple(load_blocks[1][0])), (1, 2, 1, tuple(load_blocks[0][1])))
+    (``load_blocks[0][1]``): ``fp8p_producer``'s order.  ``wg1_other_first`` (branch fp8-wg1of, compile-only):
+    WG1's S of tile b waits full[2] first (``qk_wait_order``), so tile b's parts go full[2] then full[3]: part 2
+    (WG0's columns + RoPE, released by WG0 after its pv_remote) is no longer queued behind part 3 (released by WG1
+    only after its P_b V_R, the end of the pair).  Tile a's half is the same 18 chunks either way (parts 0, 1), so
+    the pair still splits into tile a's chunks 0..17 and tile b's 18..35; each part keeps its own barriers."""
+    tile_b = ((1, 3, 1, tuple(load_blocks[1][0])), (1, 2, 1, tuple(load_blocks[0][1])))
+    if wg1_other_first:
+        tile_b = tile_b[::-1]
+    return ((0, 0, 0, tuple(load_blocks[0][0])), (0, 1, 0, tuple(load_blocks[1][1]))) + tile_b
 
 
-def pair_chunks(load_blocks) -> tuple[Chunk, ...]:
+def pair_chunks(load_blocks, wg1_other_first: bool = False) -> tuple[Chunk, ...]:
     """The 36 chunks of a pair in conversion order: parts in ``pair_parts`` order, inside a part pass-major (pass
     0's blocks, then pass 1's: the one-part producer's store order)."""
     out = []
-    for off, mbar, stage, blocks in pair_parts(load_blocks):
+    for off, mbar, stage, blocks in pair_parts(load_blocks, wg1_other_first):
         seq = [(m, blk) for m in range(PASSES) for blk in blocks]
         for k, (m, blk) in enumerate(seq):
             out.append(Chunk(off, mbar, stage, m, blk, k == 0, k == len(seq) - 1))
@@ -159,20 +165,22 @@ def _slot(c: int, ring: int, stage: int) -> int:
     return (c - (c // STAGE_EVERY if stage else 0)) % ring
 
 
-def ring_schedule(ring: int, load_blocks, stage: int = 0) -> tuple[tuple[Issue, ...], tuple[Step, ...],
-                                                                   tuple[int, ...]]:
+def ring_schedule(ring: int, load_blocks, stage: int = 0, wg1_other_first: bool = False
+                  ) -> tuple[tuple[Issue, ...], tuple[Step, ...], tuple[int, ...]]:
     """(prologue, steps, rotation) of a ring of ``ring`` register slots (and ``stage`` shared-memory staging slots):
     the prologue issues chunks 0 .. D - 1 of the item's first pair (tile 0) before the pair loop (D = ``lookahead``);
     step j (0..35) of every pair issues chunk j + D (of this pair, or of the next pair's tile a when past 35) into
     the slot of its kind that a conversion vacated, then converts chunk j.  ``rotation[s]``: the register slot whose
     content slot s takes at the end of a pair that has a successor, so that chunk c of every pair sits in the same
     slot (register moves at the loop's back edge when the pair's register chunks, 36 or 24, are not a multiple of
-    the ring; staged chunks: 12 per pair, a multiple of the staging slots, no renaming)."""
+    the ring; staged chunks: 12 per pair, a multiple of the staging slots, no renaming).  ``wg1_other_first``: the
+    pair's chunks in ``pair_parts``'s other tile-b order (parts 2, 3); the issue stream follows the conversion
+    stream, so the look-ahead issues cross the same part / tile / pair boundaries in the new order."""
     if ring not in RING_REGS:
         raise ValueError(f"fp8p_ring must be one of {tuple(sorted(RING_REGS))}, got {ring}")
     if stage not in (0, STAGE_SLOTS):
         raise ValueError(f"fp8p_stage must be 0 or {STAGE_SLOTS}, got {stage}")
-    chunks = pair_chunks(load_blocks)
+    chunks = pair_chunks(load_blocks, wg1_other_first)
     ahead = lookahead(ring, stage)
 
     def issue(c):

@@ -952,7 +952,11 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       after its P_b V_R WGMMAs complete at the very end of the pair, while WG0 issues its part of tile b+2 after its
       pv_remote (P_b V_L), earlier.  Both waits still precede every later use of the tile (same parities; WG1's
       ``zero_v_tail`` wait on mbar + 3 stays a second wait on a completed phase); tests/test_seesaw_protocol.py
-      models the order (``wg1of``).  fp8 caches (inline or producer) refuse it.
+      models the order (``wg1of``).  fp8 caches refuse it (inline, or the one-part producer) except with the ring
+      producer (``fp8_producer`` and ``fp8p_ring``; branch fp8-wg1of, compile-only, not yet run on a GPU): the math
+      side is the same (``seesaw_item``'s WG1 qk goes through ``qk_wait_order``) and the ring's schedule converts
+      tile b's part 2 (full[2]) before part 3 (full[3]) (``fp8p_ring.pair_parts``), each part on its own empty /
+      full barriers and parities (tests/test_seesaw_fp8p_ring_protocol.py, wg1of).
     * ``fp8p_ring=R`` (with fp8_producer, one item or balanced; branch fp8p-inflight, compile-only): the producer
       keeps a ring of R register slots of one 16-fp8 chunk (one 32-row pass of one 64-column block) and issues each
       chunk's ld.global R - 1 chunks ahead of its conversion, across part, tile and pair boundaries, instead of
@@ -984,11 +988,14 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
                  tma_producer: bool = False):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
         # wg1_other_first (16-bit KV; branch qk-order, GPU-verified): WG1's QK of its own tile waits WG0's part first
-        # (qk_wait_order); the fp8 kernels (inline or producer) convert their parts in another order: refused
+        # (qk_wait_order); the fp8 kernels convert their parts in another order: refused, except the ring producer
+        # (branch fp8-wg1of, compile-only), whose schedule then converts tile b's part 2 before part 3
+        # (fp8p_ring.pair_parts); the inline fp8 kernel and the one-part producer keep refusing it
         self.wg1_other_first = bool(wg1_other_first)
-        if self.wg1_other_first and self.is_fp8:
-            raise ValueError("seesaw kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16), got "
-                             f"{kv_dtype}")
+        if self.wg1_other_first and self.is_fp8 and not (fp8_producer and fp8p_ring):
+            raise ValueError("seesaw kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16) or, with "
+                             f"fp8 e4m3, fp8_producer=True and fp8p_ring; got {kv_dtype}, fp8_producer={fp8_producer}, "
+                             f"fp8p_ring={fp8p_ring}")
         # tma_producer (16-bit KV, tma=True, balanced=True; branch tma-producer, GPU-verified): warpgroup 2 issues every
         # KV part and Q by TMA on full / empty mbarriers, walking the column's items ahead of the math warpgroups
         # (kernel_tmap_balanced); the math warpgroups run fp8_producer's balanced instruction stream
@@ -2605,7 +2612,10 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         tKgK0 = thr_g2r.partition_S(cute.local_tile(mKV[0, None, None], (BLOCK_N, D_QK), (0, 0)))
         tKsK = r2s.get_slice(ptid).partition_D(sK)  # (CPY, passes, 9, STAGES)
         rRing = cute.make_rmem_tensor((cute.size(tKcK.shape[0]), self.fp8p_ring), cutlass.Float8E4M3FN)
-        prologue, steps, rotation = _ring.ring_schedule(self.fp8p_ring, SEESAW_LOAD_BLOCKS, self.fp8p_stage)
+        # wg1_other_first (a Python bool, read at trace time): WG1's qk waits full[2] first (qk_wait_order), so tile
+        # b's parts are converted 2 then 3 (fp8p_ring.pair_parts); False gives the default schedule, the same objects
+        prologue, steps, rotation = _ring.ring_schedule(self.fp8p_ring, SEESAW_LOAD_BLOCKS, self.fp8p_stage,
+                                                        wg1_other_first=self.wg1_other_first)
         full = mbar
         empty = mbar + 4
         sStage = None  # fp8p_stage: this thread's 16 bytes of each staging slot (after the 8 mbarriers)
@@ -3157,7 +3167,8 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     ring of that many 16-fp8 chunks, loads issued ring - 1 chunks ahead (``fp8p_producer_ring``; key flag
     "fp8pr<R>"); ``fp8p_stage`` (with a ring; 0 or fp8p_ring.STAGE_SLOTS): every third chunk staged through
     shared memory by cp.async, loads issued ``fp8p_ring.lookahead`` chunks ahead (key flag "fp8ps<S>").
-    ``wg1_other_first`` (16-bit cache only, ValueError with fp8_e4m3; branch qk-order, GPU-verified): warpgroup 1's
+    ``wg1_other_first`` (16-bit cache, or fp8_e4m3 with fp8_producer and fp8p_ring (branch fp8-wg1of, compile-only:
+    the ring converts tile b's part 2 before part 3), ValueError otherwise; branch qk-order, GPU-verified): warpgroup 1's
     QK of its own tile waits warpgroup 0's part first (``MLADecodePartialWGMMASeesaw.qk_wait_order``), key flag
     "wg1of"; not a backend option (an experiment to be measured first)."""
     from . import kernel_cache
@@ -3170,9 +3181,9 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     if fp8_producer and kv_name != "fp8_e4m3":
         raise ValueError(f"seesaw WGMMA kernel: fp8_producer=True needs an fp8_e4m3 KV cache, got {kv_name}")
     _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage)
-    if wg1_other_first and kv_name == "fp8_e4m3":
-        raise ValueError("seesaw WGMMA kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16), got "
-                         "fp8_e4m3")
+    if wg1_other_first and kv_name == "fp8_e4m3" and not (fp8_producer and fp8p_ring):
+        raise ValueError("seesaw WGMMA kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16) or, with "
+                         "fp8_e4m3, fp8_producer=True and fp8p_ring")
     if l2_prefetch is None:
         l2_prefetch = seesaw_l2_prefetch_default(kv_name)
     return kernel_cache.get_or_build("partial_wgmma_seesaw",
@@ -3263,7 +3274,8 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     producer's register ring and its shared-memory staging, as the even getter's (key flags "fp8pr<R>",
     "fp8ps<S>").  ``q_prefetch`` (16-bit cache only, ValueError otherwise; branch q-prefetch, compile-only): each
     item issues the next item's Q (a TMA load) and KV tiles 0 / 1 during its last pairs (``seesaw_column_qpf``),
-    key flag "qpf".  ``wg1_other_first`` (16-bit cache only, ValueError otherwise; branch qk-order, GPU-verified):
+    key flag "qpf".  ``wg1_other_first`` (16-bit cache, or fp8 with fp8_producer and fp8p_ring (branch fp8-wg1of,
+    compile-only), ValueError otherwise; branch qk-order, GPU-verified):
     warpgroup 1's QK of its own tile waits warpgroup 0's part first, key flag "wg1of" (as the even getter's).
 
     ``tma_producer`` (16-bit cache with tma=True only, not with q_prefetch or the fp8 options;
@@ -3282,9 +3294,9 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     _check_fp8p_ring(fp8p_ring, fp8_producer, fp8p_stage)
     if q_prefetch and kv_name == "fp8_e4m3":
         raise ValueError("balanced seesaw kernel: q_prefetch=True needs a 16-bit KV cache (bf16 / fp16), got fp8_e4m3")
-    if wg1_other_first and kv_name == "fp8_e4m3":
-        raise ValueError("balanced seesaw kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16), got "
-                         "fp8_e4m3")
+    if wg1_other_first and kv_name == "fp8_e4m3" and not (fp8_producer and fp8p_ring):
+        raise ValueError("balanced seesaw kernel: wg1_other_first=True needs a 16-bit KV cache (bf16 / fp16) or, "
+                         "with fp8_e4m3, fp8_producer=True and fp8p_ring")
     if tma_producer:
         if kv_name == "fp8_e4m3" or not tma:
             raise ValueError("balanced seesaw kernel: tma_producer=True needs a 16-bit KV cache (bf16 / fp16) and "
