@@ -218,6 +218,19 @@ class CuteDslOptions(BackendOptions):
                     "B=180 386.8 against 419.1, fa3 411.7), 0.92-0.95x the default's at s_q=2 (B=128 S=4096 519.3 "
                     "against 548.6, fa3 535.2); outputs bitwise equal to the kernel without it. False: 0.2.18's "
                     "kernels. The even seesaw, cp.async loads, fp8 caches and the other kernels ignore it")
+    wg1_other_first: Optional[bool] = Field(
+        default=None,
+        description="the seesaw kernel's QK part order for warpgroup 1 (sm_90): its QK of its own KV tile waits on "
+                    "warpgroup 0's part (columns 0-255 and the RoPE block, freed early in the previous pair) before its "
+                    "own (columns 256-511, freed only at the end of that pair), and whatever loads the tile (the fp8 "
+                    "producer's register ring, the TMA producer warpgroup) fills the parts in that order. Default "
+                    "(unset): on with an fp8 cache wherever the producer's register ring runs (fp8_loader=ring / "
+                    "ring_staged), off with a bf16/fp16 cache. On an H200 (kernels alone, docs/results/gpu26_session/"
+                    "wg1of_speed.txt, fp8, H=128 S=4096, one run): 0.986-0.998x the ring's time without it (B=128 s_q=1 "
+                    "282.9 against 284.1 us, balanced 283.2 against 286.8; fa3 931.4); with a 16-bit cache and the TMA "
+                    "producer 0.965x at s_q=2 but 1.01-1.03x at s_q=1 (gpu25_session/wg1of_speed.txt). True: on "
+                    "wherever the seesaw runs with a 16-bit cache or the fp8 ring; False: 0.2.20's kernels. The fp8 "
+                    "seesaw without the ring (fp8_loader=inline / producer) and the other kernels ignore it")
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(
         default="auto",
         description="sm_90 partial kernel: wgmma (s_q*num_heads > 32; 1.4-1.7x faster than mma_sync at H=64/128 on "
@@ -541,6 +554,19 @@ def seesaw_tma_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
             and seesaw_tma(shape, options))
 
 
+def seesaw_wg1_other_first(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether the seesaw kernel runs with warpgroup 1's other part first (kernel option wg1_other_first): option
+    wg1_other_first (unset: on with an fp8 cache where the producer's register ring runs, seesaw_fp8p_ring; off with
+    a bf16/fp16 cache), for the seesaw kernel (either split) with a 16-bit cache or the fp8 ring; the kernels that
+    cannot take it (the inline fp8 seesaw, the one-part producer, every other kernel) ignore it. A function of the
+    shape class and options only (one session's graphs keep one kernel)."""
+    if partial_kernel(shape, options) != "seesaw" or options.wg1_other_first is False:
+        return False
+    if shape.kv_dtype == "fp8_e4m3":
+        return bool(seesaw_fp8p_ring(shape, options))
+    return options.wg1_other_first is True
+
+
 def seesaw_fp8p_ring(shape: DecodeShape, options: CuteDslOptions) -> int:
     """The producer's register ring size (kernel option fp8p_ring) for this shape: fp8p_ring.RING_DEFAULT with
     fp8_loader=ring wherever the producer warpgroup runs (seesaw_fp8_producer), else 0 (the one-part producer or
@@ -603,6 +629,11 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
                      "here)")
         else:
             text += ", the math warpgroups convert the fp8 cache (fp8_loader=inline)"
+    if seesaw_wg1_other_first(shape, options):
+        text += ", warpgroup 1's QK waits the other warpgroup's part of its tile first (wg1_other_first)"
+    elif kernel == "seesaw" and options.wg1_other_first:
+        text += (" (wg1_other_first=true ignored: the fp8 seesaw takes it only with the producer's register ring, "
+                 "fp8_loader=ring / ring_staged)")
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
         text += f", {'TMA' if seesaw_tma(shape, options) else 'cp.async'} KV loads (loads={options.loads}"
         if options.loads == "auto":
@@ -846,7 +877,7 @@ class CuteDslPlanned(Planned):
                  kernel: PartialKernel = "mma_sync", balanced: bool = False, s_accs: int = 1,
                  tma: bool = False, lazy_rescale: bool = False, fp8_producer: bool = False,
                  fp8p_ring: int = 0, fp8p_stage: int = 0, q_prefetch: bool = False,
-                 tma_producer: bool = False) -> None:
+                 tma_producer: bool = False, wg1_other_first: bool = False) -> None:
         run_fn = run_function(kernel, balanced)
         keywords: dict = {}
         if kernel == "fp8reg" and s_accs != 1:  # fp8reg_s_accs; the entry's default is 0.2.8's 1
@@ -866,6 +897,8 @@ class CuteDslPlanned(Planned):
             keywords["q_prefetch"] = True
         if kernel == "seesaw" and balanced and tma_producer:  # option tma_producer (balanced TMA seesaw, 16-bit)
             keywords["tma_producer"] = True
+        if kernel == "seesaw" and wg1_other_first:  # option wg1_other_first (16-bit cache or the fp8 ring)
+            keywords["wg1_other_first"] = True
         if keywords:
             run_fn = functools.update_wrapper(functools.partial(run_fn, **keywords), run_fn)
         self.kv_lens, self.page_table, self.schedule, self.workspace = kv_lens, page_table, schedule, workspace
@@ -1002,7 +1035,8 @@ class CuteDslSession(Session):
                               fp8p_ring=seesaw_fp8p_ring(problem, self.options),
                               fp8p_stage=seesaw_fp8p_stage(problem, self.options),
                               q_prefetch=seesaw_q_prefetch(problem, self.options),
-                              tma_producer=seesaw_tma_producer(problem, self.options))
+                              tma_producer=seesaw_tma_producer(problem, self.options),
+                              wg1_other_first=seesaw_wg1_other_first(problem, self.options))
 
     def close(self) -> None:
         self._schedules.clear()

@@ -142,6 +142,22 @@ class TestCuteDslSeesawCpAsyncConformance(TestCuteDslConformance):
     single_cell_heads = 128
 
 
+class TestCuteDslSeesawWg1ofConformance(TestCuteDslConformance):
+    """wg1_other_first=true: warpgroup 1's other part first with a bf16 cache (TMA producer from 33 rows, the default
+    loads) and the fp8 ring (its default anyway), then wg1_other_first=false below: the fp8 ring without it, 0.2.20's
+    fp8 default (every other class runs the option's default: on with the fp8 ring, off with 16-bit caches)."""
+
+    options = {"wg1_other_first": True}
+    num_heads = (64, 126, 128)
+    seq_lens_q = (1, 2)
+    single_cell_heads = 128
+
+
+class TestCuteDslSeesawNoWg1ofConformance(TestCuteDslSeesawWg1ofConformance):
+    options = {"wg1_other_first": False}
+    kv_dtypes = ("fp8_e4m3",)
+
+
 class TestCuteDslFp8RegConformance(TestCuteDslConformance):
     """The fp8-register kernel forced (auto takes it for fp8 caches up to 32 rows), two CTAs per SM;
     shapes it refuses (bf16 KV, s_q*H > 32) are skipped with the backend's reason."""

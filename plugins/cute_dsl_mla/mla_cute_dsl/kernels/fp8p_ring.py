@@ -114,7 +114,7 @@ def pair_parts(load_blocks, wg1_other_first: bool = False) -> tuple[tuple[int, i
     """The pair's parts in the math side's wait order, (tile offset, mbarrier index, K buffer, blocks): tile a's
     full[0] (WG0's S waits it first: the columns WG0 loads in the 16-bit kernel, ``load_blocks[0][0]``) then
     full[1] (``load_blocks[1][1]``), tile b's full[3] (WG1's S waits it first, ``load_blocks[1][0]``) then full[2]
-    (``load_blocks[0][1]``): ``fp8p_producer``'s order.  ``wg1_other_first`` (branch fp8-wg1of, compile-only):
+    (``load_blocks[0][1]``): ``fp8p_producer``'s order.  ``wg1_other_first`` (branch fp8-wg1of, GPU-verified):
     WG1's S of tile b waits full[2] first (``qk_wait_order``), so tile b's parts go full[2] then full[3]: part 2
     (WG0's columns + RoPE, released by WG0 after its pv_remote) is no longer queued behind part 3 (released by WG1
     only after its P_b V_R, the end of the pair).  Tile a's half is the same 18 chunks either way (parts 0, 1), so

@@ -953,7 +953,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       pv_remote (P_b V_L), earlier.  Both waits still precede every later use of the tile (same parities; WG1's
       ``zero_v_tail`` wait on mbar + 3 stays a second wait on a completed phase); tests/test_seesaw_protocol.py
       models the order (``wg1of``).  fp8 caches refuse it (inline, or the one-part producer) except with the ring
-      producer (``fp8_producer`` and ``fp8p_ring``; branch fp8-wg1of, compile-only, not yet run on a GPU): the math
+      producer (``fp8_producer`` and ``fp8p_ring``; branch fp8-wg1of; H200, twenty-sixth session: 45 GPU tests, a
+      hang probe, 0.986-0.998x the ring's time; the backend's default with the ring since 0.2.21): the math
       side is the same (``seesaw_item``'s WG1 qk goes through ``qk_wait_order``) and the ring's schedule converts
       tile b's part 2 (full[2]) before part 3 (full[3]) (``fp8p_ring.pair_parts``), each part on its own empty /
       full barriers and parities (tests/test_seesaw_fp8p_ring_protocol.py, wg1of).
@@ -977,7 +978,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       kernel issues them after the epilogue's barrier).  setmaxnreg 232 / 40; smem 222,800 B (10 mbarriers);
       tests/test_seesaw_tmap_protocol.py models it; NOTES.md "Balanced 16-bit seesaw with a TMA producer warpgroup".
       With ``wg1_other_first`` (branch tmap-wg1of; H200, twenty-fifth session: 11 GPU tests, 0.965x at H=128 s_q=2,
-      1.01-1.03x at s_q=1, not in the backend): warpgroup 1 waits full[2] before full[3] for its tile
+      1.01-1.03x at s_q=1; backend option, off by default): warpgroup 1 waits full[2] before full[3] for its tile
       (``qk_wait_order``) and the producer issues tile b's part 2 before part 3 (``tmap_tile_b_parts``).
     """
 
@@ -989,7 +990,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
         super().__init__(q_dtype, kv_dtype, block_m, wide_store=wide_store)
         # wg1_other_first (16-bit KV; branch qk-order, GPU-verified): WG1's QK of its own tile waits WG0's part first
         # (qk_wait_order); the fp8 kernels convert their parts in another order: refused, except the ring producer
-        # (branch fp8-wg1of, compile-only), whose schedule then converts tile b's part 2 before part 3
+        # (branch fp8-wg1of, GPU-verified), whose schedule then converts tile b's part 2 before part 3
         # (fp8p_ring.pair_parts); the inline fp8 kernel and the one-part producer keep refusing it
         self.wg1_other_first = bool(wg1_other_first)
         if self.wg1_other_first and self.is_fp8 and not (fp8_producer and fp8p_ring):
@@ -3167,10 +3168,10 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     ring of that many 16-fp8 chunks, loads issued ring - 1 chunks ahead (``fp8p_producer_ring``; key flag
     "fp8pr<R>"); ``fp8p_stage`` (with a ring; 0 or fp8p_ring.STAGE_SLOTS): every third chunk staged through
     shared memory by cp.async, loads issued ``fp8p_ring.lookahead`` chunks ahead (key flag "fp8ps<S>").
-    ``wg1_other_first`` (16-bit cache, or fp8_e4m3 with fp8_producer and fp8p_ring (branch fp8-wg1of, compile-only:
+    ``wg1_other_first`` (16-bit cache, or fp8_e4m3 with fp8_producer and fp8p_ring (branch fp8-wg1of, GPU-verified:
     the ring converts tile b's part 2 before part 3), ValueError otherwise; branch qk-order, GPU-verified): warpgroup 1's
     QK of its own tile waits warpgroup 0's part first (``MLADecodePartialWGMMASeesaw.qk_wait_order``), key flag
-    "wg1of"; not a backend option (an experiment to be measured first)."""
+    "wg1of"; the backend's option wg1_other_first (default: on with the fp8 ring, off with a 16-bit cache)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -3201,8 +3202,8 @@ def mla_decode_sm90_wgmma_seesaw(q, kv_cache, page_table, kv_lens, sm_scale: flo
     """``mla_decode_sm90_wgmma`` with the seesaw partial kernel (same arguments and contract;
     KV cache in the q dtype or float8_e4m3fn, k = kv * kv_scale, MMAs in fp16, |q| < 65504).
     ``l2_prefetch``, ``tma``, ``reader_fences``, ``lazy_rescale``, ``fp8_producer`` (fp8 cache only), ``fp8p_ring``
-    (with fp8_producer), ``fp8p_stage`` (with a ring), ``wg1_other_first`` (16-bit cache only; GPU-verified):
-    see ``get_partial_kernel_wgmma_seesaw``."""
+    (with fp8_producer), ``fp8p_stage`` (with a ring), ``wg1_other_first`` (16-bit cache or the fp8 ring;
+    GPU-verified): see ``get_partial_kernel_wgmma_seesaw``."""
     from . import api
 
     if check:
@@ -3328,7 +3329,7 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
     bf16/fp16 or fp8 e4m3 cache (ValueError otherwise, also with check=False; fp8: k = kv * kv_scale as in the
     even entry; GPU-verified in the twenty-second session).  ``l2_prefetch``, ``tma``: see
     ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``fp8p_ring``,
-    ``fp8p_stage``, ``q_prefetch``, ``wg1_other_first`` (16-bit cache only; GPU-verified), ``tma_producer``
+    ``fp8p_stage``, ``q_prefetch``, ``wg1_other_first`` (16-bit cache or the fp8 ring; GPU-verified), ``tma_producer``
     (16-bit cache with tma=True; GPU-verified): see ``get_partial_kernel_wgmma_seesaw_balanced``."""
     from . import api
 
