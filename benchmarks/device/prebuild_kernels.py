@@ -122,6 +122,12 @@ def specs():
                     out.append((f"seesaw_balanced {q} {tag} tma lazy tmap",
                                 lambda q=q, p=partial, w=wide: get_partial_kernel_wgmma_seesaw_balanced(
                                     q, q, partial=p, wide_store=w, tma=True, lazy_rescale=True, tma_producer=True)))
+                    if q == "fp16":  # wg1_other_first unset (auto, 0.2.21): the fp16 default from 256 packed rows
+                        # (bf16's is the "tma lazy tmap wg1of" entry above, in every arm)
+                        out.append((f"seesaw_balanced {q} {tag} tma lazy tmap wg1of",
+                                    lambda q=q, p=partial, w=wide: get_partial_kernel_wgmma_seesaw_balanced(
+                                        q, q, partial=p, wide_store=w, tma=True, lazy_rescale=True,
+                                        wg1_other_first=True, tma_producer=True)))
                 if kv == q == "bf16" and partial == "fp32":  # wgmma_speed.py's seesaw_tma_l2pf way
                     out.append((f"seesaw {q} {kv} {tag} tma l2pf", lambda q=q:
                                 get_partial_kernel_wgmma_seesaw(q, q, partial="fp32", tma=True, l2_prefetch=True)))

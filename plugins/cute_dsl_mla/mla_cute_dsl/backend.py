@@ -149,6 +149,10 @@ SeesawSplit = Literal["even", "balanced"]
 # option q_prefetch unset: on up to this many packed rows (H=128 s_q=1 on an H200: 0.96-0.99x the time), off above
 # (H=128 s_q=2 S=4096: 1.03x through mla bench; docs/results/gpu23_session/)
 QPF_AUTO_MAX_ROWS = 128
+# option wg1_other_first unset: on with a bf16/fp16 cache from this many packed rows (H=128 s_q=2 through mla bench
+# on an H200: 0.957-0.972x the time at S=4096, 0.99-1.006x at S=1200; at 128 rows, H=128 s_q=1, 1.015-1.026x:
+# docs/results/gpu26_session/wg1of_backend_bench.txt), off below; with an fp8 cache on wherever the ring runs
+WG1OF_AUTO_MIN_ROWS = 256
 
 
 class CuteDslOptions(BackendOptions):
@@ -225,10 +229,12 @@ class CuteDslOptions(BackendOptions):
                     "own (columns 256-511, freed only at the end of that pair), and whatever loads the tile (the fp8 "
                     "producer's register ring, the TMA producer warpgroup) fills the parts in that order. Default "
                     "(unset): on with an fp8 cache wherever the producer's register ring runs (fp8_loader=ring / "
-                    "ring_staged), off with a bf16/fp16 cache. On an H200 (kernels alone, docs/results/gpu26_session/"
-                    "wg1of_speed.txt, fp8, H=128 S=4096, one run): 0.986-0.998x the ring's time without it (B=128 s_q=1 "
-                    "282.9 against 284.1 us, balanced 283.2 against 286.8; fa3 931.4); with a 16-bit cache and the TMA "
-                    "producer 0.965x at s_q=2 but 1.01-1.03x at s_q=1 (gpu25_session/wg1of_speed.txt). True: on "
+                    f"ring_staged), on with a bf16/fp16 cache from {WG1OF_AUTO_MIN_ROWS} packed rows. On an H200 "
+                    "through mla bench (docs/results/gpu26_session/wg1of_backend_bench.txt, H=128, batch 64 / 128, S "
+                    "1200 / 4096, one run): fp8 0.97-0.99x the time without it at all 8 cells (B=128 s_q=1 S=4096 270.3 "
+                    "against 277.5 us, fa3 944.8); bf16 at s_q=2 (256 rows) 0.957-0.972x at S=4096 (B=128 490.1 "
+                    "against 504.2), 0.99-1.006x at S=1200, but at s_q=1 (128 rows) 1.015-1.026x, hence off below "
+                    f"{WG1OF_AUTO_MIN_ROWS} rows. True: on "
                     "wherever the seesaw runs with a 16-bit cache or the fp8 ring; False: 0.2.20's kernels. The fp8 "
                     "seesaw without the ring (fp8_loader=inline / producer) and the other kernels ignore it")
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(
@@ -556,15 +562,15 @@ def seesaw_tma_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:
 
 def seesaw_wg1_other_first(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether the seesaw kernel runs with warpgroup 1's other part first (kernel option wg1_other_first): option
-    wg1_other_first (unset: on with an fp8 cache where the producer's register ring runs, seesaw_fp8p_ring; off with
-    a bf16/fp16 cache), for the seesaw kernel (either split) with a 16-bit cache or the fp8 ring; the kernels that
+    wg1_other_first (unset: on with an fp8 cache where the producer's register ring runs, seesaw_fp8p_ring; with a
+    bf16/fp16 cache from WG1OF_AUTO_MIN_ROWS packed rows), for the seesaw kernel (either split) with a 16-bit cache or the fp8 ring; the kernels that
     cannot take it (the inline fp8 seesaw, the one-part producer, every other kernel) ignore it. A function of the
     shape class and options only (one session's graphs keep one kernel)."""
     if partial_kernel(shape, options) != "seesaw" or options.wg1_other_first is False:
         return False
     if shape.kv_dtype == "fp8_e4m3":
         return bool(seesaw_fp8p_ring(shape, options))
-    return options.wg1_other_first is True
+    return options.wg1_other_first is True or shape.seq_len_q * shape.num_heads >= WG1OF_AUTO_MIN_ROWS
 
 
 def seesaw_fp8p_ring(shape: DecodeShape, options: CuteDslOptions) -> int:
@@ -629,11 +635,6 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
                      "here)")
         else:
             text += ", the math warpgroups convert the fp8 cache (fp8_loader=inline)"
-    if seesaw_wg1_other_first(shape, options):
-        text += ", warpgroup 1's QK waits the other warpgroup's part of its tile first (wg1_other_first)"
-    elif kernel == "seesaw" and options.wg1_other_first:
-        text += (" (wg1_other_first=true ignored: the fp8 seesaw takes it only with the producer's register ring, "
-                 "fp8_loader=ring / ring_staged)")
     if kernel == "seesaw" and shape.kv_dtype != "fp8_e4m3":
         text += f", {'TMA' if seesaw_tma(shape, options) else 'cp.async'} KV loads (loads={options.loads}"
         if options.loads == "auto":
@@ -646,6 +647,11 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
                 text += " (q_prefetch=true ignored: the producer fetches ahead itself; tma_producer=false runs it)"
         if seesaw_q_prefetch(shape, options):
             text += ", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
+    if seesaw_wg1_other_first(shape, options):
+        text += ", warpgroup 1's QK waits the other warpgroup's part of its tile first (wg1_other_first)"
+    elif kernel == "seesaw" and options.wg1_other_first:
+        text += (" (wg1_other_first=true ignored: the fp8 seesaw takes it only with the producer's register ring, "
+                 "fp8_loader=ring / ring_staged)")
     if _wgmma_t_auto(shape, options):
         rows = shape.seq_len_q * shape.num_heads
         least = WGMMA_T_AUTO_MIN_BLOCKS

@@ -144,8 +144,9 @@ class TestCuteDslSeesawCpAsyncConformance(TestCuteDslConformance):
 
 class TestCuteDslSeesawWg1ofConformance(TestCuteDslConformance):
     """wg1_other_first=true: warpgroup 1's other part first with a bf16 cache (TMA producer from 33 rows, the default
-    loads) and the fp8 ring (its default anyway), then wg1_other_first=false below: the fp8 ring without it, 0.2.20's
-    fp8 default (every other class runs the option's default: on with the fp8 ring, off with 16-bit caches)."""
+    loads; below 256 rows it is off by default) and the fp8 ring (its default anyway), then wg1_other_first=false
+    below: 0.2.20's kernels (every other class runs the option's default: on with the fp8 ring, on with 16-bit caches
+    from 256 packed rows)."""
 
     options = {"wg1_other_first": True}
     num_heads = (64, 126, 128)
@@ -155,7 +156,6 @@ class TestCuteDslSeesawWg1ofConformance(TestCuteDslConformance):
 
 class TestCuteDslSeesawNoWg1ofConformance(TestCuteDslSeesawWg1ofConformance):
     options = {"wg1_other_first": False}
-    kv_dtypes = ("fp8_e4m3",)
 
 
 class TestCuteDslFp8RegConformance(TestCuteDslConformance):

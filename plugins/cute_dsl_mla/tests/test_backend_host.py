@@ -550,7 +550,8 @@ def test_split_kv_applies_only_to_the_mma_sync_and_wgmma_t_kernels_with_a_16_bit
         prob(num_heads=128), CuteDslOptions(rescale="eager"))
     assert kernel_summary(prob(num_heads=128, kv_dtype="fp8_e4m3"), CuteDslOptions()).endswith(
         ", lazy softmax rescale (rescale=lazy), a producer warpgroup with a 7-chunk register ring converts the fp8 "
-        "cache (fp8_loader=ring)")
+        "cache (fp8_loader=ring), warpgroup 1's QK waits the other warpgroup's part of its tile first "
+        "(wg1_other_first)")
     assert "rescale" not in kernel_summary(prob(num_heads=16), CuteDslOptions(rescale="eager"))
     assert kernel_summary(prob(num_heads=16, kv_dtype="fp8_e4m3"), CuteDslOptions(split_kv="balanced",
                                                                                    mma="mma_sync")).endswith(
@@ -834,15 +835,20 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
     # does not run)
     tmap = want and kv != "fp8_e4m3"
     qpf = qpf and not tmap
+    # (and option wg1_other_first, default auto since 0.2.21: on with the fp8 ring and from 256 packed rows with a
+    # 16-bit cache)
+    wg1of = kv == "fp8_e4m3" or s_q * heads >= 256
     assert getattr(planned.run_fn, "keywords", {}) == (({"tma": True} if want else {}) | {"lazy_rescale": True}
                                                        | ({"fp8_producer": True, "fp8p_ring": 7}
                                                           if kv == "fp8_e4m3" else {})
                                                        | ({"q_prefetch": True} if qpf else {})
-                                                       | ({"tma_producer": True} if tmap else {}))
+                                                       | ({"tma_producer": True} if tmap else {})
+                                                       | ({"wg1_other_first": True} if wg1of else {}))
     assert be.seesaw_q_prefetch(problem, opts) is qpf and be.seesaw_tma_producer(problem, opts) is tmap
     summary = be.kernel_summary(problem, opts)
     head = ("seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan, "
             "whichever is predicted >= 10% faster)")
+    wg1of_text = ", warpgroup 1's QK waits the other warpgroup's part of its tile first (wg1_other_first)"
     if kv == "bf16":
         loads_text = {"auto": "TMA KV loads (loads=auto: TMA from 33 rows)", "tma": "TMA KV loads (loads=tma)",
                       "cp_async": "cp.async KV loads (loads=cp_async)"}[loads]
@@ -850,11 +856,11 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
                            + (", a producer warpgroup issues the KV tiles and each item's Q by TMA ahead of the math "
                               "warpgroups (tma_producer)" if tmap else "")
                            + (", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
-                              if qpf else ""))
+                              if qpf else "") + (wg1of_text if wg1of else ""))
     else:
         assert summary == (head + " with an fp8 cache (FP8_SEESAW_BALANCED; the plan's cost model was measured with "
                            "16-bit caches), lazy softmax rescale (rescale=lazy), a producer warpgroup with a 7-chunk "
-                           "register ring converts the fp8 cache (fp8_loader=ring)")
+                           "register ring converts the fp8 cache (fp8_loader=ring)" + wg1of_text)
     small = prob(num_heads=16, seq_len_q=1, batch_size=4)
     other = _cpu_session(monkeypatch, opts, heads=16).plan(small, StepInputs(lens, table, lens, table))
     assert other.kernel != "seesaw" and "tma" not in getattr(other.run_fn, "keywords", {})
@@ -907,6 +913,8 @@ def test_a_tma_plan_asks_the_kernel_cache_for_the_tma_seesaw_kernel(monkeypatch,
             want["reader_fences"] = False
         else:  # option tma_producer (default auto: the balanced TMA seesaw's producer warpgroup; q_prefetch off)
             want["tma_producer"] = True
+        if s_q * 128 >= 256:  # option wg1_other_first (default auto: on from 256 packed rows with a 16-bit cache)
+            want["wg1_other_first"] = True
         assert asked[-1] == ("bf16", "bf16", want)
         assert launched[-1] == ("kernel", tma)
 

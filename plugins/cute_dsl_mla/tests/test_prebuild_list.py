@@ -97,6 +97,13 @@ def test_the_prebuild_list_asks_for_distinct_kernels_including_the_defaults(monk
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy", "wg1of",
                                            "tmap")),
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "wg1of", "tmap")),
+        # wg1_other_first unset (auto, 0.2.21): on with the fp8 ring and from 256 packed rows with a 16-bit cache
+        ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "partial_fp16", "wide_store", "tma", "lazy", "wg1of",
+                                           "tmap")),
+        ("partial_wgmma_seesaw_balanced", ("bf16", "fp8_e4m3", 64, "l2pf", "partial_bf16", "wide_store", "lazy",
+                                           "fp8p", "fp8pr7", "wg1of")),
+        ("partial_wgmma_seesaw_balanced", ("fp16", "fp8_e4m3", 64, "l2pf", "partial_fp16", "wide_store", "lazy",
+                                           "fp8p", "fp8pr7", "wg1of")),
         ("partial_wgmma", ("fp16", "fp16", 64, "partial_fp16", "wide_store")),
         ("partial", ("bf16", "fp8_e4m3", 64, None, "partial_bf16", "wide_store")),
         ("combine", ("bf16", "partial_bf16", "cols128")),  # combine=auto's chunked kernel
@@ -163,7 +170,10 @@ def test_only_tmap_wg1of_builds_just_the_producer_kernels_with_wg1_other_first(m
     assert sorted(picked) == sorted([
         ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "partial_bf16", "wide_store", "tma", "lazy", "wg1of",
                                            "tmap")),
-        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "wg1of", "tmap"))]), picked
+        ("partial_wgmma_seesaw_balanced", ("bf16", "bf16", 64, "tma", "lazy", "wg1of", "tmap")),
+        # the fp16 default arm from 256 packed rows (wg1_other_first auto, 0.2.21)
+        ("partial_wgmma_seesaw_balanced", ("fp16", "fp16", 64, "partial_fp16", "wide_store", "tma", "lazy", "wg1of",
+                                           "tmap"))]), picked
     assert all("tmap wg1of" in label for (label, _), key in zip(items, asked) if key[1][-2:] == ("wg1of", "tmap"))
     assert all("tmap" in label for (label, _), key in zip(items, asked) if "tmap" in key[1])
 

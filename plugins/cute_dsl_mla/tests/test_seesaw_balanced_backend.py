@@ -17,6 +17,7 @@ from mlacore import StepInputs
 TMAP = (", a producer warpgroup issues the KV tiles and each item's Q by TMA ahead of the math warpgroups "
         "(tma_producer)")
 QPF = ", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
+WG1OF = ", warpgroup 1's QK waits the other warpgroup's part of its tile first (wg1_other_first)"
 
 
 def _plan(monkeypatch, options, lens_l, heads=128, s_q=1, kv="bf16", session=None, rec=None):
@@ -85,7 +86,9 @@ def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, 
         # option tma_producer (default auto: on wherever the balanced seesaw loads by TMA; q_prefetch then off)
         assert getattr(planned.run_fn, "keywords", {}) == (({"tma": True} if tma else {}) | {"lazy_rescale": True}
                                                            | ({"q_prefetch": True} if qpf and not tma else {})
-                                                           | ({"tma_producer": True} if tma else {}))
+                                                           | ({"tma_producer": True} if tma else {})
+                                                           # wg1_other_first (auto: from 256 rows, 16-bit cache)
+                                                           | ({"wg1_other_first": True} if heads * s_q >= 256 else {}))
         sched = planned.schedule
         m_blocks = -(-heads * s_q // 64)
         assert sched.balanced and sched.block_m == 64 and sched.num_cols == 132 // m_blocks
@@ -127,7 +130,8 @@ def test_seesaw_split_balanced_run_launches_through_launch_balanced(monkeypatch)
         planned.run(q, kv, out, torch.empty(4, s_q, 128))
         assert asked[-1] == ("bf16", "bf16", {"l2_prefetch": None, "partial": "bf16", "wide_store": True, "tma": tma,
                                               "lazy_rescale": True} | ({"q_prefetch": True} if qpf and not tma else {})
-                             | ({"tma_producer": True} if tma else {}))  # tma_producer (auto) where TMA loads run
+                             | ({"tma_producer": True} if tma else {})  # tma_producer (auto) where TMA loads run
+                             | ({"wg1_other_first": True} if s_q == 2 else {}))  # wg1_other_first (auto): 256 rows
         partial, args = launched[-1]
         assert partial == "balanced-kernel" and args[-2] is planned.schedule and args[-1] is planned.workspace
 
@@ -161,15 +165,19 @@ def test_kernel_summary_run_function_and_notes():
     # tma_producer unset (auto): on wherever the balanced seesaw loads by TMA (from 33 rows under loads=auto), and
     # q_prefetch then does not run, whatever it says; with tma_producer=False q_prefetch's own rule (auto: on up to
     # 128 packed rows) applies again
+    # (wg1_other_first unset: auto, on from 256 packed rows with a 16-bit cache: H=128 s_q=2 here)
     tma = "TMA KV loads (loads=auto: TMA from 33 rows)"
     for shape in (prob(num_heads=128, seq_len_q=2), prob(num_heads=128), prob(num_heads=16, seq_len_q=3)):
-        assert be.kernel_summary(shape, bal).endswith(tma + TMAP)
+        w = WG1OF if shape.seq_len_q * shape.num_heads >= 256 else ""
+        assert be.kernel_summary(shape, bal).endswith(tma + TMAP + w)
         assert be.kernel_summary(shape, CuteDslOptions(q_prefetch=True)).endswith(
-            tma + TMAP + " (q_prefetch=true ignored: the producer fetches ahead itself; tma_producer=false runs it)")
+            tma + TMAP + " (q_prefetch=true ignored: the producer fetches ahead itself; tma_producer=false runs it)"
+            + w)
     assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(tma_producer=False)).endswith(tma + QPF)
-    assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), CuteDslOptions(tma_producer=False)).endswith(tma)
+    assert be.kernel_summary(prob(num_heads=128, seq_len_q=2), CuteDslOptions(tma_producer=False)).endswith(
+        tma + WG1OF)
     assert be.kernel_summary(prob(num_heads=128, seq_len_q=2),
-                             CuteDslOptions(tma_producer=False, q_prefetch=True)).endswith(tma + QPF)
+                             CuteDslOptions(tma_producer=False, q_prefetch=True)).endswith(tma + QPF + WG1OF)
     assert be.kernel_summary(prob(num_heads=128), CuteDslOptions(loads="cp_async")).endswith(
         "cp.async KV loads (loads=cp_async)" + QPF)
     # the even one (ctas_per_sm=2) loads by TMA from 256 rows, with neither
@@ -272,7 +280,7 @@ def test_fp8_seesaw_balanced_flag_routes_plan_summary_and_run(monkeypatch, flag)
     # the producer warpgroup with its 7-chunk register ring (fp8_loader=ring, the default since the twenty-third
     # session) runs on the even seesaw only (FP8_BALANCED_PRODUCER off here)
     assert getattr(planned.run_fn, "keywords", {}) == {"lazy_rescale": True} | (
-        {} if flag else {"fp8_producer": True, "fp8p_ring": 7})
+        {} if flag else {"fp8_producer": True, "fp8p_ring": 7, "wg1_other_first": True})  # with the ring (auto)
     assert be.seesaw_fp8_producer(fp8, CuteDslOptions()) is not flag
     assert be.seesaw_fp8p_ring(fp8, CuteDslOptions()) == (0 if flag else 7)
     if flag:
@@ -281,7 +289,8 @@ def test_fp8_seesaw_balanced_flag_routes_plan_summary_and_run(monkeypatch, flag)
                                 "backend.FP8_BALANCED_PRODUCER, set off here)")
     else:
         assert summary.endswith(", lazy softmax rescale (rescale=lazy), a producer warpgroup with a 7-chunk register "
-                                "ring converts the fp8 cache (fp8_loader=ring)")
+                                "ring converts the fp8 cache (fp8_loader=ring), warpgroup 1's QK waits the other "
+                                "warpgroup's part of its tile first (wg1_other_first)")
     assert planned.schedule.balanced is flag and (planned.schedule.cta_ranges is not None) is flag
     q = torch.zeros(4, 1, 128, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16).to(torch.float8_e4m3fn)

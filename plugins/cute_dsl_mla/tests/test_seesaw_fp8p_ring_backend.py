@@ -30,7 +30,8 @@ def test_option_fp8_loader_ring_is_valid_and_is_the_default():
         "seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan, whichever "
         "is predicted >= 10% faster) with an fp8 cache (FP8_SEESAW_BALANCED; the plan's cost model was measured with "
         "16-bit caches), lazy softmax rescale (rescale=lazy), a producer warpgroup with a 7-chunk register ring "
-        "converts the fp8 cache (fp8_loader=ring)")
+        "converts the fp8 cache (fp8_loader=ring), warpgroup 1's QK waits the other warpgroup's part of its tile "
+        "first (wg1_other_first)")
 
 
 def test_the_default_plan_runs_the_ring(monkeypatch):
@@ -43,7 +44,9 @@ def test_the_default_plan_runs_the_ring(monkeypatch):
         problem, StepInputs(lens, table, lens, table))
     assert planned.kernel == "seesaw" and planned.balanced is True
     assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"
-    assert planned.run_fn.keywords == {"lazy_rescale": True, "fp8_producer": True, "fp8p_ring": 7}
+    # and wg1_other_first (auto: on wherever the ring runs, since 0.2.21)
+    assert planned.run_fn.keywords == {"lazy_rescale": True, "fp8_producer": True, "fp8p_ring": 7,
+                                       "wg1_other_first": True}
 
 
 def _plan(monkeypatch, loader, kv, heads=128, balanced_producer=True):
@@ -69,6 +72,8 @@ def test_fp8_loader_ring_reaches_the_balanced_seesaw_entry(monkeypatch, loader):
         want["fp8p_ring"] = RING_DEFAULT
     if loader == "ring_staged":
         want["fp8p_stage"] = STAGE_SLOTS
+    if loader.startswith("ring"):  # wg1_other_first (auto): on wherever the ring runs
+        want["wg1_other_first"] = True
     assert planned.run_fn.keywords == want
     assert be.seesaw_fp8p_ring(problem, opts) == (RING_DEFAULT if loader.startswith("ring") else 0)
     assert be.seesaw_fp8p_stage(problem, opts) == (STAGE_SLOTS if loader == "ring_staged" else 0)
@@ -89,7 +94,8 @@ def test_fp8_loader_ring_reaches_the_even_seesaw_entry(monkeypatch):
     planned = _cpu_session(monkeypatch, opts, heads=128, kv_dtype="fp8_e4m3").plan(
         problem, StepInputs(lens, table, lens, table))
     assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw"
-    assert planned.run_fn.keywords == {"lazy_rescale": True, "fp8_producer": True, "fp8p_ring": RING_DEFAULT}
+    assert planned.run_fn.keywords == {"lazy_rescale": True, "fp8_producer": True, "fp8p_ring": RING_DEFAULT,
+                                       "wg1_other_first": True}
 
 
 @pytest.mark.parametrize("loader", ["ring", "ring_staged"])

@@ -18,8 +18,9 @@ from mla_cute_dsl.backend import CuteDslOptions
 
 def _opts(**kw) -> CuteDslOptions:
     """The options under test with tma_producer=False: where the TMA producer runs (its default, the balanced seesaw
-    with TMA loads) it fetches ahead itself and q_prefetch does not run (test_seesaw_tmap_backend.py)."""
-    return CuteDslOptions(**{"tma_producer": False, **kw})
+    with TMA loads) it fetches ahead itself and q_prefetch does not run (test_seesaw_tmap_backend.py); and
+    wg1_other_first=False, whose own clause (auto: from 256 rows) test_seesaw_wg1of_backend.py checks."""
+    return CuteDslOptions(**{"tma_producer": False, "wg1_other_first": False, **kw})
 
 
 def test_option_default_auto_and_validated():

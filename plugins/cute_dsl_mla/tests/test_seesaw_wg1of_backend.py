@@ -1,8 +1,9 @@
 """Host tests (CPU) of the backend option wg1_other_first (unset: auto): warpgroup 1's QK waits warpgroup 0's part of
 its tile first and the loader fills the parts in that order (kernel option wg1_other_first, cache-key flag "wg1of").
-Auto is on with an fp8 cache wherever the producer's register ring runs (measured 0.986-0.998x the ring's time on an
-H200, twenty-sixth session) and off with a 16-bit cache (measured both ways there); True turns it on for 16-bit
-caches; the fp8 seesaw without the ring and every other kernel ignore it. Monkeypatched; nothing compiles."""
+Auto is on with an fp8 cache wherever the producer's register ring runs (0.97-0.99x the time through mla bench on an
+H200, twenty-sixth session) and with a 16-bit cache from WG1OF_AUTO_MIN_ROWS (256) packed rows (0.957-1.006x at H=128
+s_q=2 there, 1.015-1.026x at s_q=1); True turns it on for 16-bit caches below that; the fp8 seesaw without the ring and
+every other kernel ignore it. Monkeypatched; nothing compiles."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def test_option_default_auto_and_validated():
     with pytest.raises(ValueError, match="wg1_other_first"):
         CuteDslOptions(wg1_other_first="first")
     desc = CuteDslOptions.model_fields["wg1_other_first"].description
-    assert "fp8_loader=ring" in desc and "off with a bf16/fp16 cache" in desc
+    assert "fp8_loader=ring" in desc and f"from {be.WG1OF_AUTO_MIN_ROWS} packed rows" in desc
+    assert be.WG1OF_AUTO_MIN_ROWS == 256  # H=128 s_q=2: where it was measured faster with a 16-bit cache
 
 
 @pytest.mark.parametrize("opts,heads,s_q,kv,want", [
@@ -31,7 +33,9 @@ def test_option_default_auto_and_validated():
     ({"wg1_other_first": False}, 128, 1, "fp8_e4m3", False), ({"fp8_loader": "producer"}, 128, 1, "fp8_e4m3", False),
     ({"fp8_loader": "inline", "wg1_other_first": True}, 128, 1, "fp8_e4m3", False),
     ({}, 16, 1, "fp8_e4m3", False), ({"mma": "wgmma"}, 128, 1, "fp8_e4m3", False),
-    ({}, 128, 1, "bf16", False), ({}, 128, 2, "bf16", False), ({"wg1_other_first": True}, 128, 2, "bf16", True),
+    ({}, 128, 1, "bf16", False), ({}, 16, 8, "bf16", False), ({}, 128, 2, "bf16", True), ({}, 64, 4, "fp16", True),
+    ({"wg1_other_first": False}, 128, 2, "bf16", False), ({"wg1_other_first": True}, 128, 1, "bf16", True),
+    ({"seesaw_split": "even"}, 128, 4, "bf16", True),
     ({"wg1_other_first": True, "tma_producer": False}, 128, 1, "bf16", True),
     ({"wg1_other_first": True, "loads": "cp_async"}, 64, 1, "fp16", True),
     ({"wg1_other_first": True}, 16, 1, "bf16", False), ({"wg1_other_first": True, "mma": "wgmma"}, 128, 1, "bf16", False)])
@@ -47,22 +51,23 @@ def test_auto_rule_and_what_ignores_it(opts, heads, s_q, kv, want):
     assert ("wg1_other_first=true ignored" in summary) is asked_in_vain
 
 
-@pytest.mark.parametrize("opts,kv,want", [({}, "fp8_e4m3", True), ({"wg1_other_first": False}, "fp8_e4m3", False),
-                                          ({"fp8_loader": "producer"}, "fp8_e4m3", False), ({}, "bf16", False),
-                                          ({"wg1_other_first": True}, "bf16", True)])
-def test_the_plan_asks_the_kernel_cache_for_the_wg1of_kernel(monkeypatch, opts, kv, want):
+@pytest.mark.parametrize("opts,kv,s_q,want", [({}, "fp8_e4m3", 1, True), ({"wg1_other_first": False}, "fp8_e4m3", 1, False),
+                                              ({"fp8_loader": "producer"}, "fp8_e4m3", 1, False), ({}, "bf16", 1, False),
+                                              ({}, "bf16", 2, True), ({"wg1_other_first": False}, "bf16", 2, False),
+                                              ({"wg1_other_first": True}, "bf16", 1, True)])
+def test_the_plan_asks_the_kernel_cache_for_the_wg1of_kernel(monkeypatch, opts, kv, s_q, want):
     from mla_cute_dsl.kernels import api, kernel_cache
 
     keys, launched = [], []
     monkeypatch.setattr(kernel_cache, "get_or_build", lambda kind, spec, build: keys.append((kind, spec)) or "k")
     monkeypatch.setattr(api, "launch_balanced", lambda partial, *a: launched.append("balanced"))
     monkeypatch.setattr(api, "launch", lambda partial, *a: launched.append("even"))
-    _, planned = _plan(monkeypatch, CuteDslOptions(**opts), [3000, 17, 0, 4096], heads=128, kv=kv)
+    _, planned = _plan(monkeypatch, CuteDslOptions(**opts), [3000, 17, 0, 4096], heads=128, s_q=s_q, kv=kv)
     assert planned.kernel == "seesaw" and planned.balanced
     assert getattr(planned.run_fn, "keywords", {}).get("wg1_other_first", False) is want
     cache = torch.zeros(4, 64, 576, dtype=torch.float8_e4m3fn if kv == "fp8_e4m3" else torch.bfloat16)
-    planned.run(torch.zeros(4, 1, 128, 576, dtype=torch.bfloat16), cache,
-                torch.empty(4, 1, 128, 512, dtype=torch.bfloat16), torch.empty(4, 1, 128))
+    planned.run(torch.zeros(4, s_q, 128, 576, dtype=torch.bfloat16), cache,
+                torch.empty(4, s_q, 128, 512, dtype=torch.bfloat16), torch.empty(4, s_q, 128))
     kind, spec = keys[-1]
     assert kind == "partial_wgmma_seesaw_balanced" and ("wg1of" in spec) is want
     if kv == "fp8_e4m3" and opts.get("fp8_loader") != "producer":
