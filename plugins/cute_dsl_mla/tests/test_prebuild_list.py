@@ -133,11 +133,12 @@ def test_the_script_refuses_to_run_without_a_cache_directory(monkeypatch):
 
 def test_only_wg1of_builds_just_the_wg1_other_first_kernels(monkeypatch):
     """ONLY=wg1of (--only wg1of) selects exactly the kernels with wg1_other_first, and those only: the five of
-    branch qk-order (flag last), the two with tma_producer too (branch tmap-wg1of: "wg1of" then "tmap") and the
-    twenty fp8 ring kernels of branch fp8-wg1of (flag last, after "fp8p", "fp8pr<R>"[, "fp8ps4"])."""
+    branch qk-order (flag last), the two with tma_producer too (branch tmap-wg1of: "wg1of" then "tmap"), the fp16
+    default arm's (wg1_other_first auto from 256 rows, 0.2.21) and the twenty fp8 ring kernels of branch fp8-wg1of
+    (flag last, after "fp8p", "fp8pr<R>"[, "fp8ps4"])."""
     items, asked = _asked(monkeypatch)
     picked = [key for (label, _), key in zip(items, asked) if "wg1of" in label]
-    assert len(picked) == 27 and all("wg1of" in key[1] for key in picked), picked
+    assert len(picked) == 28 and all("wg1of" in key[1] for key in picked), picked
     assert sum(key[1][-1] == "wg1of" for key in picked) == 25
     assert sum(key[1][1] == "fp8_e4m3" for key in picked) == 20
     assert all("wg1of" in label for (label, _), key in zip(items, asked) if "wg1of" in key[1])
