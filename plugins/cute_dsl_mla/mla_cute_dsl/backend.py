@@ -151,7 +151,8 @@ SeesawSplit = Literal["even", "balanced"]
 QPF_AUTO_MAX_ROWS = 128
 # option wg1_other_first unset: on with a bf16/fp16 cache from this many packed rows (H=128 s_q=2 through mla bench
 # on an H200: 0.957-0.972x the time at S=4096, 0.99-1.006x at S=1200; at 128 rows, H=128 s_q=1, 1.015-1.026x:
-# docs/results/gpu26_session/wg1of_backend_bench.txt), off below; with an fp8 cache on wherever the ring runs
+# docs/results/gpu26_session/wg1of_backend_bench.txt; at 256-512 rows, H=64 s_q=4 and H=128 s_q=2/4, 0.923-0.966x at
+# S=4096, 0.969-1.020x at S=1200: wg1of_auto_rows_bench.txt), off below; with an fp8 cache on wherever the ring runs
 WG1OF_AUTO_MIN_ROWS = 256
 
 
@@ -234,7 +235,8 @@ class CuteDslOptions(BackendOptions):
                     "1200 / 4096, one run): fp8 0.97-0.99x the time without it at all 8 cells (B=128 s_q=1 S=4096 270.3 "
                     "against 277.5 us, fa3 944.8); bf16 at s_q=2 (256 rows) 0.957-0.972x at S=4096 (B=128 490.1 "
                     "against 504.2), 0.99-1.006x at S=1200, but at s_q=1 (128 rows) 1.015-1.026x, hence off below "
-                    f"{WG1OF_AUTO_MIN_ROWS} rows. True: on "
+                    f"{WG1OF_AUTO_MIN_ROWS} rows; at 256-512 rows (H=64 s_q=4, H=128 s_q=2 and 4, batch 32-128, "
+                    "wg1of_auto_rows_bench.txt) 0.923-0.966x at S=4096, 0.969-1.020x at S=1200. True: on "
                     "wherever the seesaw runs with a 16-bit cache or the fp8 ring; False: 0.2.20's kernels. The fp8 "
                     "seesaw without the ring (fp8_loader=inline / producer) and the other kernels ignore it")
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(
