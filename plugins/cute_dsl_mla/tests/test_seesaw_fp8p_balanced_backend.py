@@ -11,6 +11,7 @@ import torch
 
 from test_backend_host import prob  # noqa: E402  (same directory)
 from test_seesaw_balanced_backend import _plan  # noqa: E402
+from seesaw_entries import getter_keywords  # noqa: E402  (same directory)
 
 from mla_cute_dsl import backend as be
 from mla_cute_dsl.backend import CuteDslOptions
@@ -96,18 +97,6 @@ def test_balanced_getter_and_builder_pass_fp8p(monkeypatch):
     assert [k.__self__.fp8_producer for k, _ in built] == [True, False]
     assert all(k.__self__.balanced and kw == {"balanced": True} for k, kw in built)
 
-    asked = []
-    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw_balanced", lambda *a, **kw: asked.append(kw))
-    monkeypatch.setattr(api, "launch_balanced", lambda *a, **kw: None)
-    monkeypatch.setattr(api, "check_balanced", lambda *a, **kw: None)
-
-    class Sched:
-        wide_store = True
-        block_m = 64
-
-    q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
-    for fp8p in (False, True):
-        W.mla_decode_sm90_wgmma_seesaw_balanced(q, q.to(torch.float8_e4m3fn), None, None, 1.0, 1.0, None, None,
-                                                Sched(), [torch.zeros(1, dtype=torch.bfloat16)], check=False,
-                                                fp8_producer=fp8p)
+    asked = getter_keywords(monkeypatch, [(True, torch.float8_e4m3fn, {"fp8_producer": fp8p}) for fp8p in (False, True)],
+                            wide_store=True, partial_dtype=torch.bfloat16)
     assert "fp8_producer" not in asked[0] and asked[1]["fp8_producer"] is True  # default call's keywords unchanged

@@ -21,6 +21,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cutlass = pytest.importorskip("cutlass")
 
 from test_wgmma_compile import _nv_info_attrs  # noqa: E402  (same directory: pytest rootdir import)
+from seesaw_entries import getter_keywords  # noqa: E402  (same directory)
 
 
 def _dump(q: str, tmp_path, lazy: bool = False, l2_prefetch: bool = True):
@@ -83,7 +84,7 @@ def test_fp8p_cache_key_builder_and_entry(monkeypatch):
     import cutlass.cute as cute
     import torch
 
-    from mla_cute_dsl.kernels import api, kernel_cache
+    from mla_cute_dsl.kernels import kernel_cache
     from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
     assert "fp8p" in W.SEESAW_FLAGS
@@ -108,18 +109,8 @@ def test_fp8p_cache_key_builder_and_entry(monkeypatch):
     assert [k.fp8_producer for k in built] == [False, True, True]
     assert [k.lazy_rescale for k in built] == [False, False, True] and not built[2].l2_prefetch
 
-    asked = []
-    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw", lambda *a, **kw: asked.append(kw.get("fp8_producer")))
-    monkeypatch.setattr(api, "launch", lambda *a, **kw: None)
-
-    class Sched:
-        wide_store = False
-
-    q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
-    ws = [torch.zeros(1, dtype=torch.float32)]
-    for fp8p in (False, True):
-        W.mla_decode_sm90_wgmma_seesaw(q, q.to(torch.float8_e4m3fn), None, None, 1.0, 1.0, None, None, Sched(), ws,
-                                       check=False, fp8_producer=fp8p)
+    asked = [kw.get("fp8_producer") for kw in getter_keywords(
+        monkeypatch, [(False, torch.float8_e4m3fn, {"fp8_producer": fp8p}) for fp8p in (False, True)])]
     assert asked == [None, True]  # the default call's keywords are unchanged (test_backend_host.py pins them)
 
 

@@ -20,6 +20,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cutlass = pytest.importorskip("cutlass")
 
 from test_wgmma_compile import _nv_info_attrs  # noqa: E402  (same directory: pytest rootdir import)
+from seesaw_entries import getter_keywords  # noqa: E402  (same directory)
 
 
 def _kernel(q: str, ring: int, balanced: bool = False, lazy: bool = True, wide: bool = False, stage: int = 0):
@@ -103,7 +104,7 @@ def test_ring_cache_key_builder_and_entries(monkeypatch):
     import cutlass.cute as cute
     import torch
 
-    from mla_cute_dsl.kernels import api, kernel_cache
+    from mla_cute_dsl.kernels import kernel_cache
     from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
     assert W.seesaw_spec("bf16", "fp8_e4m3", True, fp8_producer=True) == ("bf16", "fp8_e4m3", 64, "l2pf", "fp8p")
@@ -134,42 +135,15 @@ def test_ring_cache_key_builder_and_entries(monkeypatch):
     objs = [k if hasattr(k, "fp8p_ring") else k.__self__ for k in built]  # balanced: call_balanced
     assert [(k.fp8p_ring, k.fp8p_stage) for k in objs] == [(0, 0), (7, 0), (5, 0), (7, 4)]
 
-    asked = []
+    f8 = torch.float8_e4m3fn
+    asked = getter_keywords(monkeypatch, [
+        (False, f8, {"fp8_producer": True}), (False, f8, {"fp8_producer": True, "fp8p_ring": 7}),
+        (True, f8, {"fp8_producer": True}), (True, f8, {"fp8_producer": True, "fp8p_ring": 5})])
+    assert [kw.get("fp8p_ring", "absent") for kw in asked] == ["absent", 7, "absent", 5]  # defaults unchanged
 
-    def getter(*a, **kw):
-        asked.append(kw.get("fp8p_ring", "absent"))
-
-    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw", getter)
-    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw_balanced", getter)
-    monkeypatch.setattr(api, "launch", lambda *a, **kw: None)
-    monkeypatch.setattr(api, "launch_balanced", lambda *a, **kw: None)
-    monkeypatch.setattr(api, "check_balanced", lambda *a, **kw: None)
-
-    class Sched:
-        wide_store = False
-        block_m = 64
-
-    q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
-    kv = q.to(torch.float8_e4m3fn)
-    ws = [torch.zeros(1, dtype=torch.float32)]
-    W.mla_decode_sm90_wgmma_seesaw(q, kv, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False,
-                                   fp8_producer=True)
-    W.mla_decode_sm90_wgmma_seesaw(q, kv, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False,
-                                   fp8_producer=True, fp8p_ring=7)
-    W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False,
-                                            fp8_producer=True)
-    W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False,
-                                            fp8_producer=True, fp8p_ring=5)
-    assert asked == ["absent", 7, "absent", 5]  # the default calls' keywords are unchanged
-
-    staged = []
-    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw", lambda *a, **kw: staged.append(kw.get("fp8p_stage")))
-    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw_balanced",
-                        lambda *a, **kw: staged.append(kw.get("fp8p_stage")))
-    W.mla_decode_sm90_wgmma_seesaw(q, kv, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False,
-                                   fp8_producer=True, fp8p_ring=7)
-    W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False,
-                                            fp8_producer=True, fp8p_ring=7, fp8p_stage=4)
+    staged = [kw.get("fp8p_stage") for kw in getter_keywords(monkeypatch, [
+        (False, f8, {"fp8_producer": True, "fp8p_ring": 7}),
+        (True, f8, {"fp8_producer": True, "fp8p_ring": 7, "fp8p_stage": 4})])]
     assert staged == [None, 4]
 
 

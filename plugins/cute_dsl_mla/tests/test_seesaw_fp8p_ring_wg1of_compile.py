@@ -38,6 +38,7 @@ cutlass = pytest.importorskip("cutlass")
 
 from test_balanced_compile import ptx_sha256  # noqa: E402  (same directory: pytest rootdir import)
 from test_wgmma_compile import _nv_info_attrs  # noqa: E402
+from seesaw_entries import getter_keywords  # noqa: E402  (same directory)
 
 # (q, balanced, lazy, wide) -> ptx_sha256 (test_balanced_compile.ptx_sha256; nvidia-cutlass-dsl 4.8.1 with its cu13
 # libraries: the project's .venv, where the other PTX pins hold; sm_90a) of the ring producer kernel (fp8p_ring=7,
@@ -158,7 +159,7 @@ def test_wg1of_ring_key_builder_and_entries(monkeypatch):
     import cutlass.cute as cute
     import torch
 
-    from mla_cute_dsl.kernels import api, kernel_cache
+    from mla_cute_dsl.kernels import kernel_cache
     from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
     assert W.seesaw_spec("bf16", "fp8_e4m3", True, "bf16", True, lazy_rescale=True, fp8_producer=True, fp8p_ring=7,
@@ -185,29 +186,10 @@ def test_wg1of_ring_key_builder_and_entries(monkeypatch):
     assert [(k.fp8p_ring, k.wg1_other_first, k.balanced) for k in objs] == [(7, True, False), (7, True, True),
                                                                             (7, False, True)]
 
-    asked = []
-
-    def getter(*a, **kw):
-        asked.append(kw.get("wg1_other_first", "absent"))
-
-    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw", getter)
-    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw_balanced", getter)
-    monkeypatch.setattr(api, "launch", lambda *a, **kw: None)
-    monkeypatch.setattr(api, "launch_balanced", lambda *a, **kw: None)
-    monkeypatch.setattr(api, "check_balanced", lambda *a, **kw: None)
-
-    class Sched:
-        wide_store = False
-        block_m = 64
-
-    q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
-    kv = q.to(torch.float8_e4m3fn)
-    ws = [torch.zeros(1, dtype=torch.float32)]
-    for fn in (W.mla_decode_sm90_wgmma_seesaw, W.mla_decode_sm90_wgmma_seesaw_balanced):
-        fn(q, kv, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False, fp8_producer=True, fp8p_ring=7)
-        fn(q, kv, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False, fp8_producer=True, fp8p_ring=7,
-           wg1_other_first=True)
-    assert asked == ["absent", True, "absent", True]
+    ring = {"fp8_producer": True, "fp8p_ring": 7}
+    asked = getter_keywords(monkeypatch, [(balanced, torch.float8_e4m3fn, kw) for balanced in (False, True)
+                                          for kw in (ring, ring | {"wg1_other_first": True})])
+    assert [kw.get("wg1_other_first", "absent") for kw in asked] == ["absent", True, "absent", True]
 
 
 def _check_ring_ptx(ptx, regs, frame):

@@ -18,6 +18,7 @@ cutlass = pytest.importorskip("cutlass")
 
 from test_balanced_compile import ptx_sha256  # noqa: E402  (same directory: pytest rootdir import)
 from test_wgmma_compile import _nv_info_attrs, _sw128_descriptors  # noqa: E402
+from seesaw_entries import getter_keywords  # noqa: E402  (same directory)
 
 # sha256 (ptx_sha256: comments stripped, blank lines dropped) of seesaw kernels without tma, computed at 2e50b17
 # before the option was added: (q, kv, l2 prefetch, partial dtype, wide stores); the getter's per-dtype prefetch
@@ -168,7 +169,7 @@ def test_tma_cache_key_and_builder(monkeypatch):
     import cutlass.cute as cute
     import torch
 
-    from mla_cute_dsl.kernels import api, kernel_cache
+    from mla_cute_dsl.kernels import kernel_cache
     from mla_cute_dsl.kernels import sm90_wgmma_decode as W
 
     assert "tma" in W.SEESAW_FLAGS and "rfence" in W.SEESAW_FLAGS
@@ -199,18 +200,7 @@ def test_tma_cache_key_and_builder(monkeypatch):
     assert [k.tma for k in built] == [False, True, True, False, False] and built[1].mma_dtype is cutlass.BFloat16
     assert [k.reader_fences for k in built] == [True, False, True, False, True]
 
-    asked = []
-    monkeypatch.setattr(W, "get_partial_kernel_wgmma_seesaw",
-                        lambda *a, **kw: asked.append((kw.get("tma"), kw.get("reader_fences"))))
-    monkeypatch.setattr(api, "launch", lambda *a, **kw: None)
-
-    class Sched:
-        wide_store = False
-
-    q = torch.zeros(1, 1, 64, 576, dtype=torch.bfloat16)
-    ws = [torch.zeros(1, dtype=torch.float32)]
-    for tma in (False, True):
-        W.mla_decode_sm90_wgmma_seesaw(q, q, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False, tma=tma)
-    W.mla_decode_sm90_wgmma_seesaw(q, q, None, None, 1.0, 1.0, None, None, Sched(), ws, check=False, tma=True,
-                                   reader_fences=True)
+    asked = [(kw.get("tma"), kw.get("reader_fences")) for kw in getter_keywords(monkeypatch, [
+        (False, torch.bfloat16, {"tma": False}), (False, torch.bfloat16, {"tma": True}),
+        (False, torch.bfloat16, {"tma": True, "reader_fences": True})])]
     assert asked == [(False, False), (True, False), (True, True)]
