@@ -159,42 +159,27 @@ def specs():
                     # size (the backend's fp8_loader=ring: lazy in the default arm) one item and balanced, fp32 narrow
                     # eager / lazy (test_seesaw_fp8p_ring_gpu.py, wgmma_speed.py's *_fp8p_ring* ways, fp8_ring_gpu.sh);
                     # every ring size (RING_SIZES): ONLY=seesaw_fp8p_ring
-                    # and the default size with its shared-memory staging (fp8p_stage, fp8_loader=ring_staged)
+                    # and the default size with its shared-memory staging (fp8p_stage, fp8_loader=ring_staged).
+                    # With wg1_other_first (branch fp8-wg1of, the backend's default with the ring since 0.2.21;
+                    # ONLY=ring_wg1of): the default size in every arm (wgmma_speed.py's *_fp8p_ring_wg1of_lazy ways,
+                    # test_seesaw_fp8p_ring_wg1of_gpu.py, the hang probe), ring 5 and the staged ring in fp32 narrow
+                    # lazy (the GPU tests' bitwise cross-checks against their option-off twins)
                     for ring, st in [(r, 0) for r in RING_SIZES] + [(RING_DEFAULT, STAGE_SLOTS)]:
                         for lazy in ((False, True) if partial == "fp32" else (True,)):
-                            z = " lazy" if lazy else ""
-                            rs = f"r{ring}{f's{st}' if st else ''}"
-                            out.append((f"seesaw_fp8p_ring {q} {tag} {rs}{z}",
-                                        lambda q=q, p=partial, w=wide, z=lazy, r=ring, s=st:
-                                        get_partial_kernel_wgmma_seesaw(
-                                            q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z, fp8_producer=True,
-                                            fp8p_ring=r, fp8p_stage=s)))
-                            out.append((f"seesaw_fp8p_ring_balanced {q} {tag} {rs}{z}",
-                                        lambda q=q, p=partial, w=wide, z=lazy, r=ring, s=st:
-                                        get_partial_kernel_wgmma_seesaw_balanced(
-                                            q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z, fp8_producer=True,
-                                            fp8p_ring=r, fp8p_stage=s)))
-                if kv == "fp8_e4m3":  # the ring with wg1_other_first (branch fp8-wg1of; ONLY=ring_wg1of): the default
-                    # size in the arms above (the backend-like arm: lazy, q partials, wide; fp32 narrow eager / lazy:
-                    # wgmma_speed.py's *_fp8p_ring_wg1of_lazy ways, test_seesaw_fp8p_ring_wg1of_gpu.py, the hang
-                    # probe), ring 5 and the staged ring in fp32 narrow lazy (the GPU tests' bitwise cross-checks);
-                    # their option-off twins are the "seesaw_fp8p_ring[_balanced] ..." entries above
-                    for ring, st in [(r, 0) for r in RING_SIZES] + [(RING_DEFAULT, STAGE_SLOTS)]:
-                        for lazy in ((False, True) if partial == "fp32" else (True,)):
-                            if (ring, st) != (RING_DEFAULT, 0) and not (lazy and partial == "fp32"):
-                                continue
-                            z = " lazy" if lazy else ""
-                            rs = f"r{ring}{f's{st}' if st else ''}"
-                            out.append((f"seesaw_fp8p_ring_wg1of {q} {tag} {rs}{z}",
-                                        lambda q=q, p=partial, w=wide, z=lazy, r=ring, s=st:
-                                        get_partial_kernel_wgmma_seesaw(
-                                            q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z, fp8_producer=True,
-                                            fp8p_ring=r, fp8p_stage=s, wg1_other_first=True)))
-                            out.append((f"seesaw_fp8p_ring_wg1of_balanced {q} {tag} {rs}{z}",
-                                        lambda q=q, p=partial, w=wide, z=lazy, r=ring, s=st:
-                                        get_partial_kernel_wgmma_seesaw_balanced(
-                                            q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z, fp8_producer=True,
-                                            fp8p_ring=r, fp8p_stage=s, wg1_other_first=True)))
+                            for wg1of in (False, True):
+                                if wg1of and (ring, st) != (RING_DEFAULT, 0) and not (lazy and partial == "fp32"):
+                                    continue
+                                z = " lazy" if lazy else ""
+                                rs = f"r{ring}{f's{st}' if st else ''}"
+                                name = "seesaw_fp8p_ring_wg1of" if wg1of else "seesaw_fp8p_ring"
+                                for balanced in (False, True):
+                                    getter = (get_partial_kernel_wgmma_seesaw_balanced if balanced
+                                              else get_partial_kernel_wgmma_seesaw)
+                                    out.append((f"{name}{'_balanced' if balanced else ''} {q} {tag} {rs}{z}",
+                                                lambda g=getter, q=q, p=partial, w=wide, z=lazy, r=ring, s=st, o=wg1of:
+                                                g(q, "fp8_e4m3", partial=p, wide_store=w, lazy_rescale=z,
+                                                  fp8_producer=True, fp8p_ring=r, fp8p_stage=s,
+                                                  **({"wg1_other_first": True} if o else {}))))
                 if q == "bf16" and partial == "fp32" and (kv == "fp8_e4m3" or kv == q):
                     # seesaw_nofence_gpu.sh's reader_fences=True arms (wgmma_speed.py seesaw_tma_fenced /
                     # seesaw_fenced --kv fp8)
