@@ -23,15 +23,17 @@ from test_wgmma_compile import _nv_info_attrs  # noqa: E402  (same directory: py
 from seesaw_entries import getter_keywords  # noqa: E402  (same directory)
 
 
-def _kernel(q: str, ring: int, balanced: bool = False, lazy: bool = True, wide: bool = False, stage: int = 0):
-    """(entry, fake arguments) of a producer kernel with ``fp8p_ring=ring`` (0: the one-part producer) and
-    ``fp8p_stage=stage``."""
+def _kernel(q: str, ring: int, balanced: bool = False, lazy: bool = True, wide: bool = False, stage: int = 0,
+            wg1of: bool = False):
+    """(entry, fake arguments) of a producer kernel with ``fp8p_ring=ring`` (0: the one-part producer),
+    ``fp8p_stage=stage`` and ``wg1_other_first=wg1of`` (test_seesaw_fp8p_ring_wg1of_compile.py)."""
     from mla_cute_dsl.kernels import api
     from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
 
     k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), cutlass.Float8E4M3FN, l2_prefetch=True, balanced=balanced,
                                     lazy_rescale=lazy, fp8_producer=True, wide_store=wide,
-                                    **({"fp8p_ring": ring} if ring else {}), **({"fp8p_stage": stage} if stage else {}))
+                                    **({"fp8p_ring": ring} if ring else {}), **({"fp8p_stage": stage} if stage else {}),
+                                    **({"wg1_other_first": True} if wg1of else {}))
     partial = q if wide else "fp32"
     if balanced:
         return k.call_balanced, api._fake_args_partial_balanced(q, "fp8_e4m3", partial)
@@ -39,12 +41,18 @@ def _kernel(q: str, ring: int, balanced: bool = False, lazy: bool = True, wide: 
 
 
 def _dump(tmp_path, *a, **kw):
-    """Compile with --keep-ptx/--keep-cubin: (ptx text, registers at launch, stack frame)."""
+    """Compile ``_kernel(*a, **kw)`` with --keep-ptx/--keep-cubin: (ptx text, registers at launch, stack frame)."""
+    return compile_dump(tmp_path, *_kernel(*a, **kw))
+
+
+def compile_dump(tmp_path, entry, args):
+    """Compile (entry, fake arguments) with --keep-ptx/--keep-cubin into tmp_path: (ptx text, registers at launch,
+    stack frame)."""
     import cutlass.cute as cute
 
     from mla_cute_dsl.kernels import api
 
-    entry, args = _kernel(*a, **kw)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cute.compile(entry, *args, options=api.COMPILE_OPTIONS + f" --keep-ptx --keep-cubin --dump-dir={tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     attrs = _nv_info_attrs(b"".join(p.read_bytes() for p in tmp_path.glob("*.cubin")))

@@ -37,8 +37,8 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cutlass = pytest.importorskip("cutlass")
 
 from test_balanced_compile import ptx_sha256  # noqa: E402  (same directory: pytest rootdir import)
-from test_wgmma_compile import _nv_info_attrs  # noqa: E402
 from seesaw_entries import getter_keywords  # noqa: E402  (same directory)
+from test_seesaw_fp8p_ring_compile import _kernel as _ring_kernel, compile_dump  # noqa: E402
 
 # (q, balanced, lazy, wide) -> ptx_sha256 (test_balanced_compile.ptx_sha256; nvidia-cutlass-dsl 4.8.1 with its cu13
 # libraries: the project's .venv, where the other PTX pins hold; sm_90a) of the ring producer kernel (fp8p_ring=7,
@@ -60,34 +60,14 @@ RING_WG1OF_PTX_SHA256 = {
 
 
 def _kernel(q: str, balanced: bool, lazy: bool, wide: bool, wg1of: bool = True, ring: int = 7, stage: int = 0):
-    """(entry, fake arguments) of the fp8 ring producer kernel (l2_prefetch on, the getters' fp8 default)."""
-    from mla_cute_dsl.kernels import api
-    from mla_cute_dsl.kernels.sm90_wgmma_decode import MLADecodePartialWGMMASeesaw
-
-    k = MLADecodePartialWGMMASeesaw(api._cutlass_dtype(q), cutlass.Float8E4M3FN, l2_prefetch=True, balanced=balanced,
-                                    lazy_rescale=lazy, fp8_producer=True, wide_store=wide, fp8p_ring=ring,
-                                    **({"fp8p_stage": stage} if stage else {}),
-                                    **({"wg1_other_first": True} if wg1of else {}))
-    partial = q if wide else "fp32"
-    if balanced:
-        return k.call_balanced, api._fake_args_partial_balanced(q, "fp8_e4m3", partial)
-    return k, api._fake_args_partial(q, "fp8_e4m3", partial)
+    """(entry, fake arguments) of the fp8 ring producer kernel (l2_prefetch on, the getters' fp8 default), with
+    wg1_other_first unless told otherwise: test_seesaw_fp8p_ring_compile's builder in this file's argument order."""
+    return _ring_kernel(q, ring, balanced=balanced, lazy=lazy, wide=wide, stage=stage, wg1of=wg1of)
 
 
 def _dump(tmp_path, *a, **kw):
     """Compile with --keep-ptx/--keep-cubin: (ptx text, registers at launch, stack frame)."""
-    import cutlass.cute as cute
-
-    from mla_cute_dsl.kernels import api
-
-    entry, args = _kernel(*a, **kw)
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    cute.compile(entry, *args, options=api.COMPILE_OPTIONS + f" --keep-ptx --keep-cubin --dump-dir={tmp_path}")
-    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
-    attrs = _nv_info_attrs(b"".join(p.read_bytes() for p in tmp_path.glob("*.cubin")))
-    regs = max(v for a_, v in attrs if a_ == 0x2F)  # EIATTR_REGCOUNT
-    frame = max((v for a_, v in attrs if a_ == 0x11), default=0)  # EIATTR_FRAME_SIZE
-    return ptx, regs, frame
+    return compile_dump(tmp_path, *_kernel(*a, **kw))
 
 
 def _mbar_index(ptx):
