@@ -236,7 +236,9 @@ class CuteDslOptions(BackendOptions):
                     "against 277.5 us, fa3 944.8); bf16 at s_q=2 (256 rows) 0.957-0.972x at S=4096 (B=128 490.1 "
                     "against 504.2), 0.99-1.006x at S=1200, but at s_q=1 (128 rows) 1.015-1.026x, hence off below "
                     f"{WG1OF_AUTO_MIN_ROWS} rows; at 256-512 rows (H=64 s_q=4, H=128 s_q=2 and 4, batch 32-128, "
-                    "wg1of_auto_rows_bench.txt) 0.923-0.966x at S=4096, 0.969-1.020x at S=1200. True: on "
+                    "wg1of_auto_rows_bench.txt) 0.923-0.966x at S=4096, 0.969-1.020x at S=1200; all measured with "
+                    "the default balanced TMA-producer kernel (the even or cp.async seesaw at >= 256 rows follows the "
+                    "same rule, its speed with it not measured). True: on "
                     "wherever the seesaw runs with a 16-bit cache or the fp8 ring; False: 0.2.20's kernels. The fp8 "
                     "seesaw without the ring (fp8_loader=inline / producer) and the other kernels ignore it")
     mma: Literal["auto", "wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"] = Field(
@@ -652,8 +654,10 @@ def kernel_summary(shape: DecodeShape, options: CuteDslOptions, kv_blocks: Optio
     if seesaw_wg1_other_first(shape, options):
         text += ", warpgroup 1's QK waits the other warpgroup's part of its tile first (wg1_other_first)"
     elif kernel == "seesaw" and options.wg1_other_first:
-        text += (" (wg1_other_first=true ignored: the fp8 seesaw takes it only with the producer's register ring, "
-                 "fp8_loader=ring / ring_staged)")
+        why = ("fp8_loader=ring / ring_staged" if options.fp8_loader not in ("ring", "ring_staged")
+               else "which the balanced seesaw runs only with backend.FP8_BALANCED_PRODUCER, set off here")
+        text += (f" (wg1_other_first=true ignored: the fp8 seesaw takes it only with the producer's register ring, "
+                 f"{why})")
     if _wgmma_t_auto(shape, options):
         rows = shape.seq_len_q * shape.num_heads
         least = WGMMA_T_AUTO_MIN_BLOCKS

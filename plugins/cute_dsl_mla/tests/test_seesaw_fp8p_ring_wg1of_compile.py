@@ -49,8 +49,8 @@ RING_MAIN_PTX_SHA256 = {
     ("bf16", True, True, False): "f092bdb5b829d81fcd3b3a16c0f1c18bf4371c3241a12d12fe367ddb58b1f594",
     ("fp16", False, False, False): "5c5cfe9772d0d3459e52ecabe20e70449276e6f4ca100a9021ed936de925491f",
 }
-# the same kernels WITH wg1_other_first (this branch, compile-only: rerun test_seesaw_fp8p_ring_wg1of_gpu.py before
-# moving a pin)
+# the same kernels WITH wg1_other_first (branch fp8-wg1of; GPU-verified on an H200 in the twenty-sixth session with
+# these pins: rerun test_seesaw_fp8p_ring_wg1of_gpu.py before moving a pin)
 RING_WG1OF_PTX_SHA256 = {
     ("bf16", False, True, True): "0e20f8badf14d9a65a0ed60636614fbbd1a0adfab2f1be320ec4656be0129731",
     ("bf16", True, True, True): "c88c6feac64d87189cd23635f3e61258960ad195d5d143396db37da16a1e9db0",

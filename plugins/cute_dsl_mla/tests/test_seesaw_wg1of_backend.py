@@ -23,7 +23,7 @@ def test_option_default_auto_and_validated():
     with pytest.raises(ValueError, match="wg1_other_first"):
         CuteDslOptions(wg1_other_first="first")
     desc = CuteDslOptions.model_fields["wg1_other_first"].description
-    assert "fp8_loader=ring" in desc and f"from {be.WG1OF_AUTO_MIN_ROWS} packed rows" in desc
+    assert "fp8_loader=ring" in desc and "from 256 packed rows" in desc
     assert be.WG1OF_AUTO_MIN_ROWS == 256  # H=128 s_q=2: where it was measured faster with a 16-bit cache
 
 
@@ -49,6 +49,18 @@ def test_auto_rule_and_what_ignores_it(opts, heads, s_q, kv, want):
     # asked for where the fp8 seesaw cannot take it: said so, not silently dropped
     asked_in_vain = o.wg1_other_first is True and not want and be.partial_kernel(shape, o) == "seesaw"
     assert ("wg1_other_first=true ignored" in summary) is asked_in_vain
+
+
+def test_the_ignored_note_names_what_keeps_the_ring_off(monkeypatch):
+    """wg1_other_first=true on an fp8 seesaw without the ring: the summary says which setting keeps the ring off (the
+    loader option, or with fp8_loader=ring the module flag that keeps the balanced seesaw's producer off)."""
+    fp8 = prob(num_heads=128, kv_dtype="fp8_e4m3")
+    inline = be.kernel_summary(fp8, CuteDslOptions(wg1_other_first=True, fp8_loader="inline"))
+    assert "wg1_other_first=true ignored" in inline and inline.endswith("fp8_loader=ring / ring_staged)")
+    monkeypatch.setattr(be, "FP8_BALANCED_PRODUCER", False)
+    ring = be.kernel_summary(fp8, CuteDslOptions(wg1_other_first=True))
+    assert not be.seesaw_wg1_other_first(fp8, CuteDslOptions(wg1_other_first=True))
+    assert "wg1_other_first=true ignored" in ring and "FP8_BALANCED_PRODUCER" in ring.split("wg1_other_first=true")[1]
 
 
 @pytest.mark.parametrize("opts,kv,s_q,want", [({}, "fp8_e4m3", 1, True), ({"wg1_other_first": False}, "fp8_e4m3", 1, False),

@@ -943,8 +943,8 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       warpgroup 1's pv_remote of the last pair, when both warpgroups' last S are known to be done; the tiles at the
       slots of tiles a+2 / b+2 that the item does not have; tests/test_seesaw_qpf_protocol.py models it).
     * ``wg1_other_first=True`` (16-bit KV, cp.async or TMA loads, one item per CTA or balanced, with or without
-      q_prefetch; branch qk-order; GPU-verified on an H200 in the twenty-fourth session, 19 tests, not in the
-      backend): warpgroup 1's QK of its own tile b waits on
+      q_prefetch; branch qk-order; GPU-verified on an H200 in the twenty-fourth session, 19 tests; the backend's
+      option wg1_other_first, on by default from 256 packed rows since 0.2.21): warpgroup 1's QK of its own tile b waits on
       warpgroup 0's part (mbar + 2: columns 0..255 and the RoPE block) first and issues those 20 k-blocks, then waits
       on its own part (mbar + 3: columns 256..511) and issues the other 16 (``qk_wait_order``; everything else the
       same).  Why: an ncu profile of the balanced TMA seesaw (H=128 B=128 S=4096) had WG1's wait for its own part of
@@ -978,7 +978,7 @@ class MLADecodePartialWGMMASeesaw(MLADecodePartialWGMMA):
       kernel issues them after the epilogue's barrier).  setmaxnreg 232 / 40; smem 222,800 B (10 mbarriers);
       tests/test_seesaw_tmap_protocol.py models it; NOTES.md "Balanced 16-bit seesaw with a TMA producer warpgroup".
       With ``wg1_other_first`` (branch tmap-wg1of; H200, twenty-fifth session: 11 GPU tests, 0.965x at H=128 s_q=2,
-      1.01-1.03x at s_q=1; backend option, off by default): warpgroup 1 waits full[2] before full[3] for its tile
+      1.01-1.03x at s_q=1; the backend's default from 256 packed rows since 0.2.21): warpgroup 1 waits full[2] before full[3] for its tile
       (``qk_wait_order``) and the producer issues tile b's part 2 before part 3 (``tmap_tile_b_parts``).
     """
 
@@ -3171,7 +3171,8 @@ def get_partial_kernel_wgmma_seesaw(q_name: str, kv_name: str | None = None, *,
     ``wg1_other_first`` (16-bit cache, or fp8_e4m3 with fp8_producer and fp8p_ring (branch fp8-wg1of, GPU-verified:
     the ring converts tile b's part 2 before part 3), ValueError otherwise; branch qk-order, GPU-verified): warpgroup 1's
     QK of its own tile waits warpgroup 0's part first (``MLADecodePartialWGMMASeesaw.qk_wait_order``), key flag
-    "wg1of"; the backend's option wg1_other_first (default: on with the fp8 ring, off with a 16-bit cache)."""
+    "wg1of"; the backend's option wg1_other_first (default: on with the fp8 ring, and with a 16-bit cache from 256
+    packed rows)."""
     from . import kernel_cache
 
     kv_name = q_name if kv_name is None else kv_name
@@ -3276,7 +3277,7 @@ def get_partial_kernel_wgmma_seesaw_balanced(q_name: str, kv_name: str | None = 
     "fp8ps<S>").  ``q_prefetch`` (16-bit cache only, ValueError otherwise; branch q-prefetch, compile-only): each
     item issues the next item's Q (a TMA load) and KV tiles 0 / 1 during its last pairs (``seesaw_column_qpf``),
     key flag "qpf".  ``wg1_other_first`` (16-bit cache, or fp8 with fp8_producer and fp8p_ring (branch fp8-wg1of,
-    compile-only), ValueError otherwise; branch qk-order, GPU-verified):
+    GPU-verified), ValueError otherwise; branch qk-order, GPU-verified):
     warpgroup 1's QK of its own tile waits warpgroup 0's part first, key flag "wg1of" (as the even getter's).
 
     ``tma_producer`` (16-bit cache with tma=True only, not with q_prefetch or the fp8 options;
