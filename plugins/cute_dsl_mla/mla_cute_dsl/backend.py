@@ -412,8 +412,10 @@ def shape_reasons(shape: DecodeShape) -> List[str]:
 
 def wgmma_reasons(shape: DecodeShape, option: str = "wgmma") -> List[str]:
     """Why a WGMMA kernel (mma=wgmma or mma=seesaw: 64-row tiles) cannot take a shape the mma.sync kernels
-    take (empty: it can)."""
-    if shape.seq_len_q * shape.num_heads <= 32:
+    take (empty: it can). mma=seesaw takes every row count when forced: it pads its 64-row tile inside (as it
+    does for the last m-block of H=63 or H=126), and with at most 32 rows it is there to be measured against the
+    16/32-row kernels (auto does not pick it there); mma=wgmma, the one-S kernel, keeps its floor of 33 rows."""
+    if option == "wgmma" and shape.seq_len_q * shape.num_heads <= 32:
         return [f"mma={option}: s_q*num_heads={shape.seq_len_q * shape.num_heads} <= 32 (its tile is 64 query "
                 "rows, at least half of them padding here; the mma.sync kernels' 16/32-row tiles fit)"]
     return []

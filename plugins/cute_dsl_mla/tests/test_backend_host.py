@@ -183,8 +183,13 @@ def test_the_partial_kernel_is_chosen_per_shape_and_forced_values_are_refused_wi
     assert CuteDslBackend().can_implement(prob(num_heads=33).shape, seesaw) == []
     assert CuteDslBackend().can_implement(prob(num_heads=128, kv_dtype="fp8_e4m3").shape, seesaw) == []
     assert CuteDslBackend().can_implement(prob(q_dtype="fp16", kv_dtype="fp8_e4m3", num_heads=40).shape, seesaw) == []
-    assert CuteDslBackend().can_implement(prob(num_heads=32).shape, seesaw)[0].startswith(
-        "mma=seesaw: s_q*num_heads=32 <= 32")
+    # forced, the seesaw takes 1-32 rows too (its 64-row tile padded inside); the one-S kernel does not
+    for heads, s_q in ((32, 1), (16, 2), (1, 1), (3, 8)):
+        assert CuteDslBackend().can_implement(prob(num_heads=heads, seq_len_q=s_q).shape, seesaw) == []
+        assert CuteDslBackend().can_implement(prob(num_heads=heads, seq_len_q=s_q, kv_dtype="fp8_e4m3").shape,
+                                              seesaw) == []
+    assert CuteDslBackend().can_implement(prob(num_heads=32).shape, forced)[0].startswith(
+        "mma=wgmma: s_q*num_heads=32 <= 32")
     backend = CuteDslBackend()
     assert backend.can_implement(prob(num_heads=33).shape, forced) == []
     assert backend.can_implement(prob(num_heads=128, kv_dtype="fp8_e4m3").shape, forced) == []
