@@ -93,13 +93,29 @@ class TestCuteDslWgmmaFp16Conformance(TestCuteDslWgmmaConformance):
 
 
 class TestCuteDslSeesawConformance(TestCuteDslConformance):
-    """The seesaw WGMMA schedule forced (auto takes it from 128 rows), bf16 and fp16 q, a cache in q's dtype
-    or fp8; shapes it refuses (s_q*H <= 32) are skipped with the backend's reason."""
+    """The seesaw WGMMA schedule forced (auto takes it from 33 rows), bf16 and fp16 q, a cache in q's dtype
+    or fp8; since mla-cute-dsl 0.2.22 it takes 16 and 32 rows too (H=16 s_q=1/2: the 64-row tile padded)."""
 
     options = {"mma": "seesaw"}
     num_heads = (16, 63, 64, 126, 128)
     kv_dtypes = ("bf16", "fp8_e4m3")
     single_cell_heads = 128
+
+
+class TestCuteDslSeesawFewRowsConformance(TestCuteDslConformance):
+    """mma=seesaw forced at 1-32 packed rows (0.2.22: the 64-row tile padded inside, one m-block per request; auto
+    keeps the 16/32-row kernels there), bf16 and fp8 caches, with the loads auto gives (cp.async for a bf16
+    cache below 33 rows, the fp8 producer ring) and, in the TMA class below, the TMA producer."""
+
+    options = {"mma": "seesaw"}
+    num_heads = (1, 3, 8, 32)
+    seq_lens_q = (1, 2, 4)
+    kv_dtypes = ("bf16", "fp8_e4m3")
+
+
+class TestCuteDslSeesawFewRowsTmaConformance(TestCuteDslSeesawFewRowsConformance):
+    options = {"mma": "seesaw", "loads": "tma"}
+    kv_dtypes = ("bf16",)
 
 
 class TestCuteDslSeesawFp16Conformance(TestCuteDslSeesawConformance):

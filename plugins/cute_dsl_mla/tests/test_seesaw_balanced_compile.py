@@ -21,6 +21,7 @@ run is test_seesaw_balanced_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -246,9 +247,10 @@ def test_balanced_refusals_cache_kind_and_entry(monkeypatch):
     for check in (True, False):
         with pytest.raises(ValueError, match="balanced=True"):
             W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, even, ws, check=check)
-    narrow = make_schedule([100, 0, 64], 2, 16, 132, device="cpu", balanced=True)
-    with pytest.raises(ValueError, match="> 32"):
-        W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, narrow, ws, check=False)
+    # a schedule whose m-blocks do not match the 64-row tile's (128 rows in 32-row blocks: 4, the kernel's grid 2)
+    mismatched = dataclasses.replace(bal, block_m=32)
+    with pytest.raises(ValueError, match=r"m-blocks of 32 rows do not cover s_q \* H = 128"):
+        W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, mismatched, ws, check=False)
     assert asked == [] and launched == []
     bal.wide_store = True
     W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, bal, ws, tma=True)
@@ -260,6 +262,13 @@ def test_balanced_refusals_cache_kind_and_entry(monkeypatch):
     assert [p for p, _ in launched] == ["kernel", "kernel"] and all(s is bal for _, s in launched)
     # the balanced grid: 2 m-blocks of 64 rows at H=128 s_q=1 -> 66 columns on 132 SMs
     assert bal.num_cols == 66 and bal.block_m == 64
+    # at <= 32 rows (mma=seesaw forced there) the 16/32-row schedule has one m-block, as the padded 64-row tile
+    # has: the same grid, so the entry takes it
+    for s_q_n, heads in ((2, 16), (1, 16), (1, 1)):
+        narrow = make_schedule([100, 0, 64], s_q_n, heads, 132, device="cpu", balanced=True)
+        assert narrow.block_m in (16, 32) and narrow.num_cols == 132
+        W.mla_decode_sm90_wgmma_seesaw_balanced(q, kv, pt, lens, 0.1, 1.0, out, lse, narrow, ws, check=False)
+        assert launched[-1] == ("kernel", narrow)
 
 
 # ------------------------- float64 emulation: the column walk + combine -------------------------

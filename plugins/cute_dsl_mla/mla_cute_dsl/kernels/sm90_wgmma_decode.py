@@ -3326,7 +3326,8 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
     """``mla_decode_sm90_wgmma_seesaw`` on a balanced schedule: the balanced seesaw kernel, a fixed grid of
     (m-blocks, schedule.num_cols) CTAs each walking its column of a ``make_schedule(..., balanced=True)``
     schedule (either form of the hybrid plan), then the combine, through ``api.launch_balanced`` (the mma.sync
-    and wgmma_t balanced entries' launch).  Needs s_q * H > 32 (the 64-row tile: schedule.block_m 64) and a
+    and wgmma_t balanced entries' launch).  Needs a schedule with the 64-row tile's m-blocks (block_m 64, or
+    any block_m at s_q * H <= 32, where every block_m gives one m-block: the tile is padded) and a
     bf16/fp16 or fp8 e4m3 cache (ValueError otherwise, also with check=False; fp8: k = kv * kv_scale as in the
     even entry; GPU-verified in the twenty-second session).  ``l2_prefetch``, ``tma``: see
     ``get_partial_kernel_wgmma_seesaw``; ``fp8_producer`` (fp8 cache only; GPU-verified), ``fp8p_ring``,
@@ -3335,8 +3336,10 @@ def mla_decode_sm90_wgmma_seesaw_balanced(q, kv_cache, page_table, kv_lens, sm_s
     from . import api
 
     api.check_balanced(schedule, kv_cache, fp8_ok=True)
-    if schedule.block_m != BLOCK_M:
-        raise ValueError(f"balanced seesaw: s_q * H must be > 32 (its 64-row tile), got {schedule.rows}")
+    if -(-schedule.rows // schedule.block_m) != -(-schedule.rows // BLOCK_M):
+        # a schedule of 16/32-row m-blocks has one m-block at <= 32 rows, as the 64-row tile has: the same grid
+        raise ValueError(f"balanced seesaw: the schedule's m-blocks of {schedule.block_m} rows do not cover "
+                         f"s_q * H = {schedule.rows} as the kernel's 64-row tiles do")
     if check:
         api.check_call(q, kv_cache, page_table, kv_lens, out, lse, schedule)
     partial = get_partial_kernel_wgmma_seesaw_balanced(
