@@ -10,9 +10,11 @@ import torch
 
 
 class FakeSchedule:
-    """The schedule fields the entries read before their getter (the balanced entry checks block_m)."""
+    """The schedule fields the entries read before their getter (the balanced entry checks that block_m gives
+    its rows the 64-row tile's m-blocks; q below has 64 rows)."""
 
     block_m = 64
+    rows = 64
 
     def __init__(self, wide_store: bool = False) -> None:
         self.wide_store = wide_store
