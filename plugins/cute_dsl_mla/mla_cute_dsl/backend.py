@@ -410,14 +410,22 @@ def shape_reasons(shape: DecodeShape) -> List[str]:
     return out
 
 
-def wgmma_reasons(shape: DecodeShape, option: str = "wgmma") -> List[str]:
-    """Why a WGMMA kernel (mma=wgmma or mma=seesaw: 64-row tiles) cannot take a shape the mma.sync kernels
-    take (empty: it can). mma=seesaw takes every row count when forced: it pads its 64-row tile inside (as it
-    does for the last m-block of H=63 or H=126), and with at most 32 rows it is there to be measured against the
-    16/32-row kernels (auto does not pick it there); mma=wgmma, the one-S kernel, keeps its floor of 33 rows."""
-    if option == "wgmma" and shape.seq_len_q * shape.num_heads <= 32:
-        return [f"mma={option}: s_q*num_heads={shape.seq_len_q * shape.num_heads} <= 32 (its tile is 64 query "
-                "rows, at least half of them padding here; the mma.sync kernels' 16/32-row tiles fit)"]
+def wgmma_reasons(shape: DecodeShape, options: CuteDslOptions) -> List[str]:
+    """Why a WGMMA kernel (options.mma wgmma or seesaw: 64-row tiles) cannot take a shape the mma.sync kernels
+    take (empty: it can). mma=seesaw takes 1-32 rows too when forced (0.2.22): it pads its 64-row tile inside (as
+    it does for the last m-block of H=63 or H=126), there to be measured against the 16/32-row kernels (auto does
+    not pick it there), and only in its balanced split, the mode run on a GPU at these rows; mma=wgmma, the one-S
+    kernel, keeps its floor of 33 rows."""
+    rows = shape.seq_len_q * shape.num_heads
+    if rows > 32:
+        return []
+    if options.mma == "wgmma":
+        return [f"mma=wgmma: s_q*num_heads={rows} <= 32 (its tile is 64 query rows, at least half of them padding "
+                "here; the mma.sync kernels' 16/32-row tiles fit)"]
+    if not balanced_split(shape, options):
+        return [f"mma=seesaw: s_q*num_heads={rows} <= 32 runs only the balanced split (seesaw_split=balanced, "
+                f"ctas_per_sm auto or 1), the mode verified on a GPU at these rows; got seesaw_split="
+                f"{options.seesaw_split}, ctas_per_sm={options.ctas_per_sm}"]
     return []
 
 
@@ -785,7 +793,7 @@ class CuteDslBackend(Backend):
         reasons = shape_reasons(shape)
         if not (shape.device.type == "cuda" and sm100.is_sm100(shape.device.capability)):
             if options.mma in ("wgmma", "seesaw"):
-                reasons += wgmma_reasons(shape, options.mma)
+                reasons += wgmma_reasons(shape, options)
             elif options.mma == "fp8reg":
                 reasons += fp8reg_reasons(shape)
             elif options.mma == "wgmma_t":

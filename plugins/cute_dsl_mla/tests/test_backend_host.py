@@ -190,6 +190,15 @@ def test_the_partial_kernel_is_chosen_per_shape_and_forced_values_are_refused_wi
                                               seesaw) == []
     assert CuteDslBackend().can_implement(prob(num_heads=32).shape, forced)[0].startswith(
         "mma=wgmma: s_q*num_heads=32 <= 32")
+    # ... in its balanced split only (the mode run on a GPU there); from 33 rows the even split too
+    for opts in (dict(seesaw_split="even"), dict(ctas_per_sm=2)):
+        for kv in ("bf16", "fp8_e4m3"):
+            got = CuteDslBackend().can_implement(prob(num_heads=16, seq_len_q=2, kv_dtype=kv).shape,
+                                                 CuteDslOptions(mma="seesaw", **opts))
+            assert len(got) == 1 and got[0].startswith("mma=seesaw: s_q*num_heads=32 <= 32 runs only the balanced "
+                                                        "split"), (opts, kv, got)
+            assert CuteDslBackend().can_implement(prob(num_heads=33, kv_dtype=kv).shape,
+                                                  CuteDslOptions(mma="seesaw", **opts)) == []
     backend = CuteDslBackend()
     assert backend.can_implement(prob(num_heads=33).shape, forced) == []
     assert backend.can_implement(prob(num_heads=128, kv_dtype="fp8_e4m3").shape, forced) == []
