@@ -23,7 +23,9 @@ does the same for the seesaw kernel (>= 33 rows under mma=auto, bf16/fp16 cache)
 balanced=True) at plan, mla_decode_sm90_wgmma_seesaw_balanced (api.launch_balanced) at run; split_kv does not
 reach it; seesaw_split="even" keeps the one-CTA-per-item kernel of 0.2.12.
 
-mma=auto with a bf16/fp16 cache at 17-32 packed rows, split_kv=balanced and ctas_per_sm auto/1 picks per
+mma=auto gives the balanced seesaw from 17 packed rows (0.2.23; at 17-32 rows only with seesaw_split=balanced
+and ctas_per_sm auto/1: seesaw_few_rows_auto). With seesaw_split=even and a bf16/fp16 cache at 17-32 packed
+rows, split_kv=balanced and ctas_per_sm auto/1, it picks per
 plan, from the step's host lengths: the transposed WGMMA kernel's balanced mode when the step has at least
 WGMMA_T_AUTO_MIN_BLOCKS (640) KV blocks (step_kv_blocks: the sum over requests of ceil(kv_len / 64)), the
 mma.sync balanced kernel below (partial_kernel_for). Graph safety: the two kernels read exactly the same
@@ -91,6 +93,19 @@ FP8REG_MAX_ROWS = 32
 #   at every cell (B=128 S=4096 166.7 against 310.5 us, fa3 463.5).
 # The one-S WGMMA kernel stays available as mma=wgmma.
 SEESAW_MIN_ROWS = FP8REG_MAX_ROWS + 1
+# ... and from this many (17-32 rows, every cache) when its balanced split can run (seesaw_split=balanced,
+# ctas_per_sm auto or 1; mla-cute-dsl 0.2.23): the 64-row tile is half to three quarters padding there, but its
+# producer warpgroup (TMA for a 16-bit cache, the register ring for fp8) streams the KV. Measured on an H200 through
+# `mla bench` (default / mma=seesaw,loads=tma / fa3 interleaved, page 64, reference-checked cells;
+# docs/results/gpu27_session/seesaw_rows32_*, gpu28_session/seesaw_rows{17_31,32_small,32_small_mtp,24_mtp}_*):
+# * bf16 at 20-32 rows (H=20/24/28/32 s_q=1, H=16 s_q=2, H=8 s_q=3; B 1-128, S 700-4096), against mma.sync /
+#   wgmma_t: 0.95-0.98x their time from 2048 KV blocks (B=128 S=4096 H=24 147.9 against 151.2 us, fa3 148.2; H=16
+#   s_q=2 152.5 against 156.4, fa3 153.8), 0.98-1.02x on smaller steps (worst B=4 S=4096 1.02x, +0.35 us);
+# * fp8 at the same rows, against fp8reg: 0.87-0.92x at B=4 S=4096 and B=8, 0.95-0.97x at B=128, 0.99-1.02x at
+#   B=32 (S=4096 1.015-1.023x, +0.7-1.0 us), 1.04-1.08x at B=1-4 S=1024 and B=1 S=4096 (+0.4-0.8 us);
+# * at 16 rows (H=16 s_q=1) it loses (1.22-1.35x fp8reg's time with fp8, 0.99-1.05x with bf16): not there.
+# seesaw_split=even or ctas_per_sm=2 keep 0.2.22's kernels at 17-32 rows (fp8reg, wgmma_t / mma.sync).
+SEESAW_FEW_ROWS_MIN = 17
 # the transposed WGMMA kernel (sm90_wgmma_t_decode: KV tokens are WGMMA's M, query rows its N) takes at most
 # this many packed rows (N = 16 or 32). Its balanced mode (split_kv=balanced, 16-bit cache) walks the same
 # hybrid schedule as the mma.sync balanced kernel; GPU-verified on an H200 (docs/results/gpu9_wgmma_t_balanced/).
@@ -139,7 +154,9 @@ SEESAW_TMA_MIN_ROWS = 256
 # and 4, bf16, docs/results/gpu22_session/bf16_48_64rows_loads_bench.txt, mla bench, loads=tma against cp.async and
 # fa3 interleaved) 0.96-0.98x cp.async's time at B=64 S=4096 and B=128 (S=4096: 152.4 against 159.0 us, 154.9
 # against 158.9; fa3 150.9 / 155.4), within +-0.4 us at B=1-16 (B=16 S=1024 17.4 against 17.0)
-SEESAW_BALANCED_TMA_MIN_ROWS = SEESAW_MIN_ROWS
+# Since 0.2.23 the balanced seesaw runs from 17 rows under auto, with TMA loads and the TMA producer there too (the
+# configuration every 17-32-row measurement above ran)
+SEESAW_BALANCED_TMA_MIN_ROWS = SEESAW_FEW_ROWS_MIN
 
 PartialKernel = Literal["wgmma", "seesaw", "mma_sync", "fp8reg", "wgmma_t"]
 SplitKV = Literal["even", "balanced"]
@@ -249,10 +266,13 @@ class CuteDslOptions(BackendOptions):
                     "registers), wgmma_t (s_q*num_heads <= 32, any cache: WGMMA with KV tokens as M and query rows "
                     "as N; with a bf16/fp16 cache it follows split_kv; balanced, at 17-32 rows on an H200: up to "
                     "14% faster than mma_sync balanced on steps of >= 768 KV blocks, mostly 4-7% slower at <= 384), "
-                    "mma_sync (every shape). auto: fp8reg for fp8 KV up to "
-                    f"{FP8REG_MAX_ROWS} rows, seesaw from {SEESAW_MIN_ROWS} rows (any cache; on an H200 0.54-0.74x "
-                    "mma_sync's time at 48 rows, 0.86-1.05x wgmma's at 64 rows: NOTES.md), wgmma_t for a bf16/fp16 "
-                    "cache at 17-"
+                    "mma_sync (every shape). auto: seesaw from "
+                    f"{SEESAW_FEW_ROWS_MIN} rows (any cache; on an H200 0.54-0.74x mma_sync's time at 48 rows, "
+                    "0.86-1.05x wgmma's at 64 rows, at 17-32 rows 0.95-0.98x the 16/32-row kernels' time on large "
+                    "steps and within 0.98-1.08x on small ones: NOTES.md; at 17-32 rows only with "
+                    "seesaw_split=balanced and ctas_per_sm auto/1), else fp8reg for fp8 KV up to "
+                    f"{FP8REG_MAX_ROWS} rows, and with seesaw_split=even or ctas_per_sm=2 at 17-32 rows 0.2.22's "
+                    "rules: fp8reg for fp8 KV, wgmma_t for a bf16/fp16 cache at 17-"
                     f"{WGMMA_T_MAX_ROWS} rows when the step has >= {WGMMA_T_AUTO_MIN_BLOCKS} KV blocks (sum over "
                     "its requests of ceil(kv_len/64); split_kv=balanced, ctas_per_sm auto/1; measured at H=16 "
                     "s_q=2 on 132 SMs; decided per plan: both kernels read the same schedule buffers, so a CUDA "
@@ -448,14 +468,25 @@ def wgmma_t_reasons(shape: DecodeShape) -> List[str]:
     return []
 
 
+def seesaw_few_rows_auto(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether mma=auto gives this shape class the balanced seesaw below SEESAW_MIN_ROWS (0.2.23): 17-32 packed
+    rows, any cache, seesaw_split=balanced and ctas_per_sm auto or 1 (the only split the seesaw runs at <= 32 rows:
+    wgmma_reasons). Shape class and options only, so a session's graphs keep one kernel."""
+    rows = shape.seq_len_q * shape.num_heads
+    return (options.mma == "auto" and SEESAW_FEW_ROWS_MIN <= rows < SEESAW_MIN_ROWS
+            and options.seesaw_split == "balanced" and options.ctas_per_sm in ("auto", 1))
+
+
 def _wgmma_t_auto(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether mma=auto's KV-block rule applies to this shape class and options: a bf16/fp16 cache, 17-32 packed
     rows, split_kv=balanced (with split_kv=even auto keeps the mma.sync even kernel: the measurements are of
     the balanced modes) and ctas_per_sm auto or 1 (the transposed kernel's shared memory holds one CTA per SM,
-    and one CTA per SM keeps the schedule identical for both kernels). Shape class and options only."""
+    and one CTA per SM keeps the schedule identical for both kernels), and auto not giving the seesaw there
+    (since 0.2.23 it does unless seesaw_split=even: seesaw_few_rows_auto). Shape class and options only."""
     rows = shape.seq_len_q * shape.num_heads
     return (options.mma == "auto" and shape.kv_dtype != "fp8_e4m3" and 16 < rows <= WGMMA_T_MAX_ROWS
-            and options.split_kv == "balanced" and options.ctas_per_sm in ("auto", 1))
+            and options.split_kv == "balanced" and options.ctas_per_sm in ("auto", 1)
+            and not seesaw_few_rows_auto(shape, options))
 
 
 def step_kv_blocks(kv_lens: Union["torch.Tensor", Sequence[int]]) -> int:
@@ -473,17 +504,17 @@ def partial_kernel(shape: DecodeShape, options: CuteDslOptions,
                    kv_blocks: Optional[int] = None) -> PartialKernel:
     """Which sm_90 partial kernel runs this shape (forced values the shape refuses are refused in can_implement).
 
-    mma=auto depends on the step in one case only (a bf16/fp16 cache at 17-32 rows, split_kv=balanced,
-    ctas_per_sm auto/1): wgmma_t when the step has `kv_blocks` >= WGMMA_T_AUTO_MIN_BLOCKS (step_kv_blocks),
+    mma=auto depends on the step in one case only (a bf16/fp16 cache at 17-32 rows with seesaw_split=even,
+    split_kv=balanced, ctas_per_sm auto/1): wgmma_t when the step has `kv_blocks` >= WGMMA_T_AUTO_MIN_BLOCKS (step_kv_blocks),
     mma.sync below. Without `kv_blocks` (a caller with a shape class or a problem and no lengths) the answer is
     the one below the threshold: mma_sync there. Plans use partial_kernel_for, which counts the step's blocks."""
     if options.mma != "auto":
         return options.mma
     rows = shape.seq_len_q * shape.num_heads
+    if rows >= SEESAW_MIN_ROWS or seesaw_few_rows_auto(shape, options):
+        return "seesaw"
     if shape.kv_dtype == "fp8_e4m3" and rows <= FP8REG_MAX_ROWS:
         return "fp8reg"
-    if rows >= SEESAW_MIN_ROWS:
-        return "seesaw"
     if kv_blocks is not None and kv_blocks >= WGMMA_T_AUTO_MIN_BLOCKS and _wgmma_t_auto(shape, options):
         return "wgmma_t"
     return "mma_sync"
@@ -740,16 +771,16 @@ class CuteDslBackend(Backend):
             description="our CuTe DSL MLA decode kernels for sm_90: bf16/fp16 q, bf16/fp16/fp8 KV, split-KV",
             # short: `mla backends list` prints every note; what each option does is in its description
             # (`mla backends options cute_dsl_mla`), what a shape runs in `mla backends explain`
-            notes=(f"sm_90 kernels checked on an H200: the seesaw WGMMA kernel from s_q*H >= {SEESAW_MIN_ROWS} "
-                   f"(bf16, fp16 or fp8 KV), fp8reg for an fp8 cache up to s_q*H = {FP8REG_MAX_ROWS}, mma.sync or "
-                   "wgmma_t below; `mla backends explain` names the kernel of a shape, `mla backends options "
+            notes=(f"sm_90 kernels checked on an H200: the seesaw WGMMA kernel from s_q*H >= {SEESAW_FEW_ROWS_MIN} "
+                   "(bf16, fp16 or fp8 KV), below it fp8reg (fp8 KV) or mma.sync; "
+                   "`mla backends explain` names the kernel of a shape, `mla backends options "
                    "cute_dsl_mla` what each option does",
                    f"{sm100.UNVERIFIED}; checked against {FLASHINFER_DIST}>={FLASHINFER_RANGE[0]},"
                    f"<{FLASHINFER_RANGE[1]}",
                    "fp8 KV runs its MMAs in fp16 on sm_90: |q| must stay below 65504",
-                   f"with a bf16/fp16 cache at 17-{WGMMA_T_MAX_ROWS} rows a CUDA graph keeps the kernel of the "
-                   "plan it was captured after (wgmma_t or mma.sync, chosen per step by its KV blocks): capture "
-                   "with representative lengths (option mma)"),
+                   f"with seesaw_split=even and a bf16/fp16 cache at 17-{WGMMA_T_MAX_ROWS} rows a CUDA graph keeps "
+                   "the kernel of the plan it was captured after (wgmma_t or mma.sync, chosen per step by its KV "
+                   "blocks): capture with representative lengths (option mma)"),
             q_layouts=("packed",), kv_layouts=("packed",), strided_q=False,
         )
 
