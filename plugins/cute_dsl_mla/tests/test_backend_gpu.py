@@ -1,5 +1,6 @@
 """cute_dsl_mla through mlacore on a GPU: the conformance suite (graph replay after a re-plan included)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -93,8 +94,8 @@ class TestCuteDslWgmmaFp16Conformance(TestCuteDslWgmmaConformance):
 
 
 class TestCuteDslSeesawConformance(TestCuteDslConformance):
-    """The seesaw WGMMA schedule forced (auto takes it from 33 rows), bf16 and fp16 q, a cache in q's dtype
-    or fp8; since mla-cute-dsl 0.2.22 it takes 16 and 32 rows too (H=16 s_q=1/2: the 64-row tile padded)."""
+    """The seesaw WGMMA schedule forced (auto takes it from 17 rows since 0.2.23), bf16 and fp16 q, a cache in q's
+    dtype or fp8; since mla-cute-dsl 0.2.22 it takes 16 and 32 rows too (H=16 s_q=1/2: the 64-row tile padded)."""
 
     options = {"mma": "seesaw"}
     num_heads = (16, 63, 64, 126, 128)
@@ -104,8 +105,9 @@ class TestCuteDslSeesawConformance(TestCuteDslConformance):
 
 class TestCuteDslSeesawFewRowsConformance(TestCuteDslConformance):
     """mma=seesaw forced at 1-32 packed rows (0.2.22: the 64-row tile padded inside, one m-block per request; auto
-    keeps the 16/32-row kernels there), bf16 and fp8 caches, with the loads auto gives (cp.async for a bf16
-    cache below 33 rows, the fp8 producer ring) and, in the TMA class below, the TMA producer."""
+    gives it from 17 rows since 0.2.23), bf16 and fp8 caches, with the loads auto gives (cp.async for a bf16
+    cache below 17 rows, the TMA producer from 17, the fp8 producer ring) and, in the TMA class below, the TMA
+    producer at every row count."""
 
     options = {"mma": "seesaw"}
     num_heads = (1, 3, 8, 32)
@@ -287,6 +289,8 @@ class TestCuteDslEvenSplitConformance(TestCuteDslConformance):
 
 
 # -- mma=auto's KV-block rule (wgmma_t for a 16-bit cache at 17-32 rows from 640 KV blocks per step) ---------
+# Since 0.2.23 the rule applies with seesaw_split=even only (the default, balanced, gives the seesaw at 17-32 rows:
+# the tests after these), so these decoders set it (RULE_OPTIONS).
 # The conformance suite plans short steps only (batches 2-5, lengths up to 2000: below the rule's threshold), so
 # these tests exercise it directly: eager plans on both sides against the fp64 oracle, and CUDA graphs captured
 # on one side and replayed after plans on the other (the graph keeps its capture-time kernel; both kernels read
@@ -294,18 +298,21 @@ class TestCuteDslEvenSplitConformance(TestCuteDslConformance):
 
 WGMMA_T_RUN, MMA_SYNC_RUN = "mla_decode_sm90_wgmma_t_balanced", "mla_decode_sm90_balanced"
 MIN_BLOCKS = 640  # mla_cute_dsl.backend.WGMMA_T_AUTO_MIN_BLOCKS (asserted below)
+RULE_OPTIONS = {"seesaw_split": "even"}  # where mma=auto keeps 0.2.22's 17-32-row kernels
+SEESAW_RUN = "mla_decode_sm90_wgmma_seesaw_balanced"
 
 
-def _auto_problem(heads, s_q, batch, dtype="bf16", max_kv_len=600, min_kv_len=1):
+def _auto_problem(heads, s_q, batch, dtype="bf16", max_kv_len=600, min_kv_len=1, kv_dtype=None):
     return DecodeProblem(num_heads=heads, seq_len_q=s_q, batch_size=batch, min_kv_len=min_kv_len,
-                         max_kv_len=max_kv_len, page_size=64, q_dtype=dtype, kv_dtype=dtype,
+                         max_kv_len=max_kv_len, page_size=64, q_dtype=dtype, kv_dtype=kv_dtype or dtype,
                          device=DeviceSpec.of("cuda"))
 
 
-def _auto_decoder(problem, inputs, **kw):
+def _auto_decoder(problem, inputs, options=RULE_OPTIONS, **kw):
     return MLADecoder(problem.num_heads, problem.page_size, q_dtype=torch_dtype(problem.q_dtype),
                       kv_dtype=torch_dtype(problem.kv_dtype), device="cuda", sm_scale=inputs.sm_scale,
-                      kv_scale=inputs.kv_scale, dispatcher=only_backend_dispatcher("cute_dsl_mla"), **kw)
+                      kv_scale=inputs.kv_scale,
+                      dispatcher=only_backend_dispatcher("cute_dsl_mla", options=options), **kw)
 
 
 def _lens_with_blocks(batch, blocks, seed, max_blocks=64):
@@ -327,10 +334,11 @@ def _want(heads, s_q, blocks):
     return WGMMA_T_RUN if 16 < heads * s_q <= 32 and blocks >= MIN_BLOCKS else MMA_SYNC_RUN
 
 
-def _step(heads, s_q, lens, dtype, seed, pages):
+def _step(heads, s_q, lens, dtype, seed, pages, kv_dtype=None):
     """Fresh random q / cache / table for these lengths (make_inputs: NaN-poisoned spare pages and tails), the
     cache exactly `pages` pages, and the problem the oracle compares with."""
-    problem = _auto_problem(heads, s_q, lens.shape[0], dtype, max_kv_len=int(lens.max()), min_kv_len=int(lens.min()))
+    problem = _auto_problem(heads, s_q, lens.shape[0], dtype, max_kv_len=int(lens.max()), min_kv_len=int(lens.min()),
+                            kv_dtype=kv_dtype)
     used = sum((int(n) + 63) // 64 for n in lens)
     return problem, make_inputs(problem, "cuda", seed=seed, kv_lens=lens, extra_pages=pages - used)
 
@@ -463,6 +471,75 @@ def test_auto_graphs_of_two_batch_sizes_share_the_schedule_buffers_across_the_bl
     finally:
         if decoder is not None:
             decoder.close()
+
+
+# -- mma=auto at 17-32 rows since 0.2.23: the balanced seesaw, one kernel per shape class --------------------------
+
+FP8REG_RUN = "mla_decode_sm90_fp8"
+
+
+def _auto_few_rows_want(heads, s_q, kv_dtype):
+    return SEESAW_RUN if heads * s_q >= 17 else (FP8REG_RUN if kv_dtype == "fp8_e4m3" else MMA_SYNC_RUN)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp8_e4m3")])
+@pytest.mark.parametrize("heads,s_q", [(17, 1), (24, 1), (8, 3), (16, 2), (32, 1), (16, 1)])
+@pytest.mark.parametrize("batch,blocks", [(16, 639), (8, 1500)])
+def test_auto_runs_the_balanced_seesaw_at_17_to_32_rows_and_matches_the_oracle(dtype, kv_dtype, heads, s_q, batch,
+                                                                                blocks):
+    """Eager, default options: the balanced seesaw (TMA producer with a 16-bit cache, the fp8 producer ring) at
+    17-32 packed rows on both sides of the old KV-block threshold, fp8reg / mma.sync at 16 rows, against the fp64
+    oracle with fresh random data, variable lengths and NaN-poisoned spare pages, tails and outputs."""
+    _sm90()
+    lens = _lens_with_blocks(batch, blocks, seed=blocks * 11 + heads * s_q, max_blocks=256)
+    problem, inputs = _step(heads, s_q, lens, dtype, seed=batch * 100 + heads + s_q, pages=blocks + 8,
+                            kv_dtype=kv_dtype)
+    with _auto_decoder(problem, inputs, options=None) as decoder:
+        plan = decoder.plan(inputs.kv_lens, inputs.page_table, s_q)
+        assert plan.planned.run_fn.__name__ == _auto_few_rows_want(heads, s_q, kv_dtype)
+        out, lse = _poisoned(inputs.q)
+        decoder.run(inputs.q, inputs.kv_cache, plan, out=out, lse=lse)
+    res = compare(problem, out, lse, *reference_outputs(problem, inputs))
+    assert res.passed, res.messages
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_auto_seesaw_graph_at_32_rows_replays_after_plans_of_any_size(kv_dtype):
+    """One graph decoder (H16 s_q2, 32 rows, batch 16, lengths up to 4096, default options): captured after a plan
+    of 100 KV blocks, replayed after plans of 1024, 639, 16 and 300 blocks with fresh random q / cache / lengths /
+    table and NaN-poisoned outputs; every plan names the seesaw (no per-step switch) and every replay matches the
+    fp64 oracle."""
+    _sm90()
+    heads, s_q, batch, dtype = 16, 2, 16, "bf16"
+    pages = 16 * 64 + 8
+    lens = _lens_with_blocks(batch, 100, seed=100)
+    problem, inputs = _step(heads, s_q, lens, dtype, seed=1, pages=pages, kv_dtype=kv_dtype)
+    q, kv_cache = inputs.q, inputs.kv_cache
+    out, lse = _poisoned(q)
+    decoder = _auto_decoder(problem, inputs, options=None, cuda_graph=True, max_batch=batch, max_kv_len=4096)
+    try:
+        plan = decoder.plan(inputs.kv_lens, inputs.page_table, s_q)
+        assert plan.planned.run_fn.__name__ == SEESAW_RUN
+        graph = _capture(decoder, q, kv_cache, plan, out, lse)
+        res = compare(problem, out, lse, *reference_outputs(problem, inputs))
+        assert res.passed, ("capture", res.messages)
+        for i, blocks in enumerate((1024, 639, 16, 300)):
+            lens = _lens_with_blocks(batch, blocks, seed=1000 * i + blocks)
+            problem, step = _step(heads, s_q, lens, dtype, seed=100 + i, pages=pages, kv_dtype=kv_dtype)
+            # the decoder's kv_scale is the first step's: the oracle reads this step's fp8 bytes with it too
+            step = dataclasses.replace(step, kv_scale=inputs.kv_scale)
+            q.copy_(step.q)
+            kv_cache.copy_(step.kv_cache)
+            plan = decoder.plan(step.kv_lens, step.page_table, s_q)
+            assert plan.planned.run_fn.__name__ == SEESAW_RUN
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            res = compare(problem, out, lse, *reference_outputs(problem, step))
+            assert res.passed, (blocks, res.messages)
+    finally:
+        decoder.close()
 
 
 def _sm100():

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.gpu
 
 H = 16
 PAGE = 64
-# the mma.sync balanced kernel, forced: at 32 rows (s_q=2) mma=auto runs wgmma_t from 640 KV blocks per step
-# (test_backend_gpu.py covers that rule); this file pins the mma.sync kernel and its hybrid plan
+# the mma.sync balanced kernel, forced: at 32 rows (s_q=2) mma=auto runs the balanced seesaw since 0.2.23 (and with
+# seesaw_split=even wgmma_t from 640 KV blocks per step; test_backend_gpu.py covers both); this file pins the
+# mma.sync kernel and its hybrid plan
 OPTIONS = {"split_kv": "balanced", "mma": "mma_sync"}
 
 
