@@ -290,8 +290,10 @@ class CuteDslOptions(BackendOptions):
                     "lengths. even: the default kernel of 0.2.2, each request cut into equal items, one CTA per "
                     "item (NOTES.md). Ignored where another kernel runs (WGMMA, seesaw, fp8reg, an fp8 cache); "
                     "mma=wgmma_t takes it as the mma.sync kernel does (its balanced mode: same schedule, one CTA "
-                    "per SM). With even, mma=auto always runs the mma.sync even kernel at 17-32 rows (its "
-                    "KV-block rule for wgmma_t applies to split_kv=balanced only); mma=wgmma_t runs its even entry")
+                    "per SM). With even and seesaw_split=even, mma=auto runs the mma.sync even kernel at 17-32 "
+                    "rows (its KV-block rule for wgmma_t applies to split_kv=balanced only; with seesaw_split="
+                    "balanced, the default, auto runs the balanced seesaw there, which split_kv does not reach); "
+                    "mma=wgmma_t runs its even entry")
     seesaw_split: SeesawSplit = Field(
         default="balanced",
         description="how the seesaw WGMMA kernel (sm_90; mma=auto from s_q*num_heads >= "

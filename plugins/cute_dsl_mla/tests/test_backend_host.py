@@ -166,14 +166,18 @@ def test_the_partial_kernel_is_chosen_per_shape_and_forced_values_are_refused_wi
     for kv in ("bf16", "fp8_e4m3"):
         for heads, s_q in ((128, 1), (64, 2), (127, 1), (16, 4), (64, 1), (33, 1), (16, 3), (63, 1)):
             assert partial_kernel(prob(num_heads=heads, seq_len_q=s_q, kv_dtype=kv), auto) == "seesaw", (heads, s_q, kv)
-    assert partial_kernel(prob(num_heads=32, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
-    assert partial_kernel(prob(num_heads=32), auto) == "mma_sync"  # 17-32 rows: mma.sync (wgmma_t on large steps)
+    # 17-32 rows: the balanced seesaw too since 0.2.23 (test_auto_gives_the_balanced_seesaw_at_17_to_32_rows_...);
+    # with seesaw_split=even 0.2.22's kernels: fp8reg, mma.sync (wgmma_t on large steps)
+    even = CuteDslOptions(seesaw_split="even")
+    assert partial_kernel(prob(num_heads=32, kv_dtype="fp8_e4m3"), auto) == "seesaw"
+    assert partial_kernel(prob(num_heads=32, kv_dtype="fp8_e4m3"), even) == "fp8reg"
+    assert partial_kernel(prob(num_heads=32), even) == "mma_sync"
     assert partial_kernel(prob(num_heads=64, kv_dtype="fp8_e4m3"), forced) == "wgmma"
     assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=64), auto) == "seesaw"
     assert partial_kernel(prob(q_dtype="fp16", kv_dtype="fp16", num_heads=33), auto) == "seesaw"
-    # auto: an fp8 cache with at most 32 rows goes to the fp8-register kernel
+    # auto: an fp8 cache with at most 16 rows goes to the fp8-register kernel, at 17-32 with seesaw_split=even
     assert partial_kernel(prob(num_heads=16, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
-    assert partial_kernel(prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
+    assert partial_kernel(prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3"), even) == "fp8reg"
     assert partial_kernel(prob(num_heads=1, kv_dtype="fp8_e4m3"), auto) == "fp8reg"
     assert partial_kernel(prob(num_heads=16), auto) == "mma_sync"
     assert partial_kernel(prob(num_heads=128), off) == "mma_sync"
@@ -208,6 +212,139 @@ def test_the_partial_kernel_is_chosen_per_shape_and_forced_values_are_refused_wi
     assert backend.can_implement(prob(num_heads=16, kv_dtype="fp8_e4m3").shape, auto) == []
     with pytest.raises(Exception):
         CuteDslOptions(mma="tensor_cores")
+
+
+# -- mma=auto at 17-32 rows since 0.2.23: the balanced seesaw with every cache (seesaw_few_rows_auto) ---------
+
+# (heads, s_q) at 17, 20, 24 and 32 packed rows; and at 16 rows, where auto keeps fp8reg / mma.sync
+FEW_ROWS = ((17, 1), (20, 1), (24, 1), (8, 3), (3, 8), (16, 2), (32, 1))
+SIXTEEN_ROWS = ((16, 1), (8, 2), (2, 8))
+BALANCED_SEESAW = ("seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan, "
+                   "whichever is predicted >= 10% faster)")
+
+
+def _q(kv):
+    return "fp16" if kv == "fp16" else "bf16"
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8_e4m3"])
+def test_auto_gives_the_balanced_seesaw_at_17_to_32_rows_with_every_cache(kv):
+    """0.2.23: mma=auto with the default options (seesaw_split=balanced, ctas_per_sm auto) runs the balanced seesaw
+    at 17-32 packed rows whatever the cache and whatever the step's KV blocks (one kernel per shape class: no
+    per-step rule, the lengths are not read), loading as it was measured there: TMA loads and the TMA producer
+    for a 16-bit cache, the producer warpgroup's register ring for fp8. The forced-seesaw refusal at <= 32 rows
+    (wgmma_reasons) is not applied to auto: the backend accepts these shapes."""
+    from mla_cute_dsl import backend as be
+
+    auto = CuteDslOptions()
+    disp = Dispatcher(policy=parse_policy({"mla": {"order": ["cute_dsl_mla", "reference"]}}),
+                      registry=BackendRegistry(env={}).load(), env={}, simulate=H200)
+    for heads, s_q in FEW_ROWS:
+        assert 17 <= heads * s_q <= 32
+        p = prob(num_heads=heads, seq_len_q=s_q, q_dtype=_q(kv), kv_dtype=kv)
+        assert be.seesaw_few_rows_auto(p, auto), (heads, s_q)
+        for blocks in (None, 1, 639, 640, 8192):
+            assert be.partial_kernel(p, auto, blocks) == "seesaw", (heads, s_q, blocks)
+        assert be.rule_kv_blocks(p, auto, [4096] * 8) is None  # no KV-block rule
+        assert be.partial_kernel_for(p, auto, [4096] * 128) == "seesaw"
+        assert be.balanced_split(p, auto) and be.ctas_per_sm("seesaw", auto) == 1
+        summary = be.kernel_summary(p, auto)
+        if kv == "fp8_e4m3":
+            assert be.seesaw_fp8_producer(p, auto) and be.seesaw_fp8p_ring(p, auto) == 7
+            assert summary == (
+                BALANCED_SEESAW + " with an fp8 cache (FP8_SEESAW_BALANCED; the plan's cost model was measured with "
+                "16-bit caches), lazy softmax rescale (rescale=lazy), a producer warpgroup with a 7-chunk register "
+                "ring converts the fp8 cache (fp8_loader=ring), warpgroup 1's QK waits the other warpgroup's part "
+                "of its tile first (wg1_other_first)")
+        else:
+            assert be.seesaw_tma(p, auto) and be.seesaw_tma_producer(p, auto)
+            assert not be.seesaw_q_prefetch(p, auto)  # the TMA producer fetches ahead itself
+            assert summary == (
+                BALANCED_SEESAW + ", lazy softmax rescale (rescale=lazy), TMA KV loads (loads=auto: TMA from 17 "
+                "rows), a producer warpgroup issues the KV tiles and each item's Q by TMA ahead of the math "
+                "warpgroups (tma_producer)")
+        assert CuteDslBackend().can_implement(p.shape, auto) == []
+        dec = disp.explain(p)
+        assert dec.backend == "cute_dsl_mla", dec.format_trace()
+        assert dec.options.mma == "auto" and be.partial_kernel(p, dec.options) == "seesaw"
+    # the rule's bounds: 17 rows and 32 rows are in, 16 and 33 are not (33 is the seesaw at every setting)
+    assert be.SEESAW_FEW_ROWS_MIN == 17 and be.SEESAW_MIN_ROWS == 33
+    assert not be.seesaw_few_rows_auto(prob(num_heads=16, kv_dtype=kv, q_dtype=_q(kv)), auto)
+    assert not be.seesaw_few_rows_auto(prob(num_heads=33, kv_dtype=kv, q_dtype=_q(kv)), auto)
+    assert be.partial_kernel(prob(num_heads=33, kv_dtype=kv, q_dtype=_q(kv)), auto) == "seesaw"
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8_e4m3"])
+def test_auto_keeps_fp8reg_and_mma_sync_at_16_rows(kv):
+    """At <= 16 packed rows nothing changed in 0.2.23 (the seesaw measured 1.22-1.35x fp8reg's time with fp8 and
+    0.99-1.05x mma.sync's with bf16 at H=16 s_q=1): fp8reg for an fp8 cache, mma.sync for a 16-bit one, at every
+    step."""
+    from mla_cute_dsl import backend as be
+
+    want = "fp8reg" if kv == "fp8_e4m3" else "mma_sync"
+    for heads, s_q in SIXTEEN_ROWS:
+        p = prob(num_heads=heads, seq_len_q=s_q, q_dtype=_q(kv), kv_dtype=kv)
+        assert not be.seesaw_few_rows_auto(p, CuteDslOptions())
+        for blocks in (None, 639, 640, 8192):
+            assert be.partial_kernel(p, CuteDslOptions(), blocks) == want, (heads, s_q, blocks)
+        assert be.kernel_summary(p, CuteDslOptions()).startswith(f"{want} kernel, ")
+        assert CuteDslBackend().can_implement(p.shape, CuteDslOptions()) == []
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8_e4m3"])
+def test_seesaw_split_even_or_two_ctas_per_sm_keep_the_old_kernels_at_17_to_32_rows(kv):
+    """Where the balanced seesaw cannot run (seesaw_split=even; ctas_per_sm=2: one seesaw CTA fills an SM) auto keeps
+    0.2.22's kernels at 17-32 rows: fp8reg for an fp8 cache; for a 16-bit one mma.sync below 640 KV blocks and
+    wgmma_t from 640 with seesaw_split=even, mma.sync at every step with ctas_per_sm=2 (wgmma_t holds one CTA per
+    SM). split_kv=even and ctas_per_sm=1 set by hand leave the seesaw (they do not reach its split)."""
+    from mla_cute_dsl import backend as be
+
+    fp8 = kv == "fp8_e4m3"
+    for heads, s_q in ((16, 2), (32, 1), (17, 1)):
+        p = prob(num_heads=heads, seq_len_q=s_q, q_dtype=_q(kv), kv_dtype=kv)
+        for opts in (dict(seesaw_split="even"), dict(ctas_per_sm=2), dict(seesaw_split="even", ctas_per_sm=2)):
+            options = CuteDslOptions(**opts)
+            assert not be.seesaw_few_rows_auto(p, options)
+            by_blocks = opts == dict(seesaw_split="even") and not fp8  # the KV-block rule
+            assert be.partial_kernel(p, options) == ("fp8reg" if fp8 else "mma_sync"), opts
+            assert be.partial_kernel(p, options, 639) == ("fp8reg" if fp8 else "mma_sync"), opts
+            assert be.partial_kernel(p, options, 640) == ("fp8reg" if fp8 else
+                                                           "wgmma_t" if by_blocks else "mma_sync"), opts
+            assert be.partial_kernel(p, options, 8192) == be.partial_kernel(p, options, 640)
+            assert CuteDslBackend().can_implement(p.shape, options) == []
+        for opts in (dict(split_kv="even"), dict(ctas_per_sm=1)):
+            for blocks in (None, 640):
+                assert be.partial_kernel(p, CuteDslOptions(**opts), blocks) == "seesaw", (opts, blocks)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_a_session_at_32_rows_runs_the_balanced_seesaw_at_100_and_1500_kv_blocks(monkeypatch, kv):
+    """H=16 s_q=2 with the default options, plans of 100 and 1500 KV blocks (the two sides of the old wgmma_t
+    threshold, 640): both the balanced seesaw's entry with the same keywords on the one schedule (made once for one
+    CTA per SM, then filled in place), and no mma.sync / wgmma_t partial prebuilt (no per-step switch)."""
+    import types
+
+    from mla_cute_dsl.backend import step_kv_blocks
+    from mlacore import StepInputs
+
+    rec = types.SimpleNamespace(made=[], filled=[], partials=[])
+    session = _cpu_session(monkeypatch, CuteDslOptions(), heads=16, kv_dtype=kv, rec=rec)
+    table = torch.zeros(50, 64, dtype=torch.int32)
+    problem = prob(num_heads=16, seq_len_q=2, batch_size=50, kv_dtype=kv)
+    want = ({"fp8_producer": True, "fp8p_ring": 7, "wg1_other_first": True} if kv == "fp8_e4m3"
+            else {"tma": True, "tma_producer": True}) | {"lazy_rescale": True}
+    schedules = set()
+    for lens, blocks in ((_lens([2] * 50), 100), (_lens([30] * 50), 1500)):
+        assert step_kv_blocks(lens) == blocks
+        planned = session.plan(problem, StepInputs(lens, table, lens, table))
+        assert planned.kernel == "seesaw" and planned.balanced, blocks
+        assert planned.run_fn.__name__ == "mla_decode_sm90_wgmma_seesaw_balanced"
+        assert planned.run_fn.keywords == want
+        assert planned.schedule.balanced
+        schedules.add(id(planned.schedule))
+    assert len(schedules) == 1
+    assert rec.made == [(1, True)] and rec.filled == [(1, True)]
+    assert rec.partials == []
 
 
 def test_fp8reg_takes_fp8_caches_up_to_32_rows_and_refuses_the_rest_with_reasons():
@@ -257,8 +394,10 @@ def test_wgmma_t_takes_up_to_32_rows_of_any_cache_and_refuses_more():
 
 
 @pytest.mark.parametrize("kv_dtype,heads,s_q,kernel,ctas", [
-    ("fp8_e4m3", 16, 2, "fp8reg", 2), ("fp8_e4m3", 64, 1, "seesaw", 1), ("bf16", 16, 1, "mma_sync", 1),
+    ("fp8_e4m3", 16, 1, "fp8reg", 2), ("fp8_e4m3", 64, 1, "seesaw", 1), ("bf16", 16, 1, "mma_sync", 1),
     ("bf16", 128, 1, "seesaw", 1), ("fp8_e4m3", 128, 1, "seesaw", 1),
+    # 32 rows: the balanced seesaw under auto since 0.2.23, one CTA per SM with either cache
+    ("fp8_e4m3", 16, 2, "seesaw", 1), ("bf16", 16, 2, "seesaw", 1),
 ])
 def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_combines(
         monkeypatch, kv_dtype, heads, s_q, kernel, ctas):
@@ -305,6 +444,10 @@ def test_the_session_plans_each_kernel_with_its_ctas_per_sm_and_builds_both_comb
 
 
 # -- mma=auto's KV-block rule: wgmma_t for a 16-bit cache at 17-32 rows from 640 KV blocks per step ---------
+# (since 0.2.23 auto gives the balanced seesaw at 17-32 rows, so the rule applies with seesaw_split=even only:
+# EVEN_SEESAW below; ctas_per_sm=2 keeps 0.2.22's kernels too, with the rule off as before)
+
+EVEN_SEESAW = CuteDslOptions(seesaw_split="even")
 
 # packed rows -> (heads, s_q) pairs; several s_q per row count
 ROWS = {16: ((16, 1), (8, 2)), 17: ((17, 1),), 24: ((3, 8), (24, 1), (12, 2)), 32: ((16, 2), (32, 1), (8, 4)),
@@ -336,10 +479,13 @@ def test_step_kv_blocks_is_the_sum_of_ceil_len_over_64_as_the_schedule_counts():
 
 @pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8_e4m3"])
 def test_auto_picks_wgmma_t_for_a_16_bit_cache_at_17_to_32_rows_from_640_kv_blocks(kv):
+    """The KV-block rule where it still applies (seesaw_split=even: the default balanced seesaw takes 17-32 rows
+    since 0.2.23): by the step's blocks, not its batch; forced kernels, split_kv=even and ctas_per_sm=2 keep one
+    kernel."""
     from mla_cute_dsl.backend import balanced_split, ctas_per_sm, partial_kernel, partial_kernel_for
 
     q = "fp16" if kv == "fp16" else "bf16"
-    auto = CuteDslOptions()
+    auto = EVEN_SEESAW
     steps = {  # host lengths -> their KV blocks (uniform, spread, one block short, mid-block boundaries)
         "639 uniform-ish": (_lens([64] * 10, last=4032), 639), "640 uniform": (_lens([64] * 10), 640),
         "640 at a block edge": (_lens([64] * 10, last=4033), 640), "639 spread": (_lens([1, 638]), 639),
@@ -361,7 +507,8 @@ def test_auto_picks_wgmma_t_for_a_16_bit_cache_at_17_to_32_rows_from_640_kv_bloc
                 assert partial_kernel(prob(num_heads=heads, seq_len_q=s_q, batch_size=1, q_dtype=q, kv_dtype=kv),
                                       auto, blocks) == want
                 # what differs between the two kernels is nothing the session's buffers are keyed by
-                assert balanced_split(p, auto) == (kv != "fp8_e4m3" or rows > 32)  # the fp8 seesaw: 0.2.17
+                # (the seesaw from 33 rows runs its even split here: seesaw_split=even)
+                assert balanced_split(p, auto) == (kv != "fp8_e4m3" and rows <= 32)
                 assert ctas_per_sm(want, auto) == (2 if want == "fp8reg" else 1)
                 # forced kernels stay forced at every step
                 assert partial_kernel_for(p, CuteDslOptions(mma="mma_sync"), lens) == "mma_sync"
@@ -370,19 +517,23 @@ def test_auto_picks_wgmma_t_for_a_16_bit_cache_at_17_to_32_rows_from_640_kv_bloc
                     assert partial_kernel_for(p, CuteDslOptions(mma="wgmma_t", split_kv="even"), lens) == "wgmma_t"
                 # split_kv=even: auto keeps the mma.sync even kernel (the rule is for the balanced modes)
                 off = ("fp8reg" if kv == "fp8_e4m3" else "mma_sync") if rows <= 32 else "seesaw"
-                assert partial_kernel_for(p, CuteDslOptions(split_kv="even"), lens) == off
-                # two CTAs per SM set by hand: wgmma_t holds one, auto keeps mma.sync; one set by hand: as auto
+                assert partial_kernel_for(p, CuteDslOptions(split_kv="even", seesaw_split="even"), lens) == off
+                # two CTAs per SM set by hand: wgmma_t holds one, auto keeps mma.sync (whatever seesaw_split says:
+                # the balanced seesaw holds one too); one set by hand: as auto
                 assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=2), lens) == off
-                assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=1), lens) == want
+                assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=2, seesaw_split="even"), lens) == off
+                assert partial_kernel_for(p, CuteDslOptions(ctas_per_sm=1, seesaw_split="even"), lens) == want
             # without lengths (a shape class, a problem): the answer below the threshold
             assert partial_kernel(p, auto) == (("fp8reg" if kv == "fp8_e4m3" else "mma_sync") if rows <= 32
                                                else "seesaw")
 
 
 def test_kernel_summary_and_explain_name_the_kv_block_rule():
+    """The summary names the KV-block rule (seesaw_split=even since 0.2.23) with its threshold and side, and
+    nowhere it does not apply; the notes and the option descriptions say where it runs."""
     from mla_cute_dsl.backend import kernel_summary
 
-    auto = CuteDslOptions()
+    auto = EVEN_SEESAW
     p = prob(num_heads=16, seq_len_q=2, batch_size=10)
     assert kernel_summary(p, auto, 640) == (
         "wgmma_t kernel, balanced split-KV (split_kv=balanced: per step the balanced or the even plan, whichever "
@@ -399,11 +550,16 @@ def test_kernel_summary_and_explain_name_the_kv_block_rule():
             "ceil(kv_len/64) over the step's requests), the wgmma_t kernel from 640 (the same schedule buffers: "
             "graph-safe)")
         assert kernel_summary(shape_or_problem, auto).startswith("mma_sync kernel, balanced split-KV")
-    # no rule where it does not apply: forced kernels, split_kv=even, ctas_per_sm=2, fp8, 16 and 33 rows
+    # no rule where it does not apply: forced kernels, split_kv=even, ctas_per_sm=2, fp8, 16 and 33 rows, and the
+    # default seesaw_split=balanced (the balanced seesaw at 17-32 rows at every step since 0.2.23)
     assert kernel_summary(p, CuteDslOptions(mma="mma_sync"), 5000).startswith("mma_sync kernel, balanced")
     assert "mma=auto" not in kernel_summary(p, CuteDslOptions(mma="mma_sync"), 5000)
     assert kernel_summary(p, CuteDslOptions(mma="wgmma_t"), 5).startswith("wgmma_t kernel, balanced")
-    assert kernel_summary(p, CuteDslOptions(split_kv="even"), 5000) == "mma_sync kernel, even split-KV"
+    assert kernel_summary(p, CuteDslOptions(split_kv="even", seesaw_split="even"), 5000) == (
+        "mma_sync kernel, even split-KV")
+    for blocks in (None, 639, 5000):
+        default = kernel_summary(p, CuteDslOptions(), blocks)
+        assert default.startswith("seesaw kernel, balanced split-KV") and "mma=auto" not in default
     assert "mma=auto" not in kernel_summary(p, CuteDslOptions(ctas_per_sm=2), 5000)
     assert "mma=auto" not in kernel_summary(prob(num_heads=16), auto, 5000)
     assert "mma=auto" not in kernel_summary(prob(num_heads=33), auto, 5000)
@@ -413,10 +569,12 @@ def test_kernel_summary_and_explain_name_the_kv_block_rule():
     # `mla backends list` prints the notes: the graph caveat; the rule with its threshold is in the option's
     # description (`mla backends options`)
     notes = CuteDslBackend().info().notes
-    assert any("17-32 rows" in n and "CUDA graph" in n and "representative lengths" in n for n in notes)
+    assert any("seesaw_split=even" in n and "17-32 rows" in n and "CUDA graph" in n and "representative lengths" in n
+               for n in notes)
     assert not any("batch size is >=" in n for n in notes)
     desc = CuteDslOptions.model_fields["mma"].description
     assert "wgmma_t for a bf16/fp16 cache at 17-32 rows when the step has >= 640 KV blocks" in desc
+    assert "with seesaw_split=even or ctas_per_sm=2 at 17-32 rows 0.2.22's rules" in desc
     assert "ceil(kv_len/64)" in desc and "CUDA graph" in desc
     assert "KV-block rule" in CuteDslOptions.model_fields["split_kv"].description
 
@@ -435,7 +593,8 @@ def _rule_session(monkeypatch, options=None, heads=16):
 
 
 def test_a_session_picks_the_kernel_per_plan_by_kv_blocks_on_the_same_buffers(monkeypatch):
-    """Plans of one batch size (64, H16 s_q2: 32 rows, bf16) at 639 and 640 blocks (uniform, at a block edge,
+    """With seesaw_split=even (where the rule applies since 0.2.23), plans of one batch size (64, H16 s_q2: 32
+    rows, bf16) at 639 and 640 blocks (uniform, at a block edge,
     spread: the hybrid's even and balanced forms) run mma.sync or wgmma_t by blocks (the Planned's kernel and
     run_fn), every plan on the one schedule, workspace and lse scratch of s_q=2 (made once for one CTA per SM,
     then filled in place), each schedule equal to make_schedule's own for those lengths (so it does not depend
@@ -443,7 +602,7 @@ def test_a_session_picks_the_kernel_per_plan_by_kv_blocks_on_the_same_buffers(mo
     Both partial kernels are built at the first plan, whichever side it is on."""
     from mlacore import StepInputs
 
-    session, rec = _rule_session(monkeypatch)
+    session, rec = _rule_session(monkeypatch, EVEN_SEESAW)
     table = torch.zeros(64, 64, dtype=torch.int32)
     problem = prob(num_heads=16, seq_len_q=2, batch_size=64, return_lse=False)
     steps = [(_lens([10] * 64, last=576), "mma_sync"), (_lens([10] * 64), "wgmma_t"),
@@ -476,13 +635,15 @@ def test_a_session_picks_the_kernel_per_plan_by_kv_blocks_on_the_same_buffers(mo
 
 @pytest.mark.parametrize("options,heads,s_q,kernel", [
     ({"mma": "mma_sync"}, 16, 2, "mma_sync"), ({"mma": "wgmma_t"}, 16, 2, "wgmma_t"),
-    ({"split_kv": "even"}, 16, 2, "mma_sync"), ({"ctas_per_sm": 2}, 16, 2, "mma_sync"),
-    ({}, 16, 1, "mma_sync"), ({}, 33, 1, "seesaw"), ({"ctas_per_sm": 1}, 3, 8, None),
+    ({"split_kv": "even", "seesaw_split": "even"}, 16, 2, "mma_sync"), ({"ctas_per_sm": 2}, 16, 2, "mma_sync"),
+    ({}, 16, 1, "mma_sync"), ({}, 33, 1, "seesaw"), ({}, 16, 2, "seesaw"), ({}, 3, 8, "seesaw"),
+    ({"ctas_per_sm": 1, "seesaw_split": "even"}, 3, 8, None),
 ])
 def test_options_and_shapes_that_disable_the_rule_keep_one_kernel_and_build_nothing_extra(
         monkeypatch, options, heads, s_q, kernel):
-    """Forced kernels, split_kv=even, two CTAs per SM, 16 and 33 rows: the same kernel at 639 and 640 blocks and
-    no second partial built at plan; ctas_per_sm=1 set by hand keeps the rule (kernel None: by blocks)."""
+    """Forced kernels, split_kv=even, two CTAs per SM, 16 and 33 rows, and the defaults at 17-32 rows (the
+    balanced seesaw since 0.2.23): the same kernel at 639 and 640 blocks and no second partial built at plan;
+    ctas_per_sm=1 set by hand with seesaw_split=even keeps the rule (kernel None: by blocks)."""
     from mlacore import StepInputs
 
     session, rec = _rule_session(monkeypatch, CuteDslOptions(**options), heads=heads)
@@ -496,18 +657,25 @@ def test_options_and_shapes_that_disable_the_rule_keep_one_kernel_and_build_noth
 
 
 def test_an_fp8_cache_never_runs_wgmma_t_under_auto(monkeypatch):
+    """An fp8 cache on a step of 8192 KV blocks (far above the rule's 640): fp8reg up to 32 rows with
+    seesaw_split=even (where the KV-block rule runs for a 16-bit cache), the balanced seesaw at 17-32 rows with the
+    defaults (0.2.23), fp8reg at 16; never wgmma_t."""
     from mla_cute_dsl.backend import partial_kernel_for
     from mlacore import StepInputs
 
     table = torch.zeros(128, 64, dtype=torch.int32)
     lens = _lens([64] * 128)
     for heads, s_q in ((16, 2), (3, 8), (17, 1), (16, 1)):
-        session = _cpu_session(monkeypatch, CuteDslOptions(), heads=heads, kv_dtype="fp8_e4m3")
         problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=128, kv_dtype="fp8_e4m3")
+        session = _cpu_session(monkeypatch, EVEN_SEESAW, heads=heads, kv_dtype="fp8_e4m3")
         planned = session.plan(problem, StepInputs(lens, table, lens, table))
         assert planned.kernel == "fp8reg" and not planned.balanced
         assert planned.run_fn.__name__ == "mla_decode_sm90_fp8"
-        assert partial_kernel_for(problem, CuteDslOptions(), lens) == "fp8reg"
+        assert partial_kernel_for(problem, EVEN_SEESAW, lens) == "fp8reg"
+        default = _cpu_session(monkeypatch, CuteDslOptions(), heads=heads, kv_dtype="fp8_e4m3").plan(
+            problem, StepInputs(lens, table, lens, table))
+        assert default.kernel == ("fp8reg" if heads * s_q <= 16 else "seesaw")
+        assert partial_kernel_for(problem, CuteDslOptions(), lens) == default.kernel
 
 
 # -- option split_kv: the balanced split-KV kernel with the hybrid plan --------------------------------------
@@ -794,13 +962,14 @@ def test_option_pdl_takes_auto_or_a_bool_with_one_message():
                                                    ("auto", 3, 8, 1), (2, 16, 2, 2), (1, 16, 1, 1), (4, 5, 1, 4)])
 def test_option_s_accs_reaches_the_fp8reg_entry(monkeypatch, s_accs, heads, s_q, want):
     """Option s_accs (auto: 4 up to 16 packed rows, 1 above) reaches the fp8reg host entry the plan runs as a
-    keyword (none for 1, the entry's default: 0.2.8's kernel and cache key); shapes on other kernels ignore it."""
+    keyword (none for 1, the entry's default: 0.2.8's kernel and cache key); shapes on other kernels ignore it.
+    seesaw_split=even keeps fp8reg at 17-32 rows (the default gives the balanced seesaw there since 0.2.23)."""
     from mla_cute_dsl import backend as be
     from mlacore import StepInputs
 
     table = torch.zeros(4, 64, dtype=torch.int32)
     lens = torch.tensor([3000, 17, 0, 4096], dtype=torch.int32)
-    opts = CuteDslOptions(s_accs=s_accs)
+    opts = CuteDslOptions(s_accs=s_accs, seesaw_split="even")
     problem = prob(num_heads=heads, seq_len_q=s_q, batch_size=4, kv_dtype="fp8_e4m3")
     planned = _cpu_session(monkeypatch, opts, heads=heads, kv_dtype="fp8_e4m3").plan(
         problem, StepInputs(lens, table, lens, table))
@@ -824,8 +993,8 @@ def test_option_s_accs_is_validated():
     ("cp_async", 128, 2, "bf16", False, False), ("cp_async", 128, 1, "bf16", False, True),
     ("auto", 128, 2, "fp8_e4m3", False, False), ("tma", 128, 2, "fp8_e4m3", False, False)])
 def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, kv, want, qpf):
-    """Option loads (auto with the balanced seesaw, the default: TMA from 33 packed rows, every row count
-    mma=auto gives it; fp8 caches always load through registers)
+    """Option loads (auto with the balanced seesaw, the default: TMA from 17 packed rows, every row count
+    mma=auto gives it since 0.2.23; fp8 caches always load through registers)
     reaches the seesaw host entry the plan runs as tma=True (no keyword for cp.async: the entry's default kernel),
     the plan's log line names it, and a shape on another kernel ignores it. (Option q_prefetch, unset by default:
     auto, adds q_prefetch=True with a 16-bit cache up to 128 packed rows, whatever loads says; an fp8 cache ignores
@@ -864,7 +1033,7 @@ def test_option_loads_reaches_the_seesaw_entry(monkeypatch, loads, heads, s_q, k
             "whichever is predicted >= 10% faster)")
     wg1of_text = ", warpgroup 1's QK waits the other warpgroup's part of its tile first (wg1_other_first)"
     if kv == "bf16":
-        loads_text = {"auto": "TMA KV loads (loads=auto: TMA from 33 rows)", "tma": "TMA KV loads (loads=tma)",
+        loads_text = {"auto": "TMA KV loads (loads=auto: TMA from 17 rows)", "tma": "TMA KV loads (loads=tma)",
                       "cp_async": "cp.async KV loads (loads=cp_async)"}[loads]
         assert summary == (head + ", lazy softmax rescale (rescale=lazy), " + loads_text
                            + (", a producer warpgroup issues the KV tiles and each item's Q by TMA ahead of the math "
@@ -939,14 +1108,15 @@ def test_option_loads_is_validated():
     with pytest.raises(ValueError, match="loads"):
         CuteDslOptions(loads="bulk")
     assert CuteDslOptions().loads == "auto" and be.SEESAW_TMA_MIN_ROWS == 256
-    assert be.SEESAW_BALANCED_TMA_MIN_ROWS == be.SEESAW_MIN_ROWS == 33  # 0.2.17: every row count auto gives it
-    # the balanced seesaw loads by TMA under auto from 33 rows (auto's seesaw rows), cp.async when asked for;
-    # mma=seesaw forced at 32 rows keeps cp.async
-    for heads, s_q in ((64, 1), (16, 3), (33, 1), (64, 2)):
+    # 0.2.23: every row count auto gives the balanced seesaw (from 17), the even split's floor unchanged
+    assert be.SEESAW_BALANCED_TMA_MIN_ROWS == be.SEESAW_FEW_ROWS_MIN == 17 and be.SEESAW_MIN_ROWS == 33
+    # the balanced seesaw loads by TMA under auto from 17 rows (auto's seesaw rows), cp.async when asked for;
+    # mma=seesaw forced at 16 rows keeps cp.async
+    for heads, s_q in ((64, 1), (16, 3), (33, 1), (64, 2), (32, 1), (16, 2), (17, 1)):
         shape = prob(num_heads=heads, seq_len_q=s_q)
         assert be.balanced_split(shape, CuteDslOptions()) and be.seesaw_tma(shape, CuteDslOptions())
         assert not be.seesaw_tma(shape, CuteDslOptions(loads="cp_async"))
-    shape = prob(num_heads=32, seq_len_q=1)
+    shape = prob(num_heads=16, seq_len_q=1)
     assert be.balanced_split(shape, CuteDslOptions(mma="seesaw"))
     assert not be.seesaw_tma(shape, CuteDslOptions(mma="seesaw"))
     assert be.seesaw_tma(shape, CuteDslOptions(mma="seesaw", loads="tma"))
@@ -956,21 +1126,23 @@ def test_option_loads_is_validated():
 def test_option_stores_reaches_the_schedule_and_the_prebuilt_partials(monkeypatch, stores, want):
     """Option stores (auto: wide) reaches the schedule plan returns (Schedule.wide_store, read by the
     host entries' kernel getters) on the first plan and on a re-plan into the same buffers, and the balanced
-    mma.sync partial a bf16 session prebuilds at 17-32 rows is the one built for it."""
+    mma.sync partial a bf16 session prebuilds at 17-32 rows for the KV-block rule (seesaw_split=even since
+    0.2.23) is the one built for it."""
     import types
 
     from mla_cute_dsl import backend as be
     from mlacore import StepInputs
 
     rec = types.SimpleNamespace(made=[], filled=[], partials=[])
-    session = _cpu_session(monkeypatch, CuteDslOptions(stores=stores), rec=rec)
+    options = CuteDslOptions(stores=stores, seesaw_split="even")
+    session = _cpu_session(monkeypatch, options, rec=rec)
     lens = torch.tensor([4096, 100], dtype=torch.int32)
     table = torch.zeros(2, 64, dtype=torch.int32)
     problem = prob(num_heads=16, seq_len_q=2, batch_size=2)
     first = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
     again = session.plan(problem, StepInputs(lens, table, lens, table)).schedule
     assert first is again and again.wide_store is want
-    assert be.wide_stores(problem, CuteDslOptions(stores=stores)) is want
+    assert be.wide_stores(problem, options) is want
     assert [k.get("wide_store") for name, _, k in rec.partials if name == "mma_sync"] == [want]
     assert CuteDslOptions().stores == "auto"
 

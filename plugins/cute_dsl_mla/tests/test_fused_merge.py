@@ -257,15 +257,21 @@ def test_backend_option_combine_fused_shape_rules():
     # H=16 s_q=1 (the B=64 S=8192 target): every step merges in the balanced mma.sync kernel
     assert fused_merges(_problem(), fused) and combine_variants(_problem(), fused) == []
     auto3 = combine_variants(_problem(), CuteDslOptions())
-    # 17-32 rows with mma=auto: steps of >= 640 KV blocks run wgmma_t, which falls back to auto's combines
+    # 17-32 rows with mma=auto and seesaw_split=even (0.2.22's kernels there): steps of >= 640 KV blocks run
+    # wgmma_t, which falls back to auto's combines
+    fused_even = CuteDslOptions(combine="fused", seesaw_split="even")
+    assert not fused_merges(_problem(s_q=2), fused_even) and combine_variants(_problem(s_q=2), fused_even) == auto3
+    # ... and with the defaults the balanced seesaw (0.2.23), which does too
     assert not fused_merges(_problem(s_q=2), fused) and combine_variants(_problem(s_q=2), fused) == auto3
     forced = CuteDslOptions(combine="fused", mma="mma_sync")
     assert fused_merges(_problem(s_q=2), forced) and combine_variants(_problem(s_q=2), forced) == []
     for p, o in ((_problem(kv="fp8_e4m3"), fused), (_problem(heads=64), fused),
                  (_problem(kv="fp8_e4m3"), CuteDslOptions(combine="fused", mma="mma_sync"))):
         assert not fused_merges(p, o) and combine_variants(p, o) == auto3
-    even = CuteDslOptions(combine="fused", split_kv="even")  # the even entry merges too, at 17-32 rows as well
+    # the even entry merges too, at 17-32 rows as well (where auto runs it: seesaw_split=even)
+    even = CuteDslOptions(combine="fused", split_kv="even", seesaw_split="even")
     assert fused_merges(_problem(), even) and fused_merges(_problem(s_q=2), even)
+    assert not fused_merges(_problem(s_q=2), CuteDslOptions(combine="fused", split_kv="even"))  # the seesaw
     with pytest.raises(ValueError):
         CuteDslOptions(combine="merge")
 
@@ -276,8 +282,9 @@ def test_backend_option_combine_fused_shape_rules():
 ])
 def test_session_with_combine_fused(monkeypatch, s_q, mma, want_combines, want_fused):
     """The option reaches the schedule plan writes (first plan and re-plan in place); the session builds no combine
-    kernel where every step merges in the partial kernel, auto's three where mma=auto may pick wgmma_t; the
-    balanced mma.sync partial prebuilt for the KV-block rule is the fused one."""
+    kernel where every step merges in the partial kernel, auto's three where mma=auto may pick wgmma_t (at 17-32
+    rows with seesaw_split=even, where auto keeps 0.2.22's kernels since 0.2.23); the balanced mma.sync partial
+    prebuilt for the KV-block rule is the fused one."""
     import types as _t
 
     from mla_cute_dsl.backend import CuteDslBackend, CuteDslOptions
@@ -298,7 +305,7 @@ def test_session_with_combine_fused(monkeypatch, s_q, mma, want_combines, want_f
     config = SessionConfig(num_heads=16, page_size=64, q_dtype="bf16", kv_dtype="bf16", out_dtype="bf16",
                            kv_lora_rank=512, qk_rope_head_dim=64, causal=True, return_lse=True, sm_scale=0.1,
                            kv_scale=1.0, q_scale=1.0, device=DeviceSpec(type="cuda", capability=(9, 0)))
-    session = CuteDslBackend().open(config, CuteDslOptions(combine="fused", mma=mma))
+    session = CuteDslBackend().open(config, CuteDslOptions(combine="fused", mma=mma, seesaw_split="even"))
     lens = torch.tensor([4096, 100], dtype=torch.int32)
     table = torch.zeros(2, 64, dtype=torch.int32)
     first = session.plan(_problem(s_q=s_q), StepInputs(lens, table, lens, table))

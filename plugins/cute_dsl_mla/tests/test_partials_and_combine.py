@@ -91,13 +91,16 @@ def _cpu_session(monkeypatch, options, kv_dtype="bf16", q_dtype="bf16", heads=16
     ("q", "bf16", "fp8_e4m3", torch.bfloat16),
 ])
 def test_session_allocates_and_prebuilds_for_the_partials_option(monkeypatch, partials, q_dtype, kv_dtype, want):
+    """At 32 rows with seesaw_split=even (0.2.22's kernels there: fp8reg, or mma.sync / wgmma_t by the step's KV
+    blocks; the default balanced seesaw since 0.2.23 prebuilds no partial kernel) the workspace, the combines and
+    both balanced partials the KV-block rule needs are built for the option's partial dtype."""
     from mlacore import StepInputs
     from mlacore.problem import DecodeProblem
 
     from mla_cute_dsl.backend import CuteDslOptions
 
-    session, built = _cpu_session(monkeypatch, CuteDslOptions(partials=partials), kv_dtype=kv_dtype,
-                                  q_dtype=q_dtype)
+    session, built = _cpu_session(monkeypatch, CuteDslOptions(partials=partials, seesaw_split="even"),
+                                  kv_dtype=kv_dtype, q_dtype=q_dtype)
     lens = torch.tensor([4096, 700], dtype=torch.int32)
     table = torch.zeros(2, 64, dtype=torch.int32)
     problem = DecodeProblem(num_heads=16, seq_len_q=2, batch_size=2, max_kv_len=4096, min_kv_len=700, page_size=64,
@@ -126,11 +129,11 @@ def test_backend_option_partials_is_validated():
 
 @pytest.mark.parametrize("heads, s_q, kv, mma, partials, want", [
     (16, 1, "fp8_e4m3", "auto", "auto", "bf16"),  # fp8reg
-    (16, 2, "fp8_e4m3", "auto", "auto", "bf16"),  # fp8reg, 32 rows
+    (16, 2, "fp8_e4m3", "auto", "auto", "bf16"),  # 32 rows: the balanced seesaw (0.2.23; fp8reg before)
     (16, 2, "fp8_e4m3", "wgmma_t", "auto", "bf16"),  # forced away from fp8reg
     (128, 1, "fp8_e4m3", "auto", "auto", "bf16"),  # seesaw
     (64, 1, "fp8_e4m3", "auto", "auto", "bf16"),  # seesaw (wgmma up to 0.2.15)
-    (16, 2, "bf16", "auto", "auto", "bf16"),  # mma.sync / wgmma_t balanced
+    (16, 2, "bf16", "auto", "auto", "bf16"),  # the balanced seesaw (0.2.23; mma.sync / wgmma_t before)
     (16, 2, "bf16", "auto", "fp32", "fp32"),
     (16, 2, "bf16", "auto", "q", "bf16"),
     (128, 1, "fp8_e4m3", "auto", "q", "bf16"),

@@ -63,8 +63,8 @@ def test_seesaw_split_even_keeps_the_even_routing(monkeypatch, heads, s_q):
                                                      (126, 2, "auto", True, False), (128, 1, "cp_async", False, True),
                                                      (64, 4, "auto", True, False)])
 def test_seesaw_split_balanced_plans_the_hybrid_into_fixed_buffers(monkeypatch, heads, s_q, loads, tma, qpf):
-    """seesaw_split=balanced: the balanced seesaw entry (tma as option loads decides: auto takes TMA from 33 rows,
-    every row count mma=auto gives the balanced seesaw, since 0.2.14), a balanced schedule for
+    """seesaw_split=balanced: the balanced seesaw entry (tma as option loads decides: auto takes TMA at every row
+    count mma=auto gives the balanced seesaw, since 0.2.14; from 17 rows since 0.2.23), a balanced schedule for
     one CTA per SM with num_cols = 132 // m-blocks, its form following the lengths (uniform 4096: balanced at B=40,
     where the even plan's second wave is 1.5x the balanced columns; even at B=32, one wave), re-planned in place
     (the buffers a captured graph reads stay), equal to make_schedule's own answer. Option q_prefetch (unset by
@@ -162,12 +162,13 @@ def test_kernel_summary_run_function_and_notes():
     bal = CuteDslOptions(seesaw_split="balanced")
     assert be.kernel_summary(prob(num_heads=128), bal).startswith(
         "seesaw kernel, balanced split-KV (seesaw_split=balanced: per step the balanced or the even plan")
-    # tma_producer unset (auto): on wherever the balanced seesaw loads by TMA (from 33 rows under loads=auto), and
-    # q_prefetch then does not run, whatever it says; with tma_producer=False q_prefetch's own rule (auto: on up to
-    # 128 packed rows) applies again
+    # tma_producer unset (auto): on wherever the balanced seesaw loads by TMA (from 17 rows under loads=auto since
+    # 0.2.23, every row count mma=auto gives it), and q_prefetch then does not run, whatever it says; with
+    # tma_producer=False q_prefetch's own rule (auto: on up to 128 packed rows) applies again
     # (wg1_other_first unset: auto, on from 256 packed rows with a 16-bit cache: H=128 s_q=2 here)
-    tma = "TMA KV loads (loads=auto: TMA from 33 rows)"
-    for shape in (prob(num_heads=128, seq_len_q=2), prob(num_heads=128), prob(num_heads=16, seq_len_q=3)):
+    tma = "TMA KV loads (loads=auto: TMA from 17 rows)"
+    for shape in (prob(num_heads=128, seq_len_q=2), prob(num_heads=128), prob(num_heads=16, seq_len_q=3),
+                  prob(num_heads=16, seq_len_q=2), prob(num_heads=17)):
         w = WG1OF if shape.seq_len_q * shape.num_heads >= 256 else ""
         assert be.kernel_summary(shape, bal).endswith(tma + TMAP + w)
         assert be.kernel_summary(shape, CuteDslOptions(q_prefetch=True)).endswith(

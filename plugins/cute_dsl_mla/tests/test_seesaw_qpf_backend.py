@@ -74,7 +74,7 @@ def test_off_keeps_the_plan_keywords_of_before(monkeypatch):
 
 
 # the summary's tail for the balanced 16-bit seesaw under loads=auto, without and with q_prefetch
-LOADS = "lazy softmax rescale (rescale=lazy), TMA KV loads (loads=auto: TMA from 33 rows)"
+LOADS = "lazy softmax rescale (rescale=lazy), TMA KV loads (loads=auto: TMA from 17 rows)"
 QPF = ", the next work item's Q and KV tiles 0/1 issued during the current one (q_prefetch)"
 
 
@@ -82,6 +82,8 @@ QPF = ", the next work item's Q and KV tiles 0/1 issued during the current one (
     # auto (unset, the default): on up to 128 packed rows ...
     (None, 128, 1, True), (None, 64, 2, True), (None, 32, 4, True), (None, 16, 8, True), (None, 126, 1, True),
     (None, 16, 3, True),
+    # (and at 17-32 rows, where auto gives the balanced seesaw since 0.2.23)
+    (None, 16, 2, True), (None, 17, 1, True),
     # ... off from 129
     (None, 43, 3, False), (None, 128, 2, False), (None, 64, 3, False), (None, 64, 4, False), (None, 126, 2, False),
     # True / False force it either way
