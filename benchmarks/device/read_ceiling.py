@@ -50,7 +50,9 @@ def _read_persistent(x_ptr, out_ptr, n_words, n_tiles, BLOCK: tl.constexpr):
 
 
 def time_graph(fn, launches: int, reps: int) -> float:
-    """Median microseconds per launch over `reps` replays of a graph holding `launches` calls of fn."""
+    """Median microseconds per launch over `reps` replays of a graph holding `launches` calls of fn. Its own timer
+    (bench_kernel.py's is the same loop) because this script runs on the device image's python without the
+    project or the devpack."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
