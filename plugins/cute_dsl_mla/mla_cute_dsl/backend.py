@@ -435,9 +435,8 @@ def shape_reasons(shape: DecodeShape) -> List[str]:
 def wgmma_reasons(shape: DecodeShape, options: CuteDslOptions) -> List[str]:
     """Why a WGMMA kernel (options.mma wgmma or seesaw: 64-row tiles) cannot take a shape the mma.sync kernels
     take (empty: it can). mma=seesaw takes 1-32 rows too when forced (0.2.22): it pads its 64-row tile inside (as
-    it does for the last m-block of H=63 or H=126), there to be measured against the 16/32-row kernels (auto does
-    not pick it there), and only in its balanced split, the mode run on a GPU at these rows; mma=wgmma, the one-S
-    kernel, keeps its floor of 33 rows."""
+    it does for the last m-block of H=63 or H=126; auto gives it from 17 rows since 0.2.23), only in its balanced
+    split, the mode run on a GPU at these rows; mma=wgmma, the one-S kernel, keeps its floor of 33 rows."""
     rows = shape.seq_len_q * shape.num_heads
     if rows > 32:
         return []
@@ -470,13 +469,23 @@ def wgmma_t_reasons(shape: DecodeShape) -> List[str]:
     return []
 
 
+def seesaw_runs_balanced(shape: DecodeShape, options: CuteDslOptions) -> bool:
+    """Whether the seesaw kernel, where it runs this shape class, runs its balanced mode: seesaw_split=balanced and
+    ctas_per_sm auto or 1 (one seesaw CTA fills an SM, 222 KB of shared memory: the balanced grid's columns must
+    all run at once, which the hybrid's cost model assumes, so ctas_per_sm=2 keeps the even kernel), and for an
+    fp8 cache FP8_SEESAW_BALANCED (read at call time)."""
+    if shape.kv_dtype == "fp8_e4m3" and not FP8_SEESAW_BALANCED:
+        return False
+    return options.seesaw_split == "balanced" and options.ctas_per_sm in ("auto", 1)
+
+
 def seesaw_few_rows_auto(shape: DecodeShape, options: CuteDslOptions) -> bool:
     """Whether mma=auto gives this shape class the balanced seesaw below SEESAW_MIN_ROWS (0.2.23): 17-32 packed
-    rows, any cache, seesaw_split=balanced and ctas_per_sm auto or 1 (the only split the seesaw runs at <= 32 rows:
+    rows, any cache, where the seesaw runs balanced (seesaw_runs_balanced: the only mode it runs at <= 32 rows,
     wgmma_reasons). Shape class and options only, so a session's graphs keep one kernel."""
     rows = shape.seq_len_q * shape.num_heads
     return (options.mma == "auto" and SEESAW_FEW_ROWS_MIN <= rows < SEESAW_MIN_ROWS
-            and options.seesaw_split == "balanced" and options.ctas_per_sm in ("auto", 1))
+            and seesaw_runs_balanced(shape, options))
 
 
 def _wgmma_t_auto(shape: DecodeShape, options: CuteDslOptions) -> bool:
@@ -507,8 +516,8 @@ def partial_kernel(shape: DecodeShape, options: CuteDslOptions,
     """Which sm_90 partial kernel runs this shape (forced values the shape refuses are refused in can_implement).
 
     mma=auto depends on the step in one case only (a bf16/fp16 cache at 17-32 rows with seesaw_split=even,
-    split_kv=balanced, ctas_per_sm auto/1): wgmma_t when the step has `kv_blocks` >= WGMMA_T_AUTO_MIN_BLOCKS (step_kv_blocks),
-    mma.sync below. Without `kv_blocks` (a caller with a shape class or a problem and no lengths) the answer is
+    split_kv=balanced, ctas_per_sm auto/1): wgmma_t when the step has `kv_blocks` >= WGMMA_T_AUTO_MIN_BLOCKS
+    (step_kv_blocks), mma.sync below. Without `kv_blocks` (a caller with a shape class or a problem and no lengths) the answer is
     the one below the threshold: mma_sync there. Plans use partial_kernel_for, which counts the step's blocks."""
     if options.mma != "auto":
         return options.mma
@@ -568,13 +577,9 @@ def balanced_split(shape: DecodeShape, options: CuteDslOptions) -> bool:
     default) runs its balanced mode with seesaw_split=balanced (the default since 0.2.13; split_kv does not
     reach it)."""
     kernel = partial_kernel(shape, options)
-    if shape.kv_dtype == "fp8_e4m3" and not (FP8_SEESAW_BALANCED and kernel == SEESAW_BALANCED_KERNEL):
-        return False  # FP8_SEESAW_BALANCED: the seesaw's balanced mode takes an fp8 cache too (same rule below)
     if kernel == SEESAW_BALANCED_KERNEL:
-        # one seesaw CTA fits an SM (222 KB of shared memory): the balanced grid's columns must all run at once
-        # (the hybrid's cost model assumes it), so ctas_per_sm=2 keeps the even kernel
-        return options.seesaw_split == "balanced" and options.ctas_per_sm in ("auto", 1)
-    return options.split_kv == "balanced" and kernel in BALANCED_KERNELS
+        return seesaw_runs_balanced(shape, options)
+    return shape.kv_dtype != "fp8_e4m3" and options.split_kv == "balanced" and kernel in BALANCED_KERNELS
 
 
 def seesaw_fp8_producer(shape: DecodeShape, options: CuteDslOptions) -> bool:

@@ -255,6 +255,11 @@ def test_fp8_seesaw_balanced_flag_routes_plan_summary_and_run(monkeypatch, flag)
                  CuteDslOptions(mma="fp8reg")):
         assert not be.balanced_split(prob(num_heads=16, kv_dtype="fp8_e4m3"), opts)
     assert be.balanced_split(prob(num_heads=128), CuteDslOptions())  # 16-bit caches: unchanged
+    # 17-32 rows (0.2.23): auto gives an fp8 cache the seesaw only where it runs balanced, else fp8reg as before
+    fp8_32 = prob(num_heads=16, seq_len_q=2, kv_dtype="fp8_e4m3")
+    assert be.partial_kernel(fp8_32, CuteDslOptions()) == ("seesaw" if flag else "fp8reg")
+    assert be.balanced_split(fp8_32, CuteDslOptions()) is flag
+    assert be.partial_kernel(prob(num_heads=16, seq_len_q=2), CuteDslOptions()) == "seesaw"
     assert not be.seesaw_tma(fp8, CuteDslOptions()) and not be.seesaw_tma(fp8, CuteDslOptions(loads="tma"))
     summary = be.kernel_summary(fp8, CuteDslOptions())
     if flag:
